@@ -1,0 +1,32 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   create .venv, install functopk with its extras, run the main example
+#   make test   create .venv, install, run the whole test suite
+# The venv is built once; later runs reuse it (the stamp is rebuilt only when
+# pyproject.toml or the pins change).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.functopk-installed
+PYTEST_ARGS ?=
+
+.PHONY: all test test-fast demo bench clean
+
+all: test
+
+$(STAMP): pyproject.toml requirements/pins.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/pins.txt -e '.[test,examples]'
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,87 @@
+"""functopk: functional, optax-style gradient transformations for PyTorch with fast global top-k.
+
+Example:
+    >>> import torch, functopk as ft
+    >>> tx = ft.chain(ft.topk(1000), ft.sgd(0.1))
+"""
+
+from functopk import nn
+from functopk.alias import sgd
+from functopk.base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    Schedule,
+    ScalarOrSchedule,
+    TransformInitFn,
+    TransformUpdateFn,
+    Updates,
+    identity,
+    stateless,
+)
+from functopk.combine import chain, named_chain
+from functopk.sparsify import k_from_density, topk, topk_mask, topk_sparsify
+from functopk.transforms import (
+    ScaleByScheduleState,
+    TraceState,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+    trace,
+)
+from functopk.tree import (
+    FlatLayout,
+    PyTree,
+    check_same_structure,
+    ravel_pytree,
+    tree_add,
+    tree_add_scaled,
+    tree_leaves,
+    tree_map,
+    tree_scale,
+    tree_zeros_like,
+)
+from functopk.update import apply_updates, apply_updates_
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EmptyState",
+    "FlatLayout",
+    "GradientTransformation",
+    "OptState",
+    "Params",
+    "PyTree",
+    "ScalarOrSchedule",
+    "ScaleByScheduleState",
+    "Schedule",
+    "TraceState",
+    "TransformInitFn",
+    "TransformUpdateFn",
+    "Updates",
+    "apply_updates",
+    "apply_updates_",
+    "chain",
+    "check_same_structure",
+    "identity",
+    "k_from_density",
+    "named_chain",
+    "nn",
+    "ravel_pytree",
+    "scale",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+    "sgd",
+    "stateless",
+    "topk",
+    "topk_mask",
+    "topk_sparsify",
+    "trace",
+    "tree_add",
+    "tree_add_scaled",
+    "tree_leaves",
+    "tree_map",
+    "tree_scale",
+    "tree_zeros_like",
+]

@@ -1,0 +1,110 @@
+"""FlatLayout, ravel/unravel and the foreach tree maths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functopk as ft
+from tests.conftest import assert_tree_bitwise_equal, clone_tree
+from tests.test_sparsify import trees_st
+
+
+@given(trees_st())
+def test_ravel_unravel_roundtrip(tree):
+    layout = ft.FlatLayout.from_tree(tree)
+    leaves = ft.tree_leaves(tree)
+    assert layout.numel == sum(x.numel() for x in leaves)
+    assert layout.num_leaves == len(leaves)
+    assert layout.offsets[0] == 0 and layout.offsets[-1] == layout.numel
+    flat = layout.ravel(tree)
+    assert flat.dim() == 1 and flat.dtype == layout.common_dtype
+    # the flat vector is the leaves concatenated in optree order
+    expected = [x.reshape(-1).to(layout.common_dtype) for x in leaves]
+    assert torch.equal(flat, torch.cat(expected)) if expected else flat.numel() == 0
+    # every leaf type is exactly representable in the common dtype, so the round trip is exact
+    assert_tree_bitwise_equal(layout.unravel(flat), tree)
+
+
+def test_layout_records_structure_shapes_dtypes():
+    tree = {"w": torch.zeros(2, 3), "b": torch.zeros((), dtype=torch.float64), "frozen": None, "t": (torch.zeros(0),)}
+    layout = ft.FlatLayout.from_tree(tree)
+    assert layout.shapes == (torch.Size([]), torch.Size([0]), torch.Size([2, 3]))
+    assert layout.numels == (1, 0, 6)  # sorted keys: b, t, w ("frozen" is None: no leaf)
+    assert layout.offsets == (0, 1, 1, 7)
+    assert layout.dtypes == (torch.float64, torch.float32, torch.float32)
+    assert layout.common_dtype == torch.float64
+    assert layout.device == torch.device("cpu")
+    assert layout.leaf_paths() == ["['b']", "['t'][0]", "['w']"]
+    out = layout.unravel(torch.arange(7.0, dtype=torch.float64))
+    assert out["frozen"] is None and out["b"].dtype == torch.float64 and out["w"].dtype == torch.float32
+    assert torch.equal(out["w"], torch.arange(1.0, 7.0).reshape(2, 3))
+
+
+def test_unravel_views_without_copy_when_dtype_matches():
+    tree = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    layout = ft.FlatLayout.from_tree(tree)
+    flat = torch.arange(5.0)
+    out = layout.unravel(flat)
+    assert out["a"].data_ptr() == flat.data_ptr()
+
+
+def test_layout_rejects_mismatched_trees():
+    layout = ft.FlatLayout.from_tree({"a": torch.zeros(2)})
+    with pytest.raises(ValueError, match="tree structure"):
+        layout.ravel({"b": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"has shape \(3,\), expected \(2,\)"):
+        layout.ravel({"a": torch.zeros(3)})
+    with pytest.raises(ValueError, match="1-d tensor of 2 elements"):
+        layout.unravel(torch.zeros(3))
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        ft.FlatLayout.from_tree({"a": 1.0})
+    assert not layout.matches({"a": torch.zeros(2, dtype=torch.float64)})
+    assert layout.matches({"a": torch.ones(2)})
+
+
+def test_layout_device_check():
+    layout = ft.FlatLayout.from_tree({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
+    with pytest.raises(ValueError, match="several devices"):
+        layout.device
+
+
+def test_ravel_pytree():
+    tree = {"x": torch.tensor([1.0, 2.0]), "y": [torch.tensor([[3.0]])]}
+    flat, unravel = ft.ravel_pytree(tree)
+    assert torch.equal(flat, torch.tensor([1.0, 2.0, 3.0]))
+    assert_tree_bitwise_equal(unravel(flat), tree)
+
+
+@given(trees_st(), st.floats(-4, 4, allow_nan=False, width=32))
+def test_tree_maths_match_per_leaf_reference(tree, s):
+    from functools import partial
+
+    close = partial(torch.testing.assert_close, equal_nan=True)
+    before = clone_tree(tree)
+    other = ft.tree_map(lambda x: torch.ones_like(x) * 0.5, tree)
+    close(ft.tree_leaves(ft.tree_scale(tree, s)), [x * s for x in ft.tree_leaves(tree)])
+    close(
+        ft.tree_leaves(ft.tree_add(tree, other)), [x + y for x, y in zip(ft.tree_leaves(tree), ft.tree_leaves(other))]
+    )
+    close(
+        ft.tree_leaves(ft.tree_add_scaled(tree, s, other)),
+        [x + s * y for x, y in zip(ft.tree_leaves(tree), ft.tree_leaves(other))],
+    )
+    ts = torch.tensor(s)
+    close(
+        ft.tree_leaves(ft.tree_add_scaled(tree, ts, other)),
+        [x + s * y for x, y in zip(ft.tree_leaves(tree), ft.tree_leaves(other))],
+    )
+    zeros = ft.tree_zeros_like(tree)
+    assert all(not z.any() and z.shape == x.shape for z, x in zip(ft.tree_leaves(zeros), ft.tree_leaves(tree)))
+    assert_tree_bitwise_equal(tree, before)
+
+
+def test_tree_add_structure_mismatch():
+    with pytest.raises(ValueError, match="tree structure"):
+        ft.tree_add({"a": torch.ones(1)}, {"b": torch.ones(1)})
+    with pytest.raises(ValueError, match="must match"):
+        ft.check_same_structure({"a": torch.ones(1)}, [torch.ones(1)], name="updates", expected_name="the state")
