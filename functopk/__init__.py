@@ -21,6 +21,16 @@ from functopk.base import (
     stateless,
 )
 from functopk.combine import chain, named_chain
+from functopk.inject import InjectHyperparamsState, inject_hyperparams
+from functopk.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_schedule,
+    piecewise_constant_schedule,
+    warmup_cosine_decay_schedule,
+)
 from functopk.sparsify import k_from_density, topk, topk_mask, topk_sparsify
 from functopk.transforms import (
     ScaleByScheduleState,
@@ -50,6 +60,7 @@ __all__ = [
     "EmptyState",
     "FlatLayout",
     "GradientTransformation",
+    "InjectHyperparamsState",
     "OptState",
     "Params",
     "PyTree",
@@ -64,10 +75,17 @@ __all__ = [
     "apply_updates_",
     "chain",
     "check_same_structure",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "exponential_decay",
     "identity",
+    "inject_hyperparams",
+    "join_schedules",
     "k_from_density",
+    "linear_schedule",
     "named_chain",
     "nn",
+    "piecewise_constant_schedule",
     "ravel_pytree",
     "scale",
     "scale_by_learning_rate",
@@ -84,4 +102,5 @@ __all__ = [
     "tree_map",
     "tree_scale",
     "tree_zeros_like",
+    "warmup_cosine_decay_schedule",
 ]

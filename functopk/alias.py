@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from functopk.base import GradientTransformation, ScalarOrSchedule, identity
 from functopk.combine import chain
-from functopk.transforms import check_number, scale_by_learning_rate, trace
+import torch
+
+from functopk.transforms import check_hyperparam, scale_by_learning_rate, trace
 
 __all__ = ["sgd"]
 
 
-def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False) -> GradientTransformation:
+def sgd(
+    learning_rate: ScalarOrSchedule, momentum: float | torch.Tensor = 0.0, nesterov: bool = False
+) -> GradientTransformation:
     """Stochastic gradient descent, with optional (Nesterov) momentum.
 
     ``chain(trace(momentum, nesterov), scale_by_learning_rate(learning_rate))``,
@@ -17,7 +21,8 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool =
 
     Args:
         learning_rate: A number or a schedule ``step -> lr``.
-        momentum: Momentum coefficient ``>= 0``; 0 means plain SGD (no state kept).
+        momentum: Momentum coefficient ``>= 0``; 0 means plain SGD (no state kept). A 0-d
+            tensor (from :func:`functopk.inject_hyperparams`) always keeps a momentum buffer.
         nesterov: Nesterov momentum (needs ``momentum > 0``).
 
     Example:
@@ -31,12 +36,13 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool =
         >>> params["w"]   # 1 - 0.1 * 1 - 0.1 * (1 + 0.9)
         tensor([0.7100])
     """
-    momentum = check_number(momentum, "momentum", minimum=0.0)
+    momentum = check_hyperparam(momentum, "momentum", minimum=0.0)
     if not isinstance(nesterov, bool):
         raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
-    if nesterov and momentum == 0.0:
+    has_momentum = isinstance(momentum, torch.Tensor) or momentum > 0.0
+    if nesterov and not has_momentum:
         raise ValueError("nesterov=True needs momentum > 0")
     return chain(
-        trace(momentum, nesterov) if momentum > 0.0 else identity(),
+        trace(momentum, nesterov) if has_momentum else identity(),
         scale_by_learning_rate(learning_rate),
     )

@@ -40,11 +40,27 @@ def check_number(value: Any, name: str, *, minimum: float | None = None, below: 
     return value
 
 
+def check_hyperparam(
+    value: Any, name: str, *, minimum: float | None = None, below: float | None = None
+) -> float | torch.Tensor:
+    """A hyperparameter: a real number (type- and range-checked) or a 0-d float tensor.
+
+    Tensors come from :func:`functopk.inject_hyperparams`; their value is not
+    range-checked, since reading it would be a host sync.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.is_floating_point():
+            raise TypeError(f"{name} must be a real number or a 0-d float tensor, got a tensor of shape "
+                            f"{tuple(value.shape)} and dtype {value.dtype}")
+        return value
+    return check_number(value, name, minimum=minimum, below=below)
+
+
 def check_scalar_or_schedule(value: Any, name: str) -> ScalarOrSchedule:
-    """``value`` if it is a real number or a callable schedule, else ``TypeError`` naming ``name``."""
+    """``value`` if it is a real number, a 0-d float tensor or a schedule, else ``TypeError`` naming ``name``."""
     if callable(value):
         return value
-    return check_number(value, name)
+    return check_hyperparam(value, name)
 
 
 def tree_device(tree: PyTree) -> torch.device:
@@ -58,7 +74,7 @@ def init_count(params: Params) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=tree_device(params))
 
 
-def scale(step_size: float) -> GradientTransformation:
+def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     """Multiply updates by a constant ``step_size``.
 
     Example:
@@ -67,7 +83,7 @@ def scale(step_size: float) -> GradientTransformation:
         >>> tx.update({"w": torch.tensor([1.0, 3.0])}, tx.init(None))[0]
         {'w': tensor([-2., -6.])}
     """
-    step_size = check_number(step_size, "step_size")
+    step_size = check_hyperparam(step_size, "step_size")
     return stateless(lambda updates, params: tree_scale(updates, step_size))
 
 
@@ -113,23 +129,30 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     return scale(sign * learning_rate)
 
 
+def _add_scaled(a: list[torch.Tensor], scalar: float | torch.Tensor, b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``a + scalar * b`` over lists of tensors (one fused kernel for a Python scalar)."""
+    if isinstance(scalar, torch.Tensor):
+        return list(torch._foreach_add(a, torch._foreach_mul(b, scalar)))
+    return list(torch._foreach_add(a, b, alpha=scalar))
+
+
 class TraceState(NamedTuple):
     """State of :func:`trace`: the momentum buffer, a tree like the parameters."""
 
     trace: PyTree
 
 
-def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+def trace(decay: float | torch.Tensor, nesterov: bool = False) -> GradientTransformation:
     """Momentum: ``trace = updates + decay * trace``; emit ``trace`` (or the Nesterov form).
 
     With ``nesterov=True`` the emitted update is ``updates + decay * trace``
     (using the new trace), as ``torch.optim.SGD(nesterov=True)`` does.
 
     Args:
-        decay: The momentum coefficient, ``>= 0``.
+        decay: The momentum coefficient, ``>= 0`` (a number or a 0-d tensor).
         nesterov: Use Nesterov momentum.
     """
-    decay = check_number(decay, "decay", minimum=0.0)
+    decay = check_hyperparam(decay, "decay", minimum=0.0)
     if not isinstance(nesterov, bool):
         raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
 
@@ -143,8 +166,8 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         buf = optree.tree_leaves(state.trace)
         if not leaves:
             return updates, state
-        new_buf = keep_dtypes(torch._foreach_add(leaves, buf, alpha=decay), buf)
-        out = torch._foreach_add(leaves, new_buf, alpha=decay) if nesterov else new_buf
+        new_buf = keep_dtypes(_add_scaled(leaves, decay, buf), buf)
+        out = keep_dtypes(_add_scaled(leaves, decay, new_buf), leaves) if nesterov else new_buf
         return optree.tree_unflatten(treedef, list(out)), TraceState(trace=optree.tree_unflatten(treedef, list(new_buf)))
 
     return GradientTransformation(init, update)

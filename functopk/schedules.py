@@ -1,0 +1,257 @@
+"""Schedules: functions of the step count, for learning rates and other hyperparameters.
+
+A schedule maps the step count (a 0-d integer tensor, as kept in optimizer
+states; a Python int works too) to a 0-d float32 tensor on the count's device.
+The maths is done with tensor ops in float64 and cast at the end: no value is
+read back to the host, so a compiled step that evaluates a schedule never
+recompiles as the count grows.
+
+Steps are counted from 0: ``schedule(0)`` is the value used for the first update.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from functopk.base import Schedule
+
+__all__ = [
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "exponential_decay",
+    "join_schedules",
+    "linear_schedule",
+    "piecewise_constant_schedule",
+    "warmup_cosine_decay_schedule",
+]
+
+
+def _count(step: Any) -> torch.Tensor:
+    """The step as a float64 tensor (on its own device when it is a tensor)."""
+    if isinstance(step, torch.Tensor):
+        return step.to(torch.float64)
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return torch.tensor(float(step), dtype=torch.float64)
+    raise TypeError(f"a schedule takes the step count (an integer or a 0-d tensor), got {type(step).__name__}")
+
+
+def _out(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32)
+
+
+def _real(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _steps(value: Any, name: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def constant_schedule(value: float) -> Schedule:
+    """Always ``value``.
+
+    Example:
+        >>> import functopk as ft
+        >>> ft.constant_schedule(0.1)(7)
+        tensor(0.1000)
+    """
+    value = _real(value, "value")
+
+    def schedule(step: Any) -> torch.Tensor:
+        count = _count(step)
+        return _out(torch.full_like(count, value))
+
+    return schedule
+
+
+def linear_schedule(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
+    """Linear interpolation from ``init_value`` to ``end_value`` over ``transition_steps`` steps.
+
+    Constant at ``init_value`` before ``transition_begin`` and at ``end_value``
+    after ``transition_begin + transition_steps``.
+
+    Example:
+        >>> import functopk as ft
+        >>> s = ft.linear_schedule(1.0, 0.0, transition_steps=4)
+        >>> [round(float(s(i)), 2) for i in range(6)]
+        [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    """
+    init_value, end_value = _real(init_value, "init_value"), _real(end_value, "end_value")
+    transition_steps = _steps(transition_steps, "transition_steps", minimum=1)
+    transition_begin = _steps(transition_begin, "transition_begin")
+
+    def schedule(step: Any) -> torch.Tensor:
+        frac = ((_count(step) - transition_begin) / transition_steps).clamp(0.0, 1.0)
+        return _out(init_value + (end_value - init_value) * frac)
+
+    return schedule
+
+
+def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
+    """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` steps.
+
+    ``value(t) = init_value * ((1 - alpha) * (1 + cos(pi * min(t, T) / T)) / 2 + alpha)``,
+    which equals ``torch.optim.lr_scheduler.CosineAnnealingLR(T_max=T, eta_min=alpha * init_value)``
+    for ``t <= T``.
+
+    Example:
+        >>> import functopk as ft
+        >>> s = ft.cosine_decay_schedule(1.0, decay_steps=4)
+        >>> [round(float(s(i)), 4) for i in (0, 2, 4, 9)]
+        [1.0, 0.5, 0.0, 0.0]
+    """
+    init_value = _real(init_value, "init_value")
+    decay_steps = _steps(decay_steps, "decay_steps", minimum=1)
+    alpha = _real(alpha, "alpha")
+
+    def schedule(step: Any) -> torch.Tensor:
+        t = _count(step).clamp(0.0, decay_steps)
+        cosine = 0.5 * (1.0 + torch.cos(math.pi * t / decay_steps))
+        return _out(init_value * ((1.0 - alpha) * cosine + alpha))
+
+    return schedule
+
+
+def warmup_cosine_decay_schedule(
+    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
+) -> Schedule:
+    """Linear warm-up from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``.
+
+    ``decay_steps`` counts the whole schedule, warm-up included (as in optax): the
+    value reaches ``end_value`` at step ``decay_steps`` and stays there.
+
+    Example:
+        >>> import functopk as ft
+        >>> s = ft.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=2, decay_steps=6)
+        >>> [round(float(s(i)), 3) for i in range(8)]
+        [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0, 0.0]
+    """
+    init_value, peak_value = _real(init_value, "init_value"), _real(peak_value, "peak_value")
+    end_value = _real(end_value, "end_value")
+    warmup_steps = _steps(warmup_steps, "warmup_steps")
+    decay_steps = _steps(decay_steps, "decay_steps", minimum=1)
+    if warmup_steps >= decay_steps:
+        raise ValueError(f"warmup_steps ({warmup_steps}) must be < decay_steps ({decay_steps})")
+    cosine_steps = decay_steps - warmup_steps
+    alpha = end_value / peak_value if peak_value != 0 else 0.0
+    parts = [
+        linear_schedule(init_value, peak_value, warmup_steps) if warmup_steps else constant_schedule(peak_value),
+        cosine_decay_schedule(peak_value, cosine_steps, alpha=alpha) if peak_value != 0 else constant_schedule(0.0),
+    ]
+    return join_schedules(parts, [warmup_steps])
+
+
+def exponential_decay(
+    init_value: float,
+    transition_steps: int,
+    decay_rate: float,
+    transition_begin: int = 0,
+    staircase: bool = False,
+    end_value: float | None = None,
+) -> Schedule:
+    """``init_value * decay_rate ** ((t - transition_begin) / transition_steps)``.
+
+    Constant before ``transition_begin``; with ``staircase`` the exponent is
+    floored (``torch.optim.lr_scheduler.StepLR``); ``end_value`` bounds the value
+    (a floor when decaying, a ceiling when growing).
+
+    Example:
+        >>> import functopk as ft
+        >>> s = ft.exponential_decay(1.0, transition_steps=2, decay_rate=0.5, staircase=True)
+        >>> [float(s(i)) for i in range(5)]
+        [1.0, 1.0, 0.5, 0.5, 0.25]
+    """
+    init_value = _real(init_value, "init_value")
+    transition_steps = _steps(transition_steps, "transition_steps", minimum=1)
+    decay_rate = _real(decay_rate, "decay_rate")
+    if decay_rate <= 0:
+        raise ValueError(f"decay_rate must be > 0, got {decay_rate}")
+    transition_begin = _steps(transition_begin, "transition_begin")
+    if not isinstance(staircase, bool):
+        raise TypeError(f"staircase must be a bool, got {type(staircase).__name__}")
+    end = None if end_value is None else _real(end_value, "end_value")
+
+    def schedule(step: Any) -> torch.Tensor:
+        exponent = (_count(step) - transition_begin).clamp_min(0.0) / transition_steps
+        if staircase:
+            exponent = torch.floor(exponent)
+        value = init_value * torch.pow(torch.full_like(exponent, decay_rate), exponent)
+        if end is not None:
+            value = value.clamp_min(end) if decay_rate < 1 else value.clamp_max(end)
+        return _out(value)
+
+    return schedule
+
+
+def piecewise_constant_schedule(init_value: float, boundaries_and_scales: Mapping[int, float] | None = None) -> Schedule:
+    """Start at ``init_value``; at each boundary step ``b``, multiply by its scale.
+
+    ``torch.optim.lr_scheduler.MultiStepLR(milestones, gamma)`` is
+    ``piecewise_constant_schedule(lr, {m: gamma for m in milestones})``.
+
+    Example:
+        >>> import functopk as ft
+        >>> s = ft.piecewise_constant_schedule(1.0, {2: 0.1, 4: 0.5})
+        >>> [round(float(s(i)), 3) for i in range(6)]
+        [1.0, 1.0, 0.1, 0.1, 0.05, 0.05]
+    """
+    init_value = _real(init_value, "init_value")
+    items = sorted((boundaries_and_scales or {}).items())
+    for b, s in items:
+        _steps(b, "boundary")
+        _real(s, f"scale at boundary {b}")
+
+    def schedule(step: Any) -> torch.Tensor:
+        count = _count(step)
+        value = torch.full_like(count, init_value)
+        for boundary, scale in items:
+            value = torch.where(count >= boundary, value * scale, value)
+        return _out(value)
+
+    return schedule
+
+
+def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
+    """Run ``schedules[i]`` between ``boundaries[i-1]`` and ``boundaries[i]``.
+
+    Each schedule after the first sees the step counted from its own boundary.
+
+    Example:
+        >>> import functopk as ft
+        >>> s = ft.join_schedules([ft.constant_schedule(1.0), ft.linear_schedule(1.0, 0.0, 2)], [3])
+        >>> [float(s(i)) for i in range(6)]
+        [1.0, 1.0, 1.0, 1.0, 0.5, 0.0]
+    """
+    schedules, boundaries = list(schedules), list(boundaries)
+    if len(schedules) != len(boundaries) + 1:
+        raise ValueError(
+            f"join_schedules needs one more schedule than boundaries, got {len(schedules)} and {len(boundaries)}"
+        )
+    for i, s in enumerate(schedules):
+        if not callable(s):
+            raise TypeError(f"schedules[{i}] must be callable, got {type(s).__name__}")
+    for b in boundaries:
+        _steps(b, "boundary")
+    if boundaries != sorted(boundaries):
+        raise ValueError(f"boundaries must be increasing, got {boundaries}")
+
+    def schedule(step: Any) -> torch.Tensor:
+        count = step if isinstance(step, torch.Tensor) else torch.tensor(_steps(step, "step"))
+        value = torch.as_tensor(schedules[0](count), dtype=torch.float32, device=count.device)
+        for boundary, s in zip(boundaries, schedules[1:]):
+            later = torch.as_tensor(s(count - boundary), dtype=torch.float32, device=count.device)
+            value = torch.where(count >= boundary, later, value)
+        return value
+
+    return schedule

@@ -1,0 +1,84 @@
+"""inject_hyperparams: hyperparameters as tensors in the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+import functopk as ft
+from tests.conftest import assert_tree_bitwise_equal, assert_tree_close, clone_tree
+
+PARAMS = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
+
+
+def grads_at(i):
+    g = torch.Generator().manual_seed(i)
+    return ft.tree_map(lambda p: torch.randn(p.shape, generator=g), PARAMS)
+
+
+def test_equals_plain_transformation():
+    plain = ft.sgd(0.1, momentum=0.9, nesterov=True)
+    injected = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.9, nesterov=True)
+    s1, s2 = plain.init(PARAMS), injected.init(PARAMS)
+    assert set(s2.hyperparams) == {"learning_rate", "momentum"}
+    for i in range(5):
+        u1, s1 = plain.update(grads_at(i), s1, PARAMS)
+        u2, s2 = injected.update(grads_at(i), s2, PARAMS)
+        assert_tree_close(u2, u1, rtol=1e-6, atol=0)
+    assert int(s2.count) == 5
+
+
+def test_schedule_hyperparams_follow_the_count_and_pure():
+    tx = ft.inject_hyperparams(ft.sgd)(learning_rate=ft.exponential_decay(1.0, 1, 0.5))
+    state = tx.init(PARAMS)
+    g = {"w": torch.ones(3), "b": torch.ones(1)}
+    seen = []
+    for _ in range(3):
+        before = clone_tree(state)
+        updates, new_state = tx.update(g, state, PARAMS)
+        assert_tree_bitwise_equal(state, before)
+        seen.append(float(-updates["b"][0]))
+        state = new_state
+    assert seen == [1.0, 0.5, 0.25]
+    assert float(state.hyperparams["learning_rate"]) == 0.25
+
+
+def test_changed_hyperparameter_is_used_and_compiled_step_does_not_recompile():
+    torch._dynamo.reset()
+    tx = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1)
+    update = torch.compile(tx.update, fullgraph=True)
+    state = tx.init(PARAMS)
+    g = {"w": torch.ones(3), "b": torch.ones(1)}
+    u, state = update(g, state, PARAMS)
+    assert torch.allclose(u["b"], torch.tensor([-0.1]))
+    state = state._replace(hyperparams={"learning_rate": torch.tensor(0.02)})
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        u, state = update(g, state, PARAMS)
+    assert torch.allclose(u["b"], torch.tensor([-0.02]))
+    torch._dynamo.reset()
+
+
+def test_static_args_and_passthrough():
+    tx = ft.inject_hyperparams(lambda k, learning_rate: ft.chain(ft.topk(k), ft.sgd(learning_rate)), static_args=("k",))(
+        k=1, learning_rate=1.0
+    )
+    state = tx.init(PARAMS)
+    assert set(state.hyperparams) == {"learning_rate"}
+    u, _ = tx.update(PARAMS, state, PARAMS)
+    assert torch.equal(u["w"], torch.tensor([0.0, 0.0, -3.0]))
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="factory must be callable"):
+        ft.inject_hyperparams(3)
+    with pytest.raises(ValueError, match="momentum must be >= 0"):
+        ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=-1.0)
+    tx = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1)
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match="hyperparams has keys"):
+        tx.update(PARAMS, state._replace(hyperparams={}), PARAMS)
+    with pytest.raises(ValueError, match="InjectHyperparamsState"):
+        tx.update(PARAMS, (), PARAMS)
+    with pytest.raises(TypeError, match="0-d float tensor"):
+        ft.sgd(torch.ones(2))
