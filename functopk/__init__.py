@@ -21,10 +21,20 @@ from functopk.base import (
     stateless,
 )
 from functopk.combine import chain, named_chain
+from functopk.compress import RandKState, layerwise_topk, randk, randk_mask, threshold
+from functopk.deep_gradient_compression import (
+    LocalWeightDecayState,
+    MomentumCorrectionState,
+    dgc,
+    dgc_local_clipping,
+    momentum_correction,
+)
+from functopk.feedback import ErrorFeedbackState, error_feedback
 from functopk.inject import InjectHyperparamsState, inject_hyperparams
 from functopk.schedules import (
     constant_schedule,
     cosine_decay_schedule,
+    dgc_density_warmup,
     exponential_decay,
     join_schedules,
     linear_schedule,
@@ -103,4 +113,18 @@ __all__ = [
     "tree_scale",
     "tree_zeros_like",
     "warmup_cosine_decay_schedule",
+    # sparsification algorithms (compress.py, feedback.py, deep_gradient_compression.py)
+    "RandKState",
+    "layerwise_topk",
+    "randk",
+    "randk_mask",
+    "threshold",
+    "LocalWeightDecayState",
+    "MomentumCorrectionState",
+    "dgc",
+    "dgc_local_clipping",
+    "momentum_correction",
+    "ErrorFeedbackState",
+    "error_feedback",
+    "dgc_density_warmup",
 ]
