@@ -36,7 +36,15 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from functopk.base import EmptyState, GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, check_transformation
+from functopk.base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    ScalarOrSchedule,
+    Updates,
+    check_transformation,
+)
 from functopk.combine import chain
 from functopk.compress import _method_kwargs, float_leaves, layerwise_topk
 from functopk.sparsify import topk

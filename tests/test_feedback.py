@@ -162,8 +162,9 @@ def test_errors():
     with pytest.raises(ValueError, match="ErrorFeedbackState"):
         tx.update({"w": torch.zeros(3)}, ft.EmptyState())
     bad_inner = ft.stateless(lambda u, p: {"other": u["w"]})
+    bad = ft.error_feedback(bad_inner)
     with pytest.raises(ValueError, match="inner transformation returned a tree of structure"):
-        ft.error_feedback(bad_inner).update({"w": torch.zeros(3)}, ft.error_feedback(bad_inner).init({"w": torch.zeros(3)}))
+        bad.update({"w": torch.zeros(3)}, bad.init({"w": torch.zeros(3)}))
 
 
 @pytest.fixture()
@@ -173,12 +174,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize(
-    "inner", [lambda: ft.topk(density=0.1, method="torch"), lambda: ft.randk(3, seed=2)], ids=["topk", "randk"]
-)
-def test_compiles_fullgraph_without_recompiling(inner, fresh_dynamo):
+def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     params = normal_tree(0)
-    tx = ft.chain(ft.error_feedback(inner()), ft.sgd(0.1, momentum=0.9))
+    tx = ft.chain(ft.error_feedback(ft.topk(density=0.1, method="torch")), ft.sgd(0.1, momentum=0.9))
     update_c = torch.compile(tx.update, fullgraph=True, backend="aot_eager")
     state_e = state_c = tx.init(params)
     for i in range(3):
