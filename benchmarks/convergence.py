@@ -170,9 +170,9 @@ def plot(results: dict[str, dict], path: str, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--density", type=float, default=0.001)
     parser.add_argument("--warmup-epochs", type=float, default=1.0, help="length of DGC's density warm-up")
@@ -183,12 +183,15 @@ def main() -> None:
     parser.add_argument("--png", default=DEFAULT_PNG, help="where to write the curves")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 epoch on a tenth of the data")
     parser.add_argument("--verbose", action="store_true", help="print every epoch")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
             parser.error(f"unknown method {m!r}; expected some of {METHODS}")
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     data = load_data(args.seed, args.test_fraction)
     if args.quick:
         args.epochs = 1
