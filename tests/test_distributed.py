@@ -177,7 +177,13 @@ def _hook_phase(rank: int, groups: dict):
                     bucket = FakeBucket(b, hook_grads(rank, it, b), params[b], last=b == len(HOOK_BUCKETS) - 1)
                     got.append(topk_hook(state, bucket).wait().clone())
                 its.append({"buckets": got, "last_step": state.last_step, "iter": state.iter})
-            out[(gname, reselect)] = {"iters": its, "residuals": {k[1]: v.clone() for k, v in state.residuals.items()}}
+            residuals = {k[1]: v.clone() for k, v in state.residuals.items()}
+            # A rebuilt bucket (other parameters, same size): fresh memory, and the old entry is dropped.
+            params[0] = [torch.zeros(1)]
+            for b in range(len(HOOK_BUCKETS)):
+                bucket = FakeBucket(b, hook_grads(rank, 0, b), params[b], last=b == len(HOOK_BUCKETS) - 1)
+                topk_hook(state, bucket).wait()
+            out[(gname, reselect)] = {"iters": its, "residuals": residuals, "entries_after_rebuild": len(state.residuals)}
     return out
 
 
@@ -301,6 +307,8 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     def run_phase(name, fn, *args):
         _phase(results, name, fn, *args)
         torch.save(results, path)
+        if "error" in results[name]:
+            os._exit(1)  # the others then fail at once (peer gone) instead of waiting for timeouts
 
     run_phase("allreduce", _allreduce_phase, rank, groups)
     run_phase("transform", _transform_phase, rank, groups)
@@ -479,6 +487,7 @@ def test_topk_hook_on_buckets_matches_reference(run, gname, reselect):
     for r in members(gname):
         for b, n in enumerate(HOOK_BUCKETS):
             torch.testing.assert_close(got[r]["residuals"][n].double(), residuals[b][r], rtol=1e-5, atol=1e-6)
+        assert got[r]["entries_after_rebuild"] == len(HOOK_BUCKETS)
 
 
 def test_ddp_hook_trains_keeps_replicas_identical_and_counts_bytes(run):
