@@ -10,9 +10,12 @@ Rows:
 
 * ``dense allreduce``: ``dist.all_reduce`` of the whole gradient and the
   division by P (what DDP does without a hook);
-* ``sparse exchange``: :func:`functopk.distributed.sparse_allreduce` of ``k``
+* ``sparse_allreduce``: :func:`functopk.distributed.sparse_allreduce` of ``k``
   precomputed ``(index, value)`` pairs per rank (pack, one all-gather,
-  ``index_add_`` into a zeroed dense buffer, division by P);
+  ``index_add_`` into a new zeroed dense buffer, division by P);
+* ``sparse exchange in place``: the same into an existing buffer, as
+  ``topk_hook`` does with DDP's bucket (no n-sized allocation: a fresh one
+  costs page faults, which dominate on a loaded machine);
 * ``distributed_topk step``: the whole transform: add the residual, select the
   local top k of all coordinates, the exchange above, the mean, the new residual.
 
@@ -64,7 +67,7 @@ def _worker(rank: int, store: str, numel: int, densities: list[float], reps: int
     import torch.distributed as dist
 
     import functopk as ft
-    from functopk.distributed import distributed_topk, sparse_allreduce
+    from functopk.distributed import _exchange, _scatter_add_, _unpack, distributed_topk, sparse_allreduce
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
@@ -85,7 +88,15 @@ def _worker(rank: int, store: str, numel: int, densities: list[float], reps: int
         idx = torch.topk(g.abs(), k, sorted=False).indices
         vals = g[idx]
         times = _timed(lambda: sparse_allreduce(idx, vals, numel, average=True, capacity=k), reps)
-        rows.append(("sparse exchange", density, k, 8 * k, 8 * k * WORLD, times))
+        rows.append(("sparse_allreduce", density, k, 8 * k, 8 * k * WORLD, times))
+
+        def in_place():  # topk_hook's path after selection (private helpers of functopk.distributed)
+            _, gathered = _exchange(idx, vals, numel, dist.group.WORLD, WORLD, async_op=False)
+            buf.zero_()
+            _scatter_add_(buf, _unpack(gathered, WORLD, k, numel, buf.dtype)).div_(WORLD)
+
+        times = _timed(in_place, reps)
+        rows.append(("sparse exchange in place", density, k, 8 * k, 8 * k * WORLD, times))
 
         tx = distributed_topk(k)
         grads = {"g": g}

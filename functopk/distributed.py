@@ -152,7 +152,7 @@ def _local_topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     The one place that selects; it will call the library's flat top-k once
     ``functopk.sparsify`` offers one (indices from ``torch.topk`` until then).
     """
-    mags = torch.nan_to_num(flat.detach().abs(), nan=math.inf, posinf=math.inf)
+    mags = torch.nan_to_num_(flat.detach().abs(), nan=math.inf, posinf=math.inf)
     idx = torch.topk(mags, k, sorted=False).indices
     return idx, flat[idx]
 
@@ -169,20 +169,24 @@ def _reselect(total: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, residu
     return total, residual
 
 
-def _check_k_or_density(k: Any, density: Any) -> tuple[int | None, float | None]:
-    if (k is None) == (density is None):
-        raise ValueError(f"give exactly one of k or density, got k={k!r}, density={density!r}")
-    if k is not None:
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-            raise TypeError(f"k must be an int, got {type(k).__name__} {k!r}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        return int(k), None
+def _check_density(density: Any) -> float:
     if isinstance(density, bool) or not isinstance(density, numbers.Real):
         raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__} {density!r}")
     if not 0.0 < float(density) <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
-    return None, float(density)
+    return float(density)
+
+
+def _check_k_or_density(k: Any, density: Any) -> tuple[int | None, float | None]:
+    if (k is None) == (density is None):
+        raise ValueError(f"give exactly one of k or density, got k={k!r}, density={density!r}")
+    if k is None:
+        return None, _check_density(density)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise TypeError(f"k must be an int, got {type(k).__name__} {k!r}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    return int(k), None
 
 
 # --------------------------------------------------------------------------- sparse_allreduce
@@ -478,6 +482,8 @@ class HookStats(NamedTuple):
         bytes_dense: What plain allreduce would have handed over: ``n * value bytes`` per bucket.
         coords_sent: Coordinates sent (``k`` per compressed bucket, ``n`` per dense one).
         coords: All coordinates of the buckets.
+
+    Adding two ``HookStats`` adds them field by field.
     """
 
     bytes_sent: int = 0
@@ -531,7 +537,7 @@ class TopKHookState:
         reselect: bool = False,
     ) -> None:
         _check_group_arg(process_group, "process_group")
-        _, density = _check_k_or_density(None, density)
+        density = _check_density(density)
         if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, numbers.Integral) or warmup_iters < 0:
             raise ValueError(f"warmup_iters must be an int >= 0, got {warmup_iters!r}")
         if not isinstance(reselect, bool):

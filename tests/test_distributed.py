@@ -159,6 +159,10 @@ def _transform_phase(rank: int, groups: dict):
                 state = new_state
                 steps.append({"updates": updates, "state": state})
             out[(gname, reselect)] = steps
+        # NaN: rank 0's NaN ranks as an infinite magnitude, is sent, and reaches every rank's update.
+        tx = distributed_topk(2, group=group)
+        grads = {"w": torch.tensor([1.0, math.nan if rank == 0 else 0.5, -3.0, 0.1])}
+        out[(gname, "nan")] = tx.update(grads, tx.init(grads))[0]["w"]
     return out
 
 
@@ -457,6 +461,14 @@ def test_distributed_topk_matches_reference_and_conserves_mass(run, gname, resel
 
 
 @pytest.mark.parametrize("gname", GROUPS)
+def test_distributed_topk_propagates_nan_to_every_rank(run, gname):
+    size = SIZES[gname]
+    expected = torch.tensor([(size - 1) / size, math.nan, -3.0, 0.0])
+    for r in members(gname):
+        torch.testing.assert_close(phase(run, "transform", r)[(gname, "nan")], expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("gname", GROUPS)
 @pytest.mark.parametrize("reselect", [False, True])
 def test_topk_hook_on_buckets_matches_reference(run, gname, reselect):
     size = SIZES[gname]
@@ -607,6 +619,7 @@ def test_distributed_topk_init_checks_the_tree():
     ("kwargs", "exc", "match"),
     [
         ({"density": 0.0}, ValueError, r"density must be in \(0, 1\]"),
+        ({"density": None}, TypeError, r"density must be a float in \(0, 1\], got NoneType"),
         ({"warmup_iters": -1}, ValueError, "warmup_iters must be an int >= 0"),
         ({"reselect": "yes"}, TypeError, "reselect must be a bool"),
         ({"process_group": 1}, TypeError, "process_group must be a torch.distributed"),
@@ -615,6 +628,10 @@ def test_distributed_topk_init_checks_the_tree():
 def test_hook_state_rejects_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         TopKHookState(**kwargs)
+
+
+def test_hook_stats_add_field_by_field():
+    assert HookStats(1, 2, 3, 4, 5) + HookStats(10, 20, 30, 40, 50) == HookStats(11, 22, 33, 44, 55)
 
 
 def test_module_is_exposed_without_initialising_anything():
