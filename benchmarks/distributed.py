@@ -92,8 +92,7 @@ def _worker(rank: int, store: str, numel: int, densities: list[float], reps: int
 
         def in_place():  # topk_hook's path after selection (private helpers of functopk.distributed)
             _, gathered = _exchange(idx, vals, numel, dist.group.WORLD, WORLD, async_op=False)
-            buf.zero_()
-            _scatter_add_(buf, _unpack(gathered, WORLD, k, numel, buf.dtype)).div_(WORLD)
+            _scatter_add_(buf.zero_(), _unpack(gathered, WORLD, k, numel, buf.dtype), 1.0 / WORLD)
 
         times = _timed(in_place, reps)
         rows.append(("sparse exchange in place", density, k, 8 * k, 8 * k * WORLD, times))

@@ -28,11 +28,12 @@ the index ``numel`` (one past the end) and the value 0, so the padding records
 the true count on the wire and lands in a scratch slot that is dropped.
 
 **Summation order.** The gathered pairs are added rank by rank (rank 0's first),
-one ``index_add_`` per rank. When each rank's indices are distinct (always so
-for top-k), no two additions in one call touch the same coordinate, so the sum
-is deterministic on every device, including CUDA, where ``index_add_`` uses
-atomics; every rank then holds bit-identical results, which data-parallel
-replicas need in order not to drift apart.
+one ``index_add_`` per rank; for a mean, each value is scaled by ``1/P`` as it
+is added (sparing a pass over the dense result). When each rank's indices are
+distinct (always so for top-k), no two additions in one call touch the same
+coordinate, so the sum is deterministic on every device, including CUDA, where
+``index_add_`` uses atomics; every rank then holds bit-identical results, which
+data-parallel replicas need in order not to drift apart.
 """
 
 from __future__ import annotations
@@ -139,10 +140,15 @@ def _unpack(gathered: torch.Tensor, world: int, capacity: int, numel: int, value
     ]  # fmt: skip
 
 
-def _scatter_add_(out: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Add every rank's pairs into ``out`` in place, rank 0 first (see the module docstring)."""
+def _scatter_add_(
+    out: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]], scale: float = 1.0
+) -> torch.Tensor:
+    """Add ``scale`` times every rank's pairs into ``out`` in place, rank 0 first (see the module docstring).
+
+    Scaling each value as it is added (``1/P`` for a mean) spares a pass over ``out``.
+    """
     for idx, vals in pairs:
-        out.index_add_(0, idx, vals)
+        out.index_add_(0, idx, vals, alpha=scale)
     return out
 
 
@@ -158,7 +164,8 @@ def _local_topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _reselect(total: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, residual: torch.Tensor, k: int):
-    """gTop-k: keep the global top ``k`` of ``total``; this rank's dropped values go back to ``residual``.
+    """gTop-k: keep the global top ``k`` of ``total`` (the sum or the mean over ranks); this rank's
+    dropped values go back to ``residual``.
 
     ``total`` and ``residual`` are owned by the caller and changed in place.
     """
@@ -286,9 +293,8 @@ def sparse_allreduce(
     except RuntimeError as exc:
         raise _comm_error("the sparse all-gather", group, exc) from exc
     out = torch.zeros(numel + 1, dtype=values.dtype, device=device)  # the last slot takes the padding
-    _scatter_add_(out, _unpack(gathered, world, capacity, numel, values.dtype))
-    out = out[:numel]
-    return out.div_(world) if average else out
+    _scatter_add_(out, _unpack(gathered, world, capacity, numel, values.dtype), 1.0 / world if average else 1.0)
+    return out[:numel]
 
 
 def _describe(x: Any) -> str:
@@ -451,10 +457,9 @@ def distributed_topk(
             _, gathered = _exchange(idx, vals, layout.numel, grp, world, async_op=False)
         except RuntimeError as exc:
             raise _comm_error("the sparse all-gather of distributed_topk", grp, exc) from exc
-        total = _scatter_add_(torch.zeros_like(res), _unpack(gathered, world, kk, layout.numel, res.dtype))
+        mean = _scatter_add_(torch.zeros_like(res), _unpack(gathered, world, kk, layout.numel, res.dtype), 1 / world)
         if reselect:
-            total, residual = _reselect(total, idx, vals, residual, kk)
-        mean = total.div_(world)
+            mean, residual = _reselect(mean, idx, vals, residual, kk)
         sent = _wire_bytes(kk, layout.numel, res.dtype)
         new_state = DistributedTopKState(
             residual=residual,
@@ -630,11 +635,10 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     work, gathered = _exchange(idx, vals, n, group, world, async_op=True)
 
     def finish() -> torch.Tensor:
-        buf.zero_()
-        _scatter_add_(buf, _unpack(gathered, world, k, n, buf.dtype))
+        _scatter_add_(buf.zero_(), _unpack(gathered, world, k, n, buf.dtype), 1.0 / world)
         if state.reselect:
             _reselect(buf, idx, vals, residual, k)
-        return buf.div_(world)
+        return buf
 
     return work.get_future().then(_finisher(group, "the sparse all-gather of topk_hook", finish))
 
