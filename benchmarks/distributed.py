@@ -67,7 +67,8 @@ def _worker(rank: int, store: str, numel: int, densities: list[float], reps: int
     import torch.distributed as dist
 
     import functopk as ft
-    from functopk.distributed import _exchange, _scatter_add_, _unpack, distributed_topk, sparse_allreduce
+    from functopk.distributed import distributed_topk, sparse_allreduce
+    from functopk.distributed.exchange import _exchange, _scatter_add_, _unpack
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
