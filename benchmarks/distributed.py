@@ -16,6 +16,8 @@ Rows:
 * ``sparse exchange in place``: the same into an existing buffer, as
   ``topk_hook`` does with DDP's bucket (no n-sized allocation: a fresh one
   costs page faults, which dominate on a loaded machine);
+* ``local top-k selection only``: ``torch.topk`` of the magnitudes (no
+  communication), the selection the transform and the hook run before exchanging;
 * ``distributed_topk step``: the whole transform: add the residual, select the
   local top k of all coordinates, the exchange above, the mean, the new residual.
 
@@ -68,7 +70,7 @@ def _worker(rank: int, store: str, numel: int, densities: list[float], reps: int
 
     import functopk as ft
     from functopk.distributed import distributed_topk, sparse_allreduce
-    from functopk.distributed.exchange import _exchange, _scatter_add_, _unpack
+    from functopk.distributed.exchange import _exchange, _local_topk, _scatter_add_, _unpack
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
@@ -97,6 +99,9 @@ def _worker(rank: int, store: str, numel: int, densities: list[float], reps: int
 
         times = _timed(in_place, reps)
         rows.append(("sparse exchange in place", density, k, 8 * k, 8 * k * WORLD, times))
+
+        times = _timed(lambda: _local_topk(g, k), max(3, reps // 2))
+        rows.append(("local top-k selection only", density, k, 0, 0, times))
 
         tx = distributed_topk(k)
         grads = {"g": g}
@@ -147,6 +152,9 @@ def table(rows: list[tuple], numel: int) -> str:
     for name, density, k, sent, received, times in rows:
         ms = statistics.median(times) * 1e3
         label = "n" if density is None else f"{density:.1%} ({k:,})"
+        if sent == 0:
+            lines.append(f"| {name} | {label} | - | - | - | {ms:.1f} | - |")
+            continue
         lines.append(
             f"| {name} | {label} | {mb(sent)} | {mb(received)} | {4 * numel / sent:.0f}x less "
             f"| {ms:.1f} | {dense_ms / ms:.2f}x |"
