@@ -170,17 +170,17 @@ def plot(rows: list[tuple], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [name if d is None else f"{name}\n{d:.1%}" for name, d, *_ in rows]
+    labels = [name if d is None else f"{name}, {d:.1%}" for name, d, *_ in rows]
     ms = [statistics.median(r[5]) * 1e3 for r in rows]
     sent = [r[3] / 1e6 for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.bar(range(len(rows)), ms)
-    a.set_ylabel("time per step (ms, median)")
-    b.bar(range(len(rows)), sent)
-    b.set_yscale("log")
-    b.set_ylabel("bytes sent per rank (MB, log)")
-    for ax in (a, b):
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    y = list(range(len(rows)))[::-1]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
+    a.barh(y, ms)
+    a.set_xlabel("time per step (ms, median)")
+    a.set_yticks(y, labels, fontsize=8)
+    b.barh([yy for yy, v in zip(y, sent) if v], [v for v in sent if v])
+    b.set_xscale("log")
+    b.set_xlabel("bytes sent per rank (MB, log)")
     fig.suptitle(f"{WORLD} ranks, gloo on loopback, {rows[0][2]:,} fp32 coordinates")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

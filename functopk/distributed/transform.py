@@ -106,6 +106,10 @@ def distributed_topk(
     state keeps its shapes and dtypes from step to step. NaN/Inf gradients rank
     as infinite magnitudes, are sent, and reach every rank's update.
 
+    ``k`` and ``density`` size the exchange buffers, so they are Python numbers,
+    never tensors (with :func:`functopk.inject_hyperparams`, list them in
+    ``static_args``).
+
     Args:
         k: Coordinates each rank sends per step.
         density: Instead of ``k``: the fraction of all coordinates sent per step
