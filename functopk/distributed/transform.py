@@ -52,7 +52,7 @@ class DistributedTopKState(NamedTuple):
     Attributes:
         residual: This rank's error-feedback memory: a 1-d tensor over the flat
             layout of the parameters (``functopk.FlatLayout`` order), in their
-            promoted dtype, in gradient units (before any learning rate).
+            promoted dtype, in the unit of the transform's input.
         count: Steps taken (int64, 0-d).
         bytes_sent: Bytes this rank put on the wire in the last step (int64, 0-d):
             ``k * (index bytes + value bytes)``.
@@ -85,8 +85,8 @@ def distributed_topk(
     keep the rest as the new residual; sum every rank's pairs
     (:func:`sparse_allreduce`'s exchange) and emit the mean over ranks as a
     dense tree with the structure and dtypes of the gradients. Every rank emits
-    bit-identical updates, so replicas stay identical. Put it first in a chain:
-    ``chain(distributed_topk(density=0.01), sgd(lr, momentum=0.9))``.
+    bit-identical updates, so replicas stay identical. Typically first in a
+    chain: ``chain(distributed_topk(density=0.01), sgd(lr, momentum=0.9))``.
 
     With ``reselect=True`` the summed vector is cut back to its own top ``k``
     (gTop-k, Shi et al. 2019, "A distributed synchronous SGD algorithm with
@@ -109,6 +109,10 @@ def distributed_topk(
     ``k`` and ``density`` size the exchange buffers, so they are Python numbers,
     never tensors (with :func:`functopk.inject_hyperparams`, list them in
     ``static_args``).
+
+    The residual has the unit of the transform's input: gradients when it comes
+    first in a chain (momentum after it then acts on the averaged update),
+    parameter steps after ``scale_by_learning_rate`` (EF-SGD's form).
 
     Args:
         k: Coordinates each rank sends per step.
