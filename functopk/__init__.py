@@ -5,7 +5,7 @@ Example:
     >>> tx = ft.chain(ft.topk(1000), ft.sgd(0.1))
 """
 
-from functopk import nn
+from functopk import distributed, nn
 from functopk.alias import sgd
 from functopk.base import (
     EmptyState,
@@ -77,6 +77,7 @@ __all__ = [
     "check_same_structure",
     "constant_schedule",
     "cosine_decay_schedule",
+    "distributed",
     "exponential_decay",
     "identity",
     "inject_hyperparams",
