@@ -21,7 +21,7 @@ import torch
 
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
-from functopk.inject import InjectHyperparamsState, inject_hyperparams
+from functopk.inject import inject_hyperparams
 from functopk.tree import PyTree
 
 __all__ = ["TorchOptimizer"]
