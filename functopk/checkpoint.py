@@ -200,6 +200,14 @@ def save_state(f: FileLike, state: PyTree) -> None:
     Args:
         f: A path or a writable binary file object.
         state: The tree to save.
+
+    Example:
+        >>> import os, tempfile, torch, functopk as ft
+        >>> tx = ft.sgd(0.1, momentum=0.9)
+        >>> path = os.path.join(tempfile.mkdtemp(), "opt_state.pt")
+        >>> ft.save_state(path, tx.init({"w": torch.zeros(3)}))
+        >>> sorted(torch.load(path, weights_only=True)["leaves"])
+        ["[0].trace['w']"]
     """
     sd = state_to_dict(state)
     if not isinstance(f, (str, os.PathLike)):
@@ -221,7 +229,17 @@ def save_state(f: FileLike, state: PyTree) -> None:
 def read_state_dict(f: FileLike) -> dict[str, Any]:
     """``torch.load(f, map_location="cpu", weights_only=True)``, with unreadable files as :class:`CheckpointError`.
 
-    A missing file still raises ``FileNotFoundError``.
+    Use it to read any checkpoint written with ``torch.save`` (e.g. a
+    :class:`functopk.TorchOptimizer` state dict). A missing file still raises
+    ``FileNotFoundError``.
+
+    Example:
+        >>> import io, torch, functopk as ft
+        >>> from functopk.checkpoint import read_state_dict
+        >>> read_state_dict(io.BytesIO(b"PK\x03\x04 cut short"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        functopk.checkpoint.CheckpointError: cannot read a checkpoint from 'BytesIO': the file is truncated, ...
     """
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
