@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Iterable
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import optree
 import torch
@@ -159,7 +159,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         # Everything step() changes lives in this dict and is changed by item assignment:
         # torch.compile (dynamo) replays mutations of a dict, but silently drops attribute
         # assignments on torch.optim.Optimizer subclasses (torch 2.14).
-        self._mutable: dict[str, Any] = {"state": None, "ptree": None, "lr": None}
+        self._mutable: dict[str, Any] = {"state": None, "ptree": None, "layout": None, "lr": None}
         super().__init__(params, {"lr": _check_lr(lr)})
 
     # -- the public view of the state ------------------------------------------------------------
@@ -240,21 +240,26 @@ class TorchOptimizer(torch.optim.Optimizer):
         if all(g is None for g in grads):
             return loss
         names = self._names(self.param_groups)
-        active = self._make_tree([p if g is not None else None for p, g in zip(slots, grads)], names)
+        mask = tuple(g is not None for g in grads)
+        active = self._make_tree([p if m else None for p, m in zip(slots, mask)], names)
         grad_tree = self._make_tree(grads, names)
 
         # Work on locals and commit at the end, so that an error leaves the state as it was.
         box = self._mutable
-        state, ptree = box["state"], box["ptree"]
-        if state is None:
-            state, ptree = self._tx.init(active), active
-        covered = {id(p) for p in optree.tree_leaves(ptree)}
-        union = self._make_tree([p if g is not None or id(p) in covered else None for p, g in zip(slots, grads)], names)
-        if not _same_ptree(union, ptree):
-            grows = any(id(p) not in covered for p in optree.tree_leaves(active))
-            state = _remap(state, ptree, union, self._tx.init(union) if grows else None)
+        state, ptree, layout = box["state"], box["ptree"], box["layout"]
+        if state is not None and layout is not None and layout.fits(slots, mask, names):
+            full, union = True, ptree  # the common case: the same parameters have gradients as last time
+        else:
+            layout = None
+            if state is None:
+                state, ptree = self._tx.init(active), active
+            covered = {id(p) for p in optree.tree_leaves(ptree)}
+            union = self._make_tree([p if m or id(p) in covered else None for p, m in zip(slots, mask)], names)
+            if not _same_ptree(union, ptree):
+                grows = any(id(p) not in covered for p in optree.tree_leaves(active))
+                state = _remap(state, ptree, union, self._tx.init(union) if grows else None)
+            full = _same_ptree(active, union)
 
-        full = _same_ptree(active, union)
         run_state = state if full else _remap(state, union, active, self._shape_template(active))
         if self._injected:
             lr = self._injected_lr(active)
@@ -263,7 +268,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         if not full:
             new_state = _remap(new_state, active, union, state)
         self._apply_updates(active, updates)
-        box["state"], box["ptree"] = new_state, union
+        if layout is None and full:
+            layout = _Layout(tuple(slots), mask, names)
+        box.update(state=new_state, ptree=union, layout=layout)
         return loss
 
     def _shape_template(self, ptree: PyTree) -> OptState:
@@ -296,6 +303,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         return cached[1]
 
     def _apply_updates(self, active: PyTree, updates: PyTree) -> None:
+        """Add the updates into the parameters of ``active`` (``None`` where no gradient)."""
         p_leaves, p_def = optree.tree_flatten(active, none_is_leaf=True)
         u_leaves, u_def = optree.tree_flatten(updates, none_is_leaf=True)
         if p_def != u_def:
@@ -303,29 +311,37 @@ class TorchOptimizer(torch.optim.Optimizer):
                 f"the transformation returned updates with tree structure {u_def}, but the parameters with "
                 f"gradients have structure {p_def}"
             )
-        factor = {}
-        if not self._injected:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    factor[id(p)] = g["lr"]
-        buckets: dict[Any, tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = {}
+        ps, us = [], []
         for p, u in zip(p_leaves, u_leaves):
             if p is None or u is None:
                 continue
             if u.shape != p.shape:
                 raise ValueError(f"the transformation returned an update of shape {tuple(u.shape)} for a "
                                  f"parameter of shape {tuple(p.shape)}")
-            lr = factor.get(id(p), 1.0)
+            ps.append(p)
+            us.append(u if u.dtype == p.dtype else u.to(p.dtype))
+        if not ps:
+            return
+        if self._injected or all(
+            not isinstance(g["lr"], torch.Tensor) and g["lr"] == 1.0 for g in self.param_groups
+        ):
+            torch._foreach_add_(ps, us)  # updates exactly as the transformation computed them
+            return
+        # group lrs are factors on the updates: one foreach call per distinct factor
+        factor = {id(p): g["lr"] for g in self.param_groups for p in g["params"]}
+        buckets: dict[Any, tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = {}
+        for p, u in zip(ps, us):
+            lr = factor[id(p)]
             bucket = buckets.setdefault(_lr_key(lr), (lr, [], []))
             bucket[1].append(p)
-            bucket[2].append(u if u.dtype == p.dtype else u.to(p.dtype))
-        for lr, ps, us in buckets.values():
+            bucket[2].append(u)
+        for lr, bps, bus in buckets.values():
             if isinstance(lr, torch.Tensor):
-                torch._foreach_add_(ps, torch._foreach_mul(us, lr.to(ps[0].device)))
+                torch._foreach_add_(bps, torch._foreach_mul(bus, lr.to(bps[0].device)))
             elif lr == 1.0:
-                torch._foreach_add_(ps, us)
+                torch._foreach_add_(bps, bus)
             else:
-                torch._foreach_add_(ps, us, alpha=lr)
+                torch._foreach_add_(bps, bus, alpha=lr)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -383,7 +399,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 f"not know (it keeps its whole state under {_STATE_KEY!r})"
             )
         super().load_state_dict({**state_dict, "state": {}})
-        self._mutable.update(state=new_state, ptree=new_ptree, lr=None)
+        self._mutable.update(state=new_state, ptree=new_ptree, layout=None, lr=None)
 
     def _parse_entry(self, entry: Any, saved_groups: list[dict[str, Any]]) -> tuple[OptState, PyTree]:
         if not isinstance(entry, dict) or set(entry) != {"transform", "params_with_state"}:
@@ -410,6 +426,22 @@ class TorchOptimizer(torch.optim.Optimizer):
         chosen = set(indices)
         ptree = self._make_tree([p if i in chosen else None for i, p in enumerate(slots)], names)
         return state_from_dict(self._tx.init(ptree), entry["transform"]), ptree
+
+
+class _Layout(NamedTuple):
+    """What the last full step saw, to skip the set-of-parameters checks when nothing changed."""
+
+    slots: tuple[torch.Tensor, ...]
+    mask: tuple[bool, ...]
+    names: list[str] | None
+
+    def fits(self, slots: list[torch.Tensor], mask: tuple[bool, ...], names: list[str] | None) -> bool:
+        return (
+            mask == self.mask
+            and names == self.names
+            and len(slots) == len(self.slots)
+            and all(a is b for a, b in zip(slots, self.slots))
+        )
 
 
 def _same_ptree(a: PyTree, b: PyTree) -> bool:

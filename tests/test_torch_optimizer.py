@@ -153,6 +153,22 @@ def test_changing_gradient_sets_match_torch_optim_sgd():
     assert "extra" in opt.transform_state[0].trace
 
 
+def test_a_replaced_parameter_gets_fresh_state():
+    """State follows parameter objects: a new tensor in a param group starts from init, not from another's state."""
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    opt = ft.TorchOptimizer([a, b], ft.sgd(1.0, momentum=0.5))
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    opt.step()
+    new_b = torch.nn.Parameter(torch.zeros(2))
+    opt.param_groups[0]["params"][1] = new_b  # e.g. a re-created layer
+    a.grad, new_b.grad = torch.ones(3), torch.full((2,), 2.0)
+    opt.step()
+    momentum_a, momentum_b = opt.transform_state[0].trace
+    assert torch.equal(momentum_a, torch.full((3,), 1.5))  # 1 + 0.5 * 1: kept
+    assert torch.equal(momentum_b, torch.full((2,), 2.0))  # fresh: 2 + 0.5 * 0
+    assert torch.equal(new_b.detach(), torch.full((2,), -2.0))
+
+
 class FlatState(NamedTuple):
     total: torch.Tensor
 
