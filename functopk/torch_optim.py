@@ -76,7 +76,9 @@ class TorchOptimizer(torch.optim.Optimizer):
       step, as a scheduler set it (this matters when something follows the
       learning rate in the chain, e.g. error feedback on ``lr``-scaled updates).
       One global transformation has one learning rate: all groups with
-      gradients must then hold the same ``lr``, else :meth:`step` raises.
+      gradients must then hold the same ``lr`` (the same number, or the same
+      tensor object: tensor values are not compared, which would sync), else
+      :meth:`step` raises.
 
     **State.** One state for the whole tree, created at the first step from the
     parameters that have gradients. If later steps give gradients to further
