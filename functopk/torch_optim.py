@@ -160,7 +160,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             )
         # Everything step() changes lives in this dict and is changed by item assignment:
         # torch.compile (dynamo) replays mutations of a dict, but silently drops attribute
-        # assignments on torch.optim.Optimizer subclasses (torch 2.14).
+        # assignments on torch.optim.Optimizer subclasses (torch 2.14; cf. pytorch/pytorch#171590).
         self._mutable: dict[str, Any] = {"state": None, "ptree": None, "layout": None, "lr": None}
         super().__init__(params, {"lr": _check_lr(lr)})
 
