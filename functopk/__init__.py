@@ -20,6 +20,7 @@ from functopk.base import (
     identity,
     stateless,
 )
+from functopk.checkpoint import CheckpointError, load_state, save_state, state_from_dict, state_to_dict
 from functopk.combine import chain, named_chain
 from functopk.inject import InjectHyperparamsState, inject_hyperparams
 from functopk.schedules import (
@@ -40,6 +41,7 @@ from functopk.transforms import (
     scale_by_schedule,
     trace,
 )
+from functopk.torch_optim import TorchOptimizer
 from functopk.tree import (
     FlatLayout,
     PyTree,
@@ -57,6 +59,7 @@ from functopk.update import apply_updates, apply_updates_
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "EmptyState",
     "FlatLayout",
     "GradientTransformation",
@@ -67,6 +70,7 @@ __all__ = [
     "ScalarOrSchedule",
     "ScaleByScheduleState",
     "Schedule",
+    "TorchOptimizer",
     "TraceState",
     "TransformInitFn",
     "TransformUpdateFn",
@@ -84,14 +88,18 @@ __all__ = [
     "join_schedules",
     "k_from_density",
     "linear_schedule",
+    "load_state",
     "named_chain",
     "nn",
     "piecewise_constant_schedule",
     "ravel_pytree",
+    "save_state",
     "scale",
     "scale_by_learning_rate",
     "scale_by_schedule",
     "sgd",
+    "state_from_dict",
+    "state_to_dict",
     "stateless",
     "topk",
     "topk_mask",
