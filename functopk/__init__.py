@@ -6,7 +6,16 @@ Example:
 """
 
 from functopk import nn
-from functopk.alias import sgd
+from functopk.accumulate import MultiStepsState, multi_steps
+from functopk.adaptive import (
+    ScaleByAdamState,
+    ScaleByRmsState,
+    ScaleByRssState,
+    scale_by_adam,
+    scale_by_rms,
+    scale_by_rss,
+)
+from functopk.alias import adagrad, adam, adamw, rmsprop, sgd
 from functopk.base import (
     EmptyState,
     GradientTransformation,
@@ -20,7 +29,16 @@ from functopk.base import (
     identity,
     stateless,
 )
-from functopk.combine import chain, named_chain
+from functopk.clipping import (
+    ApplyIfFiniteState,
+    all_finite,
+    apply_if_finite,
+    clip,
+    clip_by_global_norm,
+    global_norm,
+    zero_nans,
+)
+from functopk.combine import MaskedState, chain, masked, named_chain, partition
 from functopk.inject import InjectHyperparamsState, inject_hyperparams
 from functopk.schedules import (
     constant_schedule,
@@ -33,8 +51,10 @@ from functopk.schedules import (
 )
 from functopk.sparsify import k_from_density, topk, topk_mask, topk_sparsify
 from functopk.transforms import (
+    MaskOrFn,
     ScaleByScheduleState,
     TraceState,
+    add_decayed_weights,
     scale,
     scale_by_learning_rate,
     scale_by_schedule,
@@ -57,38 +77,61 @@ from functopk.update import apply_updates, apply_updates_
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApplyIfFiniteState",
     "EmptyState",
     "FlatLayout",
     "GradientTransformation",
     "InjectHyperparamsState",
+    "MaskOrFn",
+    "MaskedState",
+    "MultiStepsState",
     "OptState",
     "Params",
     "PyTree",
     "ScalarOrSchedule",
+    "ScaleByAdamState",
+    "ScaleByRmsState",
+    "ScaleByRssState",
     "ScaleByScheduleState",
     "Schedule",
     "TraceState",
     "TransformInitFn",
     "TransformUpdateFn",
     "Updates",
+    "adagrad",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "all_finite",
+    "apply_if_finite",
     "apply_updates",
     "apply_updates_",
     "chain",
     "check_same_structure",
+    "clip",
+    "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
     "exponential_decay",
+    "global_norm",
     "identity",
     "inject_hyperparams",
     "join_schedules",
     "k_from_density",
     "linear_schedule",
+    "masked",
+    "multi_steps",
     "named_chain",
     "nn",
+    "partition",
     "piecewise_constant_schedule",
     "ravel_pytree",
+    "rmsprop",
     "scale",
+    "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_rms",
+    "scale_by_rss",
     "scale_by_schedule",
     "sgd",
     "stateless",
@@ -103,4 +146,5 @@ __all__ = [
     "tree_scale",
     "tree_zeros_like",
     "warmup_cosine_decay_schedule",
+    "zero_nans",
 ]
