@@ -48,9 +48,13 @@ __all__ = [
 
 
 def _ema(avg: list[torch.Tensor], grads: list[torch.Tensor], decay: float | torch.Tensor) -> list[torch.Tensor]:
-    """``decay * avg + (1 - decay) * grads``: ``torch.optim``'s ``lerp`` for a Python decay."""
+    """``decay * avg + (1 - decay) * grads`` with one ``lerp`` kernel, as ``torch.optim`` computes it.
+
+    A tensor ``decay`` goes in as a list of 0-d weights (the foreach ``lerp`` has
+    no overload for a single tensor weight), which the per-tensor kernels broadcast.
+    """
     if isinstance(decay, torch.Tensor):
-        return keep_dtypes(torch._foreach_add(torch._foreach_mul(avg, decay), torch._foreach_mul(grads, 1.0 - decay)), avg)
+        return keep_dtypes(torch._foreach_lerp(avg, grads, [1.0 - decay] * len(avg)), avg)
     return list(torch._foreach_lerp(avg, grads, 1.0 - decay))
 
 

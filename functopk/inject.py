@@ -84,7 +84,7 @@ def inject_hyperparams(
             elif isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
                 injected[name] = value
             elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-                injected[name] = float(value)
+                injected[name] = value
             elif callable(value) and not isinstance(value, GradientTransformation):
                 schedules[name] = value
             else:
