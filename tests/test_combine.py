@@ -152,6 +152,9 @@ def test_clip_by_global_norm_matches_torch_clip_grad_norm():
     torch.testing.assert_close(ft.global_norm(grads), total, rtol=1e-6, atol=0)
     for a, b in zip(ft.tree_leaves(out), tensors):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    # below the bound: returned unchanged
+    loose = ft.clip_by_global_norm(10.0)
+    assert_tree_bitwise_equal(loose.update(grads, loose.init(None))[0], grads)
 
 
 def test_global_norm_half_precision_does_not_overflow():
