@@ -68,6 +68,16 @@ def _ema_sq(avg: list[torch.Tensor], grads: list[torch.Tensor], decay: float | t
     return new
 
 
+def div_into(numerators: list[torch.Tensor], denominators: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``numerators / denominators``, written into ``denominators`` (fresh buffers owned by the caller).
+
+    Saves allocating a tree per step; on CPU a fresh tree costs page faults as well
+    as memory, since glibc hands large freed blocks back to the system.
+    """
+    torch.ops.aten._foreach_div.List_out(numerators, denominators, out=denominators)
+    return denominators
+
+
 class ScaleByAdamState(NamedTuple):
     """State of :func:`scale_by_adam` (and of :func:`functopk.adam`, :func:`functopk.adamw`).
 
@@ -180,7 +190,8 @@ def adam_transform(
         if learning_rate is not None:
             lr = learning_rate(count) if callable(learning_rate) else learning_rate
             step = step * -lr
-        out = list(torch._foreach_div(new_mu, denom))
+        # The update is written into the denominator's buffers: one allocation fewer per step.
+        out = div_into(new_mu, denom)
         torch._foreach_mul_(out, step)
         if decay and decoupled:
             idx = list(range(len(out))) if mask is None else [i for i, f in enumerate(resolve_mask(mask, params)) if f]
@@ -307,7 +318,7 @@ def scale_by_rms(
         else:
             denom = list(torch._foreach_sqrt(square))
             torch._foreach_add_(denom, eps)
-        out = keep_dtypes(torch._foreach_div(grads, denom), grads)
+        out = keep_dtypes(div_into(grads, denom), grads)
         return optree.tree_unflatten(treedef, out), ScaleByRmsState(
             nu=optree.tree_unflatten(treedef, new_nu),
             mu=None if new_mu is None else optree.tree_unflatten(treedef, new_mu),
@@ -360,7 +371,7 @@ def scale_by_rss(
         new_sum = list(torch._foreach_addcmul(optree.tree_leaves(state.sum_of_squares), grads, grads, value=1.0))
         denom = list(torch._foreach_sqrt(new_sum))
         torch._foreach_add_(denom, eps)
-        out = keep_dtypes(torch._foreach_div(grads, denom), grads)
+        out = keep_dtypes(div_into(grads, denom), grads)
         return optree.tree_unflatten(treedef, out), ScaleByRssState(optree.tree_unflatten(treedef, new_sum))
 
     return GradientTransformation(init, update)
