@@ -16,8 +16,16 @@ torch.optim. Every variant runs the same steps from the same start, and at the
 end their parameters are checked against torch.optim's.
 
 Usage:
-    python benchmarks/optim.py            # ResNet-50, 20 rounds
-    python benchmarks/optim.py --quick    # ResNet-18, 3 rounds: a smoke run
+    python benchmarks/optim.py                  # ResNet-50, 20 rounds
+    python benchmarks/optim.py --quick          # ResNet-18, 3 rounds: a smoke run
+    python benchmarks/optim.py --malloc tuned   # keep freed memory in the process (see below)
+
+Memory: a pure step allocates new state tensors (torch.optim overwrites its
+own). glibc returns large freed blocks to the system, so on CPU each step's new
+tensors arrive as fresh pages, i.e. page faults. ``--malloc tuned`` re-runs the
+script with glibc told to keep freed memory (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``), which is what jemalloc or
+tcmalloc (the PyTorch CPU tuning guide's advice) do by default.
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ except ImportError:  # optional
     torchopt = None
 
 LR = {"sgd-momentum": 0.1, "adam": 1e-3, "adamw": 1e-3}
+TUNED_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
+    "MALLOC_TOP_PAD_": str(1 << 29),
+}
 
 
 def model_params(name: str) -> dict[str, torch.Tensor]:
@@ -175,8 +188,10 @@ def run(model: str, rounds: int, warmup: int, opts: list[str], compile_: bool) -
     g = torch.Generator().manual_seed(1)
     grads = {k: torch.randn(v.shape, generator=g) * 1e-2 for k, v in params.items()}
     numel = sum(v.numel() for v in params.values())
+    malloc = "tuned" if all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items()) else "default"
     print(f"# {model}: {len(params)} tensors, {numel / 1e6:.1f}M parameters; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, TorchOpt {'%s' % torchopt.__version__ if torchopt else 'not installed'}",
+          f"{torch.get_num_threads()} threads, glibc malloc {malloc}, "
+          f"TorchOpt {'%s' % torchopt.__version__ if torchopt else 'not installed'}",
           flush=True)
     rows = []
     for opt in opts:
@@ -253,7 +268,12 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     parser.add_argument("--out", default="out/bench/optim.png", help="where to write the plot")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--malloc", choices=["default", "tuned"], default="default",
+                        help="glibc malloc settings for the run (tuned: keep freed memory in the process)")
     args = parser.parse_args()
+    if args.malloc == "tuned" and any(os.environ.get(k) != v for k, v in TUNED_MALLOC.items()):
+        # glibc reads these when the process starts: run again with them set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TUNED_MALLOC})
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model or ("resnet18" if args.quick else "resnet50")
@@ -262,7 +282,8 @@ def main() -> None:
     rows = run(model, rounds, warmup=2, opts=opts, compile_=not args.no_compile)
     print()
     print(table(rows))
-    title = f"Optimizer step, {model} ({platform.machine()}, {torch.get_num_threads()} threads)"
+    malloc = "tuned malloc" if all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items()) else "default malloc"
+    title = f"Optimizer step, {model} ({platform.machine()}, {torch.get_num_threads()} threads, {malloc})"
     plot(rows, args.out, title)
     print(f"\nplot: {args.out}")
 

@@ -27,6 +27,7 @@ from functopk.transforms import (
     check_hyperparam,
     check_same_structure,
     check_scalar_or_schedule,
+    for_leaves,
     full_like_leaves,
     init_count,
     is_zero,
@@ -183,8 +184,8 @@ def adam_transform(
         if is_zero(eps_root):
             denom = list(torch._foreach_sqrt(denom_src))
         else:
-            denom = list(torch._foreach_sqrt(torch._foreach_add(denom_src, eps_root * bc2)))
-        torch._foreach_add_(denom, eps * bc2_sqrt)
+            denom = list(torch._foreach_sqrt(torch._foreach_add(denom_src, for_leaves(eps_root * bc2, grads))))
+        torch._foreach_add_(denom, for_leaves(eps * bc2_sqrt, grads))
         step = bc2_sqrt / bc1
         lr = None
         if learning_rate is not None:
@@ -192,10 +193,10 @@ def adam_transform(
             step = step * -lr
         # The update is written into the denominator's buffers: one allocation fewer per step.
         out = div_into(new_mu, denom)
-        torch._foreach_mul_(out, step)
+        torch._foreach_mul_(out, for_leaves(step, grads))
         if decay and decoupled:
             idx = list(range(len(out))) if mask is None else [i for i, f in enumerate(resolve_mask(mask, params)) if f]
-            coef = -lr * weight_decay
+            coef = for_leaves(-lr * weight_decay, grads)
             if idx and isinstance(coef, torch.Tensor):
                 torch._foreach_add_([out[i] for i in idx], torch._foreach_mul([p_leaves[i] for i in idx], coef))
             elif idx:
