@@ -218,15 +218,20 @@ def run(model: str, rounds: int, warmup: int, opts: list[str], compile_: bool) -
             if worst > 1e-4:
                 raise AssertionError(f"{opt}/{v.name}: parameters differ from torch.optim's by {worst:.2e}")
             med = statistics.median(times[v.name])
-            rows.append({"optimizer": opt, "variant": v.name, "ms": med * 1e3, "ratio": med / base,
-                         "iqr": (statistics.quantiles(times[v.name], n=4)[2] - statistics.quantiles(times[v.name], n=4)[0]) * 1e3})
+            q = statistics.quantiles(times[v.name], n=4)
+            rows.append(
+                {"optimizer": opt, "variant": v.name, "ms": med * 1e3, "ratio": med / base, "iqr": (q[2] - q[0]) * 1e3}
+            )
         del variants
         gc.collect()
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| optimizer | variant | median ms / step | IQR ms | vs torch.optim foreach |", "| --- | --- | ---: | ---: | ---: |"]
+    lines = [
+        "| optimizer | variant | median ms / step | IQR ms | vs torch.optim foreach |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
     for r in rows:
         lines.append(f"| {r['optimizer']} | {r['variant']} | {r['ms']:.1f} | {r['iqr']:.1f} | {r['ratio']:.2f}x |")
     return "\n".join(lines)

@@ -79,10 +79,15 @@ def multi_steps(inner: GradientTransformation, every_k: int | torch.Tensor) -> G
     def init(params: Params) -> MultiStepsState:
         count = init_count(params)
         return MultiStepsState(
-            mini_step=count, gradient_step=count.clone(), inner_state=inner.init(params), acc_grads=tree_zeros_like(params)
+            mini_step=count,
+            gradient_step=count.clone(),
+            inner_state=inner.init(params),
+            acc_grads=tree_zeros_like(params),
         )
 
-    def update(updates: Updates, state: MultiStepsState, params: Params | None = None) -> tuple[Updates, MultiStepsState]:
+    def update(
+        updates: Updates, state: MultiStepsState, params: Params | None = None
+    ) -> tuple[Updates, MultiStepsState]:
         if not isinstance(state, MultiStepsState):
             raise ValueError(f"state must be a MultiStepsState, got {type(state).__name__}")
         check_same_structure(state.acc_grads, updates, name="updates", expected_name="the accumulated gradients")

@@ -302,7 +302,9 @@ def scale_by_rms(
         nu = optree.tree_unflatten(treedef, full_like_leaves(leaves, initial_scale))
         return ScaleByRmsState(nu=nu, mu=tree_zeros_like(params) if centered else None)
 
-    def update(updates: Updates, state: ScaleByRmsState, params: Params | None = None) -> tuple[Updates, ScaleByRmsState]:
+    def update(
+        updates: Updates, state: ScaleByRmsState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByRmsState]:
         del params
         check_same_structure(state.nu, updates, name="updates", expected_name="the RMS state")
         grads, treedef = optree.tree_flatten(updates)
@@ -363,7 +365,9 @@ def scale_by_rss(
         leaves, treedef = optree.tree_flatten(params)
         return ScaleByRssState(optree.tree_unflatten(treedef, full_like_leaves(leaves, initial_accumulator_value)))
 
-    def update(updates: Updates, state: ScaleByRssState, params: Params | None = None) -> tuple[Updates, ScaleByRssState]:
+    def update(
+        updates: Updates, state: ScaleByRssState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByRssState]:
         del params
         check_same_structure(state.sum_of_squares, updates, name="updates", expected_name="the RSS state")
         grads, treedef = optree.tree_flatten(updates)

@@ -185,7 +185,9 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: OptState
 
 
-def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int | torch.Tensor | None = None) -> GradientTransformation:
+def apply_if_finite(
+    inner: GradientTransformation, max_consecutive_errors: int | torch.Tensor | None = None
+) -> GradientTransformation:
     """Skip steps whose updates are not finite: emit zeros and keep ``inner``'s state as it was.
 
     ``inner`` runs at every step; when its output updates contain a NaN or an

@@ -189,12 +189,15 @@ def _resolve_labels(labels: LabelsOrFn, tree: PyTree, known: Mapping[Hashable, A
         if label is None or not isinstance(label, Hashable) or label not in known:
             where = "".join(f"[{p!r}]" for p in path) or "<root>"
             raise ValueError(
-                f"param_labels leaf at {where} is {label!r}, which is not a key of transforms {sorted(map(repr, known))}"
+                f"param_labels leaf at {where} is {label!r}, which is not a key of transforms "
+                f"{sorted(map(repr, known))}"
             )
     return flat
 
 
-def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels: LabelsOrFn) -> GradientTransformation:
+def partition(
+    transforms: Mapping[Hashable, GradientTransformation], param_labels: LabelsOrFn
+) -> GradientTransformation:
     """Send each parameter to the transformation of its label (``torch.optim`` parameter groups).
 
     Every leaf gets exactly one label; the transformation of that label sees the

@@ -128,7 +128,9 @@ def mul(xs: Sequence[torch.Tensor], scalar: float | torch.Tensor) -> list[torch.
     return keep_dtypes(torch._foreach_mul(list(xs), scalar), xs)
 
 
-def add_scaled(a: Sequence[torch.Tensor], scalar: float | torch.Tensor, b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def add_scaled(
+    a: Sequence[torch.Tensor], scalar: float | torch.Tensor, b: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
     """``a + scalar * b`` over lists of tensors (one fused kernel for a Python scalar), dtypes of ``a`` kept."""
     if isinstance(scalar, torch.Tensor):
         return keep_dtypes(torch._foreach_add(list(a), torch._foreach_mul(list(b), scalar)), a)
@@ -318,7 +320,9 @@ def trace(
     return GradientTransformation(init, update)
 
 
-def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: MaskOrFn | None = None) -> GradientTransformation:
+def add_decayed_weights(
+    weight_decay: float | torch.Tensor = 0.0, mask: MaskOrFn | None = None
+) -> GradientTransformation:
     """Add ``weight_decay * params`` to the updates (L2 regularisation's gradient).
 
     Placed before an optimizer's scaling it is *coupled* weight decay, as the

@@ -164,7 +164,10 @@ def test_global_norm_half_precision_does_not_overflow():
     assert ft.global_norm(tree).dtype == torch.float32
 
 
-@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=20), st.floats(0.0, 10.0, width=32))
+@given(
+    st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=20),
+    st.floats(0.0, 10.0, width=32),
+)
 def test_clip_bounds_each_coordinate(values, max_delta):
     x = torch.tensor(values)
     for tx in (ft.clip(max_delta), ft.inject_hyperparams(ft.clip)(max_delta=max_delta)):

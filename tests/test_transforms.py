@@ -285,16 +285,19 @@ TRANSFORMS = [
     ("scale_by_schedule", ft.scale_by_schedule, {"schedule": ft.exponential_decay(1.0, 1, 0.5)}, ("schedule",)),
     ("trace_nesterov", ft.trace, {"decay": 0.9, "nesterov": True}, ()),
     ("trace_dampening", ft.trace, {"decay": 0.9, "dampening": 0.5}, ()),
-    ("add_decayed_weights", ft.add_decayed_weights, {"weight_decay": 0.1, "mask": {"w": True, "h": False, "s": True, "frozen": None}}, ()),
+    ("add_decayed_weights", ft.add_decayed_weights,
+     {"weight_decay": 0.1, "mask": {"w": True, "h": False, "s": True, "frozen": None}}, ()),
     ("scale_by_adam", ft.scale_by_adam, {"b1": 0.8, "b2": 0.9, "eps": 1e-6, "eps_root": 1e-8, "amsgrad": True}, ()),
     ("scale_by_rms", ft.scale_by_rms, {"decay": 0.9, "eps": 1e-6, "initial_scale": 0.1, "centered": True}, ()),
     ("scale_by_rss", ft.scale_by_rss, {"initial_accumulator_value": 0.1, "eps": 1e-8}, ()),
     ("clip", ft.clip, {"max_delta": 0.3}, ()),
     ("clip_by_global_norm", ft.clip_by_global_norm, {"max_norm": 0.5}, ()),
     ("zero_nans", ft.zero_nans, {}, ()),
-    ("sgd", ft.sgd, {"learning_rate": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "maximize": True}, ()),
+    ("sgd", ft.sgd,
+     {"learning_rate": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "maximize": True}, ()),
     ("adam", ft.adam, {"learning_rate": 0.01, "weight_decay": 0.01, "amsgrad": True}, ()),
-    ("adamw", ft.adamw, {"learning_rate": 0.01, "weight_decay": 0.1, "mask": lambda p: ft.tree_map(lambda x: x.dim() > 1, p)}, ("mask",)),
+    ("adamw", ft.adamw,
+     {"learning_rate": 0.01, "weight_decay": 0.1, "mask": lambda p: ft.tree_map(lambda x: x.dim() > 1, p)}, ("mask",)),
     ("rmsprop", ft.rmsprop, {"learning_rate": 0.01, "momentum": 0.5, "centered": True, "weight_decay": 0.01}, ()),
     ("adagrad", ft.adagrad, {"learning_rate": 0.1, "lr_decay": 0.1, "initial_accumulator_value": 0.1}, ()),
     ("apply_if_finite", ft.apply_if_finite, {"inner": ft.adam(0.1), "max_consecutive_errors": 2}, ()),
@@ -333,7 +336,9 @@ def test_inject_hyperparams_gives_the_same_updates(name, factory, kwargs, static
     plain = factory(**kwargs)
     injected = ft.inject_hyperparams(factory, static_args=static)(**kwargs)
     s1, s2 = plain.init(MIXED), injected.init(MIXED)
-    numeric = {k for k, v in kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in static}
+    numeric = {
+        k for k, v in kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in static
+    }
     assert set(s2.hyperparams) == numeric
     for i in range(4):
         g = mixed_grads(i)
