@@ -6,7 +6,16 @@ Example:
 """
 
 from functopk import distributed, nn
-from functopk.alias import sgd
+from functopk.accumulate import MultiStepsState, multi_steps
+from functopk.adaptive import (
+    ScaleByAdamState,
+    ScaleByRmsState,
+    ScaleByRssState,
+    scale_by_adam,
+    scale_by_rms,
+    scale_by_rss,
+)
+from functopk.alias import adagrad, adam, adamw, rmsprop, sgd
 from functopk.base import (
     EmptyState,
     GradientTransformation,
@@ -21,7 +30,16 @@ from functopk.base import (
     stateless,
 )
 from functopk.checkpoint import CheckpointError, load_state, save_state, state_from_dict, state_to_dict
-from functopk.combine import chain, named_chain
+from functopk.clipping import (
+    ApplyIfFiniteState,
+    all_finite,
+    apply_if_finite,
+    clip,
+    clip_by_global_norm,
+    global_norm,
+    zero_nans,
+)
+from functopk.combine import MaskedState, chain, masked, named_chain, partition
 from functopk.inject import InjectHyperparamsState, inject_hyperparams
 from functopk.schedules import (
     constant_schedule,
@@ -34,8 +52,10 @@ from functopk.schedules import (
 )
 from functopk.sparsify import k_from_density, topk, topk_mask, topk_sparsify
 from functopk.transforms import (
+    MaskOrFn,
     ScaleByScheduleState,
     TraceState,
+    add_decayed_weights,
     scale,
     scale_by_learning_rate,
     scale_by_schedule,
@@ -59,15 +79,22 @@ from functopk.update import apply_updates, apply_updates_
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApplyIfFiniteState",
     "CheckpointError",
     "EmptyState",
     "FlatLayout",
     "GradientTransformation",
     "InjectHyperparamsState",
+    "MaskOrFn",
+    "MaskedState",
+    "MultiStepsState",
     "OptState",
     "Params",
     "PyTree",
     "ScalarOrSchedule",
+    "ScaleByAdamState",
+    "ScaleByRmsState",
+    "ScaleByRssState",
     "ScaleByScheduleState",
     "Schedule",
     "TorchOptimizer",
@@ -75,27 +102,43 @@ __all__ = [
     "TransformInitFn",
     "TransformUpdateFn",
     "Updates",
+    "adagrad",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "all_finite",
+    "apply_if_finite",
     "apply_updates",
     "apply_updates_",
     "chain",
     "check_same_structure",
+    "clip",
+    "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
     "distributed",
     "exponential_decay",
+    "global_norm",
     "identity",
     "inject_hyperparams",
     "join_schedules",
     "k_from_density",
     "linear_schedule",
     "load_state",
+    "masked",
+    "multi_steps",
     "named_chain",
     "nn",
+    "partition",
     "piecewise_constant_schedule",
     "ravel_pytree",
+    "rmsprop",
     "save_state",
     "scale",
+    "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_rms",
+    "scale_by_rss",
     "scale_by_schedule",
     "sgd",
     "state_from_dict",
@@ -112,4 +155,5 @@ __all__ = [
     "tree_scale",
     "tree_zeros_like",
     "warmup_cosine_decay_schedule",
+    "zero_nans",
 ]
