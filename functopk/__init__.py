@@ -31,7 +31,7 @@ from functopk.schedules import (
     piecewise_constant_schedule,
     warmup_cosine_decay_schedule,
 )
-from functopk.sparsify import k_from_density, topk, topk_mask, topk_sparsify
+from functopk.sparsify import TopKState, gaussian_threshold, k_from_density, topk, topk_indices, topk_mask, topk_sparsify
 from functopk.transforms import (
     ScaleByScheduleState,
     TraceState,
@@ -52,7 +52,7 @@ from functopk.tree import (
     tree_scale,
     tree_zeros_like,
 )
-from functopk.update import apply_updates, apply_updates_
+from functopk.update import SparseUpdates, apply_sparse_updates, apply_sparse_updates_, apply_updates, apply_updates_
 
 __version__ = "0.1.0"
 
@@ -67,10 +67,14 @@ __all__ = [
     "ScalarOrSchedule",
     "ScaleByScheduleState",
     "Schedule",
+    "SparseUpdates",
+    "TopKState",
     "TraceState",
     "TransformInitFn",
     "TransformUpdateFn",
     "Updates",
+    "apply_sparse_updates",
+    "apply_sparse_updates_",
     "apply_updates",
     "apply_updates_",
     "chain",
@@ -78,6 +82,7 @@ __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
     "exponential_decay",
+    "gaussian_threshold",
     "identity",
     "inject_hyperparams",
     "join_schedules",
@@ -93,6 +98,7 @@ __all__ = [
     "sgd",
     "stateless",
     "topk",
+    "topk_indices",
     "topk_mask",
     "topk_sparsify",
     "trace",

@@ -1,0 +1,492 @@
+"""Selection kernels: which coordinates a global top-k keeps.
+
+These functions work on the list of a tree's leaves, each flattened to 1-d in
+flat order (see :mod:`functopk.tree`), and never change them. The public
+entry points are in :mod:`functopk.sparsify`; this module holds the
+algorithms (see ``docs/topk.md`` for the measurements behind them):
+
+* :func:`mask_static`: the exact top-k as a boolean mask over the
+  concatenated magnitudes, with static shapes only. ``torch.topk`` for an int
+  ``k``; a radix select on the float bit patterns for a tensor ``k``.
+* :func:`select_exact`: the exact top-k as sorted flat indices and values,
+  without concatenating the leaves. A systematic sample brackets the k-th
+  magnitude; one scan over the leaves, in cache-sized segments, gathers the
+  candidates above the lower end of the bracket; an exact selection among the
+  candidates finishes the job. If the sample was misleading (too few
+  candidates) it falls back to :func:`mask_static`, so the result never
+  depends on the sample, only the running time does. Data-dependent sizes and
+  host reads: eager mode only.
+* :func:`sample_threshold` and :func:`gaussian_threshold`: approximate
+  thresholds, for the approximate methods.
+
+Ranking rules shared by every exact kernel: magnitudes ``|x|`` are compared in
+the common (promoted) dtype of the leaves, NaN counts as ``+inf``, and among
+equal magnitudes the lower flat index wins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "common_dtype",
+    "flat_magnitudes",
+    "gaussian_threshold_flat",
+    "mask_above",
+    "mask_static",
+    "radix_kth_key",
+    "sample_threshold",
+    "select_exact",
+    "select_static",
+]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+_MAGNITUDE_BITS = {torch.float16: 15, torch.bfloat16: 15, torch.float32: 31, torch.float64: 63}
+
+# Tuning constants of the eager exact kernel (module attributes so that tests can
+# shrink them to exercise every branch on small trees).
+EXACT_MIN_NUMEL = 1 << 16
+"""Trees smaller than this use the static kernel even in eager mode (it is as fast there)."""
+SEGMENT = 1 << 18
+"""Elements per segment of the candidate scan (fits in a core's L2 cache)."""
+SAMPLE_SIZE = 1 << 16
+"""Target size of the systematic sample that brackets the k-th magnitude."""
+MARGIN = 4.0
+"""Width of the bracket, in binomial standard deviations of the sample count on each side."""
+BAND_MIN = 1 << 15
+"""Candidate count above which the upper end of the bracket is used to shrink the final selection."""
+MAX_ROWS = 256
+"""Most rows of the column view of a leaf (see :func:`column_rows`)."""
+COLUMN_BALANCE = 0.7
+"""Balance constant of :func:`column_rows`."""
+COLUMN_MAX_FRACTION = 0.004
+"""Candidate fraction above which leaves are scanned directly (see :func:`column_rows`)."""
+MIN_COLUMNS = 256
+"""Leaves with fewer than ``rows * MIN_COLUMNS`` elements are scanned directly."""
+COLUMN_BLOCK = 1 << 20
+"""Large leaves are viewed as columns block by block, of at most this many elements."""
+
+
+def common_dtype(leaves: Sequence[torch.Tensor]) -> torch.dtype:
+    """The promoted dtype of ``leaves`` (in which magnitudes are compared)."""
+    dtype = leaves[0].dtype
+    for leaf in leaves[1:]:
+        dtype = torch.promote_types(dtype, leaf.dtype)
+    return dtype
+
+
+def _magnitudes_(x: torch.Tensor) -> torch.Tensor:
+    """In place: ``|x|`` with NaN mapped to ``+inf``; returns ``x``."""
+    return torch.nan_to_num_(x.abs_(), nan=math.inf, posinf=math.inf)
+
+
+def flat_magnitudes(flats: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``|x|`` of every coordinate in flat order, in ``dtype``, NaN mapped to ``+inf`` (a new tensor)."""
+    return _magnitudes_(torch.cat([f.to(dtype) for f in flats]))
+
+
+# --------------------------------------------------------------------------- static (compile-friendly) kernels
+
+
+def _tie_mask(mags: torch.Tensor, above: torch.Tensor, at: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """``above`` plus the first ``k - #above`` entries of ``at`` in index order."""
+    room = k - torch.count_nonzero(above)
+    return above | (at & (torch.cumsum(at, 0) <= room))
+
+
+def radix_kth_key(keys: torch.Tensor, k: torch.Tensor, bits: int) -> torch.Tensor:
+    """The k-th largest of non-negative integer ``keys`` (a 0-d tensor), by radix select.
+
+    Static shapes and no host reads: ``ceil(bits / 11)`` passes, each a
+    histogram (``index_add_``) of the next digit over the keys whose higher
+    digits match the prefix found so far.
+
+    Args:
+        keys: 1-d non-negative integer tensor (at most ``bits`` significant bits).
+        k: 0-d integer tensor in ``[1, keys.numel()]``.
+        bits: Number of significant bits of the keys.
+    """
+    passes = -(-bits // 11)
+    widths = [bits // passes + (1 if i < bits % passes else 0) for i in range(passes)]
+    need = k.to(torch.int64)
+    prefix = torch.zeros((), dtype=torch.int64, device=keys.device)
+    shift = bits
+    for width in widths:
+        shift -= width
+        digit = (keys >> shift) & ((1 << width) - 1)
+        if shift + width == bits:
+            weight = torch.ones_like(digit, dtype=torch.int64)
+        else:
+            weight = ((keys >> (shift + width)) == prefix).to(torch.int64)
+        hist = torch.zeros(1 << width, dtype=torch.int64, device=keys.device)
+        hist.index_add_(0, digit.to(torch.int64), weight)
+        at_least = hist.flip(0).cumsum(0).flip(0)  # at_least[d]: matching keys with digit >= d
+        d = torch.count_nonzero(at_least >= need) - 1  # the largest digit that still holds the k-th
+        need = need - (at_least.gather(0, d.reshape(1)) - hist.gather(0, d.reshape(1))).reshape(())
+        prefix = (prefix << width) | d
+    return prefix
+
+
+def _keys(mags: torch.Tensor) -> torch.Tensor:
+    """Order-preserving integer keys of non-negative, NaN-free magnitudes (their bit patterns)."""
+    keys = mags.view(_INT_OF[mags.dtype])
+    return keys.to(torch.int32) if keys.dtype == torch.int16 else keys
+
+
+def mask_static(mags: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the top ``k`` of ``mags`` (NaN-free magnitudes); ties: lower index wins.
+
+    Static shapes and no host reads, so it compiles with ``fullgraph=True``.
+    An int ``k`` uses ``torch.topk``; a 0-d integer tensor ``k`` (clamped to
+    ``[1, n]``) uses :func:`radix_kth_key`.
+    """
+    if isinstance(k, torch.Tensor):
+        k = k.to(torch.int64).clamp(1, mags.numel())
+        keys = _keys(mags)
+        t = radix_kth_key(keys, k, _MAGNITUDE_BITS[mags.dtype])
+        return _tie_mask(keys, keys > t, keys == t, k)
+    t = torch.topk(mags, k, sorted=False).values.min()
+    return _tie_mask(mags, mags > t, mags == t, k)
+
+
+def select_static(flats: Sequence[torch.Tensor], k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted flat indices and values (in ``dtype``) of the exact top ``k``, via :func:`mask_static`.
+
+    Materialises the concatenation. ``nonzero`` makes it eager-only; it is the
+    fallback of :func:`select_exact` and its path for tiny trees.
+    """
+    flat = torch.cat([f.to(dtype) for f in flats])
+    mask = mask_static(_magnitudes_(flat.clone()), k)
+    idx = nonzero_1d(mask, k / mask.numel())
+    return idx, flat.index_select(0, idx)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _next_prime(x: int) -> int:
+    x = max(2, x)
+    while any(x % p == 0 for p in range(2, math.isqrt(x) + 1)):
+        x += 1
+    return x
+
+
+def sample_stride(numel: int, target: int) -> int:
+    """A prime stride giving about ``target`` samples out of ``numel`` (1: take everything)."""
+    if numel <= target:
+        return 1
+    return _next_prime(numel // target)
+
+
+def systematic_sample(flats: Sequence[torch.Tensor], stride: int, dtype: torch.dtype) -> torch.Tensor:
+    """Magnitudes (in ``dtype``, NaN as ``+inf``) of the coordinates whose flat index is ``stride // 2`` mod ``stride``.
+
+    A systematic sample of the virtual concatenation: one strided view per
+    leaf and one ``torch.cat``, deterministic, static shapes. A prime stride
+    avoids locking onto the periodic structure of conv kernels.
+    """
+    views, offset = [], 0
+    phase = stride // 2
+    for f in flats:
+        start = (phase - offset) % stride
+        if start < f.numel():
+            views.append(f[start::stride])
+        offset += f.numel()
+    if not views:
+        return torch.zeros(0, dtype=dtype, device=flats[0].device)
+    return _magnitudes_(torch.cat([v if v.dtype == dtype else v.to(dtype) for v in views]))
+
+
+# --------------------------------------------------------------------------- eager exact kernel
+
+
+def nonzero_1d(mask: torch.Tensor, density: float = 0.0) -> torch.Tensor:
+    """``mask.nonzero()`` of a contiguous 1-d bool tensor, as 1-d int64, in ascending order.
+
+    ATen's CPU ``nonzero`` costs about a nanosecond per element plus tens of
+    nanoseconds per hit (branch mispredictions). For sparse masks (expected
+    ``density`` of hits below 2%) the mask is first viewed as int64 words of 8
+    flags: ``nonzero`` over the words finds the few words with a hit in an
+    eighth of the elements, and only those are expanded.
+    """
+    n = mask.numel()
+    if density > 0.02 or n < 4096 or mask.storage_offset() % 8:
+        return mask.nonzero().view(-1)
+    n8 = n - n % 8
+    words = mask[:n8].view(torch.int64)
+    w = words.nonzero().view(-1)
+    q = words.index_select(0, w).view(torch.bool).nonzero().view(-1)
+    pos = w.index_select(0, q >> 3).mul_(8).add_(q & 7)
+    if n8 < n:
+        pos = torch.cat([pos, mask[n8:].nonzero().view(-1) + n8])
+    return pos
+
+
+def _round_down(t: float, leaf_dtype: torch.dtype, dtype: torch.dtype) -> float:
+    """The largest ``leaf_dtype`` value ``<= t`` (``t >= 0`` a value of the wider ``dtype``).
+
+    For ``x`` of ``leaf_dtype``, ``|x| > t`` (compared exactly) iff ``|x| > round_down(t)``
+    compared in ``leaf_dtype``, where that value is exact.
+    """
+    v = torch.tensor(t, dtype=dtype).to(leaf_dtype)
+    if v.to(dtype).item() > t:  # rounded up: step down one representable value (v > t >= 0)
+        v = (v.view(_INT_OF[leaf_dtype]) - 1).view(leaf_dtype)
+    return v.item()
+
+
+_SIGN_CLEAR = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF, torch.int64: 0x7FFFFFFFFFFFFFFF}
+
+
+def column_rows(fraction: float) -> int:
+    """Rows of the column view for an expected candidate fraction (1: scan directly).
+
+    The column pass costs two read passes plus work on ``n / rows`` column
+    maxima; gathering and scanning the hit columns costs about ``rows *
+    fraction * n`` random reads. ``sqrt(COLUMN_BALANCE / fraction)`` balances
+    the two; above ``COLUMN_MAX_FRACTION`` the direct scan is cheaper (both
+    constants measured, see ``docs/topk.md``).
+    """
+    if fraction >= COLUMN_MAX_FRACTION:
+        return 1
+    rows = math.sqrt(COLUMN_BALANCE / max(fraction, 1e-12))
+    return int(min(max(2 ** round(math.log2(rows)), 4), MAX_ROWS))
+
+
+class _Scanner:
+    """Gathers the coordinates with ``|x| > t`` (and NaN), leaf by leaf, in flat order.
+
+    Large leaves are cut into contiguous blocks of ``COLUMN_BLOCK`` elements,
+    each viewed as a ``(rows, size // rows)`` matrix: a column's largest
+    magnitude comes from ``amax(0)`` and ``amin(0)`` (two read-only passes;
+    NaN propagates), and only the columns that reach above ``t`` are gathered
+    and scanned. Small leaves (packed together into a buffer), block tails and,
+    when ``rows == 1``, whole leaves are scanned directly: the bit pattern test
+    ``(bits & ~sign) > key(t)`` holds exactly for ``|x| > t`` and for NaN,
+    then ``nonzero``. Both produce indices in ascending order. Extra memory:
+    buffers of ``SEGMENT`` elements, the column maxima of one block
+    (``COLUMN_BLOCK / 4`` values), the candidates.
+    """
+
+    def __init__(self, t: float, dtype: torch.dtype, device: torch.device, fraction: float) -> None:
+        self.t, self.dtype, self.device, self.fraction = t, dtype, device, fraction
+        self.rows = column_rows(fraction)
+        self.limits: dict[torch.dtype, tuple[float, int]] = {}
+        self.buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.bools = torch.empty(SEGMENT, dtype=torch.bool, device=device)
+        self.idx: list[torch.Tensor] = []
+        self.vals: list[torch.Tensor] = []
+
+    def _limit(self, leaf_dtype: torch.dtype) -> tuple[float, int]:
+        """The threshold in ``leaf_dtype`` (rounded down) and its magnitude key."""
+        if leaf_dtype not in self.limits:
+            limit = _round_down(self.t, leaf_dtype, self.dtype)
+            key = int(torch.tensor(limit, dtype=leaf_dtype).view(_INT_OF[leaf_dtype]).item())
+            self.limits[leaf_dtype] = (limit, key)
+        return self.limits[leaf_dtype]
+
+    def _buffers(self, leaf_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if leaf_dtype not in self.buffers:
+            self.buffers[leaf_dtype] = (
+                torch.empty(SEGMENT, dtype=_INT_OF[leaf_dtype], device=self.device),
+                torch.empty(SEGMENT, dtype=leaf_dtype, device=self.device),
+            )
+        return self.buffers[leaf_dtype]
+
+    def _record(self, local: torch.Tensor, vals: torch.Tensor, start: int) -> None:
+        if local.numel():
+            self.idx.append(local + start if start else local)
+            self.vals.append(vals)
+
+    def direct(self, seg: torch.Tensor, start: int) -> None:
+        """Scan a segment element by element (in pieces of at most ``SEGMENT``)."""
+        if seg.numel() > SEGMENT:
+            for s in range(0, seg.numel(), SEGMENT):
+                self.direct(seg[s : s + SEGMENT], start + s)
+            return
+        m = seg.numel()
+        ints, _ = self._buffers(seg.dtype)
+        ints, bools = ints[:m], self.bools[:m]
+        torch.bitwise_and(seg.view(ints.dtype), _SIGN_CLEAR[ints.dtype], out=ints)
+        torch.gt(ints, self._limit(seg.dtype)[1], out=bools)
+        nz = nonzero_1d(bools, self.fraction)
+        self._record(nz, seg.index_select(0, nz), start)
+
+    def columns(self, f: torch.Tensor, start: int) -> None:
+        """Scan a large leaf through its column maxima (see the class docstring)."""
+        rows = self.rows
+        cols_n = f.numel() // rows
+        mat = f[: rows * cols_n].view(rows, cols_n)
+        limit, key = self._limit(f.dtype)
+        # Column maxima in two stages: ATen's dim-0 reductions are fastest over few rows.
+        # Row r1 * stage2 + r2 of ``mat`` is row r1 of ``first``, block r2.
+        stage1 = min(rows, 8)
+        first = mat.view(stage1, -1)
+        hi, lo = first.amax(0), first.amin(0)
+        if rows > stage1:
+            hi, lo = hi.view(rows // stage1, cols_n).amax(0), lo.view(rows // stage1, cols_n).amin(0)
+        hit = torch.le(torch.maximum(hi, lo.neg_()), limit).logical_not_()  # NaN columns are hits
+        hit_fraction = 1.0 - (1.0 - self.fraction) ** rows
+        cols = nonzero_1d(hit, hit_fraction)
+        if cols.numel():
+            sub = mat.index_select(1, cols)  # (rows, hits), contiguous
+            ints = _INT_OF[f.dtype]
+            q = nonzero_1d(((sub.view(ints) & _SIGN_CLEAR[ints]) > key).view(-1), self.fraction / hit_fraction)
+            r = torch.div(q, cols.numel(), rounding_mode="floor")
+            local = r * cols_n + cols.index_select(0, q - r * cols.numel())  # row-major order: ascending
+            self._record(local, sub.view(-1).index_select(0, q), start)
+        for s in range(rows * cols_n, f.numel(), SEGMENT):
+            self.direct(f[s : s + SEGMENT], start + s)
+
+    def run(self, flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        pending: list[torch.Tensor] = []
+        pending_start = pending_size = 0
+        offset = 0
+
+        def flush() -> None:
+            nonlocal pending, pending_size
+            if len(pending) == 1:
+                self.direct(pending[0], pending_start)
+            elif pending:
+                _, buf = self._buffers(pending[0].dtype)
+                self.direct(torch.cat(pending, out=buf[:pending_size]), pending_start)
+            pending, pending_size = [], 0
+
+        for f in flats:
+            n = f.numel()
+            if n >= SEGMENT // 4 or (self.rows > 1 and n >= self.rows * MIN_COLUMNS):
+                flush()
+                if self.rows > 1 and n >= self.rows * MIN_COLUMNS:
+                    for s in range(0, n, COLUMN_BLOCK):  # blocks bound the memory of the column maxima
+                        block = f[s : s + COLUMN_BLOCK]
+                        if block.numel() >= self.rows * MIN_COLUMNS:
+                            self.columns(block, offset + s)
+                        else:
+                            self.direct(block, offset + s)
+                else:
+                    for s in range(0, n, SEGMENT):
+                        self.direct(f[s : s + SEGMENT], offset + s)
+            elif n:
+                if pending and (pending[0].dtype != f.dtype or pending_size + n > SEGMENT):
+                    flush()
+                if not pending:
+                    pending_start = offset
+                pending.append(f)
+                pending_size += n
+            offset += n
+        flush()
+        if not self.idx:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return empty, torch.zeros(0, dtype=self.dtype, device=self.device)
+        return torch.cat(self.idx), torch.cat(self.vals).to(self.dtype)
+
+
+def _kth_largest(mags: torch.Tensor, k: int, t_hi: float | None) -> torch.Tensor:
+    """The k-th largest of ``mags`` (0-d tensor). ``t_hi``: a value expected to have fewer than k above it."""
+    m = mags.numel()
+    if t_hi is not None and m > BAND_MIN:
+        above = mags > t_hi
+        a = int(torch.count_nonzero(above))
+        if a < k:  # the k-th largest is the (k - a)-th largest of the rest: a much smaller selection
+            rest = mags.index_select(0, nonzero_1d(above.logical_not_(), 1.0))
+            return torch.kthvalue(rest, rest.numel() - (k - a) + 1).values
+    return torch.kthvalue(mags, m - k + 1).values
+
+
+def select_exact(flats: Sequence[torch.Tensor], k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted flat indices and values (in ``dtype``) of the exact top ``k``, without concatenating.
+
+    Eager only (reads sizes and a threshold on the host). Same result as
+    :func:`select_static`, for any input; the sample only decides the speed.
+
+    Args:
+        flats: The leaves, each 1-d and contiguous, in flat order, on one device.
+        k: ``1 <= k <= total size``.
+        dtype: The common dtype (magnitudes are compared in it; values are returned in it).
+    """
+    n = sum(f.numel() for f in flats)
+    if n < EXACT_MIN_NUMEL or k == n:
+        return select_static(flats, k, dtype)
+    sample = systematic_sample(flats, sample_stride(n, SAMPLE_SIZE), dtype)
+    s = sample.numel()
+    p = k / n
+    mean, sd = s * p, math.sqrt(s * p * (1.0 - p))
+    r_lo = max(1, math.floor(mean + MARGIN * sd) + 2)  # rank (from the top) of the lower end of the bracket
+    if r_lo > s:  # k is close to n: the bracket cannot exclude much
+        return select_static(flats, k, dtype)
+    r_hi = math.floor(mean - MARGIN * sd) - 1
+    top = torch.topk(sample, r_lo).values  # sorted, largest first
+    t_lo = top[r_lo - 1].item()
+    t_hi = top[r_hi - 1].item() if 1 <= r_hi < r_lo else None
+    idx, vals = _Scanner(t_lo, dtype, flats[0].device, r_lo / s).run(flats)
+    m = idx.numel()
+    if m < k:  # the sample overestimated the k-th magnitude: exact fallback
+        return select_static(flats, k, dtype)
+    if m == k:
+        return idx, vals
+    mags = _magnitudes_(vals.clone())
+    t = _kth_largest(mags, k, t_hi)
+    above, at = mags > t, mags == t
+    if int(torch.count_nonzero(above)) + int(torch.count_nonzero(at)) == k:
+        keep = above | at
+    else:
+        keep = _tie_mask(mags, above, at, k)
+    sel = nonzero_1d(keep, 1.0)
+    return idx.index_select(0, sel), vals.index_select(0, sel)
+
+
+# --------------------------------------------------------------------------- approximate thresholds
+
+
+def mask_above(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``|x| > t``, and NaN (which counts as an infinite magnitude)."""
+    return ~(x.abs() <= t)
+
+
+def sample_threshold(
+    flats: Sequence[torch.Tensor], k: int | torch.Tensor, dtype: torch.dtype, *, hits: int = 64
+) -> torch.Tensor:
+    """A 0-d threshold ``t`` with about ``k`` magnitudes above it, from a systematic sample.
+
+    ``t`` is the sample magnitude with ``r = round(k * s / n)`` sample
+    magnitudes above it, so the count above ``t`` is about ``k`` with a
+    binomial relative spread of about ``1 / sqrt(r)``. For an int ``k`` the
+    sample size ``s`` is ``hits * n / k`` clamped to ``[2**16, 2**18]`` (and to
+    ``n``), so ``r >= hits`` once ``k / n >= hits / 2**18``; for a tensor ``k``
+    it is ``2**16``. Static shapes, no host reads. Returns ``-1`` when ``k >= n``
+    (everything is above).
+    """
+    n = sum(f.numel() for f in flats)
+    if isinstance(k, torch.Tensor):
+        sample = systematic_sample(flats, sample_stride(n, 1 << 16), dtype)
+        s = sample.numel()
+        r = torch.round(k.to(torch.float64) * (s / n)).to(torch.int64).clamp(0, s - 1).reshape(1)
+        t = torch.sort(sample, descending=True).values.gather(0, r).reshape(())
+        return torch.where(k >= n, torch.full_like(t, -1.0), t)
+    if k >= n:
+        return torch.full((), -1.0, dtype=dtype, device=flats[0].device)
+    target = min(max(hits * n // max(k, 1), 1 << 16), 1 << 18)
+    sample = systematic_sample(flats, sample_stride(n, target), dtype)
+    s = sample.numel()
+    r = min(round(k * s / n), s - 1)
+    return torch.kthvalue(sample, s - r).values  # the (r + 1)-th largest
+
+
+def gaussian_threshold_flat(
+    flats: Sequence[torch.Tensor], density: float | torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The zero-mean Gaussian threshold for ``density`` (see :func:`functopk.gaussian_threshold`)."""
+    n = sum(f.numel() for f in flats)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    norms = torch._foreach_norm(list(flats), 2, dtype=acc)
+    sumsq = torch.stack(norms).to(torch.float64).square().sum()
+    rms = torch.sqrt(sumsq / n)
+    density = torch.as_tensor(density, dtype=torch.float64, device=rms.device).clamp(0.0, 1.0)
+    z = torch.special.ndtri(1.0 - density / 2.0)
+    return (rms * z).to(dtype)
+
