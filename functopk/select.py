@@ -258,132 +258,193 @@ def column_rows(fraction: float) -> int:
     return int(min(max(2 ** round(math.log2(rows)), 4), MAX_ROWS))
 
 
-class _Scanner:
-    """Gathers the coordinates with ``|x| > t`` (and NaN), leaf by leaf, in flat order.
+def _merge_sorted(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge (indices, values) pairs, each sorted by distinct indices, into one sorted pair."""
+    parts = [p for p in parts if p[0].numel()]
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:  # two binary searches instead of a sort: O(m log m) but cheap
+        (ia, va), (ib, vb) = parts
+        pos_a = torch.searchsorted(ib, ia).add_(torch.arange(ia.numel(), device=ia.device))
+        pos_b = torch.searchsorted(ia, ib).add_(torch.arange(ib.numel(), device=ib.device))
+        idx = torch.empty(ia.numel() + ib.numel(), dtype=ia.dtype, device=ia.device)
+        vals = torch.empty(idx.numel(), dtype=va.dtype, device=va.device)
+        idx.index_copy_(0, pos_a, ia).index_copy_(0, pos_b, ib)
+        vals.index_copy_(0, pos_a, va).index_copy_(0, pos_b, vb)
+        return idx, vals
+    idx = torch.cat([p[0] for p in parts])
+    order = torch.argsort(idx)
+    return idx.index_select(0, order), torch.cat([p[1] for p in parts]).index_select(0, order)
 
-    Large leaves are cut into contiguous blocks of ``COLUMN_BLOCK`` elements,
-    each viewed as a ``(rows, size // rows)`` matrix: a column's largest
-    magnitude comes from ``amax(0)`` and ``amin(0)`` (two read-only passes;
-    NaN propagates), and only the columns that reach above ``t`` are gathered
-    and scanned. Small leaves (packed together into a buffer), block tails and,
-    when ``rows == 1``, whole leaves are scanned directly: the bit pattern test
-    ``(bits & ~sign) > key(t)`` holds exactly for ``|x| > t`` and for NaN,
-    then ``nonzero``. Both produce indices in ascending order. Extra memory:
-    buffers of ``SEGMENT`` elements, the column maxima of one block
-    (``COLUMN_BLOCK / 4`` values), the candidates.
+
+class _Scanner:
+    """Gathers the coordinates with ``|x| > t`` (and NaN) from the leaves, in flat order.
+
+    Two ways to look at the data, both exact:
+
+    * Direct (any candidate fraction): ``torch.nn.functional.hardshrink``
+      with the threshold keeps exactly the values with ``|x| > t`` and NaN,
+      zeroing the rest, in one vectorised pass into a reused buffer of
+      ``SEGMENT`` elements (small leaves are packed into it together). The
+      buffer is then read as int64 words (2 to 8 values each): ``nonzero``
+      over the words finds the few words holding a candidate, and only those
+      are kept. All segments are expanded together at the end.
+    * Columns (small candidate fractions): large leaves are cut into blocks of
+      ``COLUMN_BLOCK`` elements viewed as ``(rows, size // rows)`` matrices. A
+      column's largest magnitude comes from ``amax(0)`` and ``amin(0)`` (two
+      read-only passes; NaN propagates). One test over all blocks' columns
+      finds the columns that reach above ``t``; only those are gathered and
+      tested element by element.
+
+    Extra memory: a buffer of ``SEGMENT`` elements, the column maxima
+    (``n / rows`` values, ``rows >= 4``), and the candidates.
     """
 
     def __init__(self, t: float, dtype: torch.dtype, device: torch.device, fraction: float) -> None:
         self.t, self.dtype, self.device, self.fraction = t, dtype, device, fraction
         self.rows = column_rows(fraction)
-        self.limits: dict[torch.dtype, tuple[float, int]] = {}
-        self.buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.bools = torch.empty(SEGMENT, dtype=torch.bool, device=device)
-        self.idx: list[torch.Tensor] = []
-        self.vals: list[torch.Tensor] = []
+        self.limits: dict[torch.dtype, float] = {}
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.words: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.blocks: list[tuple[torch.Tensor, int]] = []
+        self.colhits: list[torch.Tensor] = []
 
-    def _limit(self, leaf_dtype: torch.dtype) -> tuple[float, int]:
-        """The threshold in ``leaf_dtype`` (rounded down) and its magnitude key."""
+    def _limit(self, leaf_dtype: torch.dtype) -> float:
+        """The threshold rounded down into ``leaf_dtype`` (exact there: see :func:`_round_down`)."""
         if leaf_dtype not in self.limits:
-            limit = _round_down(self.t, leaf_dtype, self.dtype)
-            key = int(torch.tensor(limit, dtype=leaf_dtype).view(_INT_OF[leaf_dtype]).item())
-            self.limits[leaf_dtype] = (limit, key)
+            self.limits[leaf_dtype] = _round_down(self.t, leaf_dtype, self.dtype)
         return self.limits[leaf_dtype]
 
-    def _buffers(self, leaf_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffer(self, leaf_dtype: torch.dtype) -> torch.Tensor:
         if leaf_dtype not in self.buffers:
-            self.buffers[leaf_dtype] = (
-                torch.empty(SEGMENT, dtype=_INT_OF[leaf_dtype], device=self.device),
-                torch.empty(SEGMENT, dtype=leaf_dtype, device=self.device),
-            )
+            self.buffers[leaf_dtype] = torch.empty(SEGMENT, dtype=leaf_dtype, device=self.device)
         return self.buffers[leaf_dtype]
 
-    def _record(self, local: torch.Tensor, vals: torch.Tensor, start: int) -> None:
-        if local.numel():
-            self.idx.append(local + start if start else local)
-            self.vals.append(vals)
-
     def direct(self, seg: torch.Tensor, start: int) -> None:
-        """Scan a segment element by element (in pieces of at most ``SEGMENT``)."""
+        """Scan a 1-d segment (split into pieces of at most ``SEGMENT``)."""
         if seg.numel() > SEGMENT:
             for s in range(0, seg.numel(), SEGMENT):
                 self.direct(seg[s : s + SEGMENT], start + s)
             return
         m = seg.numel()
-        ints, _ = self._buffers(seg.dtype)
-        ints, bools = ints[:m], self.bools[:m]
-        torch.bitwise_and(seg.view(ints.dtype), _SIGN_CLEAR[ints.dtype], out=ints)
-        torch.gt(ints, self._limit(seg.dtype)[1], out=bools)
-        nz = nonzero_1d(bools, self.fraction)
-        self._record(nz, seg.index_select(0, nz), start)
+        per = 8 // seg.element_size()
+        padded = -(-m // per) * per
+        buf = self._buffer(seg.dtype)
+        torch.ops.aten.hardshrink.out(seg, self._limit(seg.dtype), out=buf[:m])
+        if padded > m:
+            buf[m:padded].zero_()
+        w = buf[:padded].view(torch.int64).nonzero().view(-1)
+        if w.numel():
+            words = buf[:padded].view(-1, per).index_select(0, w)  # copies: the buffer is reused
+            self.words.setdefault(seg.dtype, []).append((words, w.mul_(per).add_(start)))
 
-    def columns(self, f: torch.Tensor, start: int) -> None:
-        """Scan a large leaf through its column maxima (see the class docstring)."""
+    def _packed(self, pending: list[torch.Tensor], start: int) -> None:
+        size = sum(f.numel() for f in pending)
+        buf = torch.cat(pending, out=self._buffer(pending[0].dtype)[:size]) if len(pending) > 1 else pending[0]
+        # hardshrink below reads ``buf`` before writing the same buffer element-wise: safe
+        self.direct(buf, start)
+
+    def columns(self, block: torch.Tensor, start: int) -> None:
+        """Column maxima of a large block (see the class docstring); its tail is scanned directly."""
         rows = self.rows
-        cols_n = f.numel() // rows
-        mat = f[: rows * cols_n].view(rows, cols_n)
-        limit, key = self._limit(f.dtype)
-        # Column maxima in two stages: ATen's dim-0 reductions are fastest over few rows.
-        # Row r1 * stage2 + r2 of ``mat`` is row r1 of ``first``, block r2.
+        cols = block.numel() // rows
+        mat = block[: rows * cols].view(rows, cols)
+        # Two stages: ATen's dim-0 reductions are fastest over few rows. Row ``a * (rows // 8) + b``
+        # of ``mat`` is block ``b`` of row ``a`` of ``first``.
         stage1 = min(rows, 8)
         first = mat.view(stage1, -1)
         hi, lo = first.amax(0), first.amin(0)
         if rows > stage1:
-            hi, lo = hi.view(rows // stage1, cols_n).amax(0), lo.view(rows // stage1, cols_n).amin(0)
-        hit = torch.le(torch.maximum(hi, lo.neg_()), limit).logical_not_()  # NaN columns are hits
-        hit_fraction = 1.0 - (1.0 - self.fraction) ** rows
-        cols = nonzero_1d(hit, hit_fraction)
-        if cols.numel():
-            sub = mat.index_select(1, cols)  # (rows, hits), contiguous
-            ints = _INT_OF[f.dtype]
-            q = nonzero_1d(((sub.view(ints) & _SIGN_CLEAR[ints]) > key).view(-1), self.fraction / hit_fraction)
-            r = torch.div(q, cols.numel(), rounding_mode="floor")
-            local = r * cols_n + cols.index_select(0, q - r * cols.numel())  # row-major order: ascending
-            self._record(local, sub.view(-1).index_select(0, q), start)
-        for s in range(rows * cols_n, f.numel(), SEGMENT):
-            self.direct(f[s : s + SEGMENT], start + s)
+            hi, lo = hi.view(rows // stage1, cols).amax(0), lo.view(rows // stage1, cols).amin(0)
+        # a column is hit when its largest magnitude is above t (or NaN): kept as flags, 1 byte a column
+        self.colhits.append(torch.le(torch.maximum(hi, lo.neg_()), self._limit(block.dtype)).logical_not_())
+        self.blocks.append((mat, start))
+        if rows * cols < block.numel():
+            self.direct(block[rows * cols :], start + rows * cols)
+
+    def _expand_words(self, leaf_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self.words.pop(leaf_dtype)
+        words = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        base = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        per = words.shape[1]
+        flat = words.view(-1)
+        q = flat.nonzero().view(-1)
+        idx = base.index_select(0, q // per).add_(q % per)
+        return idx, flat.index_select(0, q).to(self.dtype)
+
+    def _expand_columns(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Candidates of the column blocks, one sorted (indices, values) pair per leaf dtype."""
+        rows = self.rows
+        hit = torch.cat(self.colhits) if len(self.colhits) > 1 else self.colhits[0]
+        self.colhits = []
+        hit_cols = nonzero_1d(hit, 1.0 - (1.0 - self.fraction) ** rows)
+        del hit
+        col_offsets = [0]
+        for mat, _ in self.blocks:
+            col_offsets.append(col_offsets[-1] + mat.shape[1])
+        bounds = torch.searchsorted(hit_cols, torch.tensor(col_offsets, device=self.device)).tolist()
+        groups: dict[torch.dtype, list] = {}
+        for (mat, start), off, lo, hi in zip(self.blocks, col_offsets, bounds, bounds[1:]):
+            if hi > lo:
+                cols = hit_cols[lo:hi] - off
+                groups.setdefault(mat.dtype, []).append((mat.index_select(1, cols).view(-1), cols, start, mat.shape[1]))
+        out = []
+        for leaf_dtype, blocks in groups.items():
+            subs = torch.cat([b[0] for b in blocks])
+            # hardshrink keeps the candidates' values (|x| > t, NaN) and zeros the rest, in place
+            subs = torch.ops.aten.hardshrink.out(subs, self._limit(leaf_dtype), out=subs)
+            q = subs.nonzero().view(-1)
+            if not q.numel():
+                continue
+            # per-candidate lookups of its block: (elements before it, hit columns, columns, start)
+            hits = [b[1].numel() for b in blocks]
+            elem_off = torch.tensor([0] + [rows * h for h in hits], device=self.device).cumsum(0)
+            b = torch.searchsorted(elem_off, q, right=True) - 1
+            table = torch.tensor([[h, c, s] for (_, _, s, c), h in zip(blocks, hits)], device=self.device)
+            h_b, cols_b, start_b = table.index_select(0, b).unbind(1)
+            local = q - elem_off.index_select(0, b)
+            r = torch.div(local, h_b, rounding_mode="floor")
+            col_base = torch.tensor([0] + hits, device=self.device).cumsum(0).index_select(0, b)
+            col = torch.cat([blk[1] for blk in blocks]).index_select(0, col_base + local - r * h_b)
+            out.append((start_b + r * cols_b + col, subs.index_select(0, q).to(self.dtype)))
+        return out
 
     def run(self, flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         pending: list[torch.Tensor] = []
         pending_start = pending_size = 0
         offset = 0
-
-        def flush() -> None:
-            nonlocal pending, pending_size
-            if len(pending) == 1:
-                self.direct(pending[0], pending_start)
-            elif pending:
-                _, buf = self._buffers(pending[0].dtype)
-                self.direct(torch.cat(pending, out=buf[:pending_size]), pending_start)
-            pending, pending_size = [], 0
-
+        use_columns = self.rows > 1
         for f in flats:
             n = f.numel()
-            if n >= SEGMENT // 4 or (self.rows > 1 and n >= self.rows * MIN_COLUMNS):
-                flush()
-                if self.rows > 1 and n >= self.rows * MIN_COLUMNS:
-                    for s in range(0, n, COLUMN_BLOCK):  # blocks bound the memory of the column maxima
-                        block = f[s : s + COLUMN_BLOCK]
-                        if block.numel() >= self.rows * MIN_COLUMNS:
-                            self.columns(block, offset + s)
-                        else:
-                            self.direct(block, offset + s)
-                else:
-                    for s in range(0, n, SEGMENT):
-                        self.direct(f[s : s + SEGMENT], offset + s)
+            big = n >= SEGMENT // 4 or (use_columns and n >= self.rows * MIN_COLUMNS)
+            if n and (not big) and pending and (pending[0].dtype != f.dtype or pending_size + n > SEGMENT):
+                self._packed(pending, pending_start)
+                pending, pending_size = [], 0
+            if big:
+                if pending:
+                    self._packed(pending, pending_start)
+                    pending, pending_size = [], 0
+                for s in range(0, n, COLUMN_BLOCK if use_columns else SEGMENT):
+                    block = f[s : s + (COLUMN_BLOCK if use_columns else SEGMENT)]
+                    if use_columns and block.numel() >= self.rows * MIN_COLUMNS:
+                        self.columns(block, offset + s)
+                    else:
+                        self.direct(block, offset + s)
             elif n:
-                if pending and (pending[0].dtype != f.dtype or pending_size + n > SEGMENT):
-                    flush()
                 if not pending:
                     pending_start = offset
                 pending.append(f)
                 pending_size += n
             offset += n
-        flush()
-        if not self.idx:
+        if pending:
+            self._packed(pending, pending_start)
+        parts = [self._expand_words(d) for d in list(self.words)]
+        if self.blocks:
+            parts += self._expand_columns()
+        if not any(p[0].numel() for p in parts):
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return empty, torch.zeros(0, dtype=self.dtype, device=self.device)
-        return torch.cat(self.idx), torch.cat(self.vals).to(self.dtype)
+        return _merge_sorted(parts)
 
 
 def _kth_largest(mags: torch.Tensor, k: int, t_hi: float | None) -> torch.Tensor:
@@ -422,6 +483,8 @@ def select_exact(flats: Sequence[torch.Tensor], k: int, dtype: torch.dtype) -> t
     r_hi = math.floor(mean - MARGIN * sd) - 1
     top = torch.topk(sample, r_lo).values  # sorted, largest first
     t_lo = top[r_lo - 1].item()
+    if t_lo == math.inf:  # nothing ranks strictly above an infinite magnitude (NaN ranks as inf)
+        return select_static(flats, k, dtype)
     t_hi = top[r_hi - 1].item() if 1 <= r_hi < r_lo else None
     idx, vals = _Scanner(t_lo, dtype, flats[0].device, r_lo / s).run(flats)
     m = idx.numel()
