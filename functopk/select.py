@@ -53,7 +53,7 @@ _MAGNITUDE_BITS = {torch.float16: 15, torch.bfloat16: 15, torch.float32: 31, tor
 # shrink them to exercise every branch on small trees).
 EXACT_MIN_NUMEL = 1 << 16
 """Trees smaller than this use the static kernel even in eager mode (it is as fast there)."""
-SEGMENT = 1 << 18
+SEGMENT = 1 << 19
 """Elements per segment of the candidate scan (fits in a core's L2 cache)."""
 SAMPLE_SIZE = 1 << 16
 """Target size of the systematic sample that brackets the k-th magnitude."""
@@ -63,13 +63,15 @@ BAND_MIN = 1 << 15
 """Candidate count above which the upper end of the bracket is used to shrink the final selection."""
 MAX_ROWS = 256
 """Most rows of the column view of a leaf (see :func:`column_rows`)."""
-COLUMN_BALANCE = 0.7
+COLUMN_BALANCE = 0.25
 """Balance constant of :func:`column_rows`."""
-COLUMN_MAX_FRACTION = 0.004
+COLUMN_MAX_FRACTION = 0.003
 """Candidate fraction above which leaves are scanned directly (see :func:`column_rows`)."""
+WORDS_MAX_FRACTION = 0.03
+"""Candidate fraction above which the direct scan runs ``nonzero`` on the values rather than on words."""
 MIN_COLUMNS = 256
 """Leaves with fewer than ``rows * MIN_COLUMNS`` elements are scanned directly."""
-COLUMN_BLOCK = 1 << 20
+COLUMN_BLOCK = 1 << 21
 """Large leaves are viewed as columns block by block, of at most this many elements."""
 
 
@@ -308,6 +310,7 @@ class _Scanner:
         self.words: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.blocks: list[tuple[torch.Tensor, int]] = []
         self.colhits: list[torch.Tensor] = []
+        self.dense: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _limit(self, leaf_dtype: torch.dtype) -> float:
         """The threshold rounded down into ``leaf_dtype`` (exact there: see :func:`_round_down`)."""
@@ -331,6 +334,11 @@ class _Scanner:
         padded = -(-m // per) * per
         buf = self._buffer(seg.dtype)
         torch.ops.aten.hardshrink.out(seg, self._limit(seg.dtype), out=buf[:m])
+        if self.fraction > WORDS_MAX_FRACTION:  # dense candidates: words would mostly be hits
+            nz = buf[:m].nonzero().view(-1)
+            if nz.numel():
+                self.dense.append((nz.add(start), buf.index_select(0, nz).to(self.dtype)))
+            return
         if padded > m:
             buf[m:padded].zero_()
         w = buf[:padded].view(torch.int64).nonzero().view(-1)
@@ -439,6 +447,8 @@ class _Scanner:
         if pending:
             self._packed(pending, pending_start)
         parts = [self._expand_words(d) for d in list(self.words)]
+        if self.dense:  # in flat order, and never mixed with words or columns (both need a small fraction)
+            parts.append((torch.cat([p[0] for p in self.dense]), torch.cat([p[1] for p in self.dense])))
         if self.blocks:
             parts += self._expand_columns()
         if not any(p[0].numel() for p in parts):

@@ -617,25 +617,27 @@ def test_exact_does_not_allocate_an_n_sized_copy_for_small_k():
 
     The profiler reports every allocation and free with the allocator's running
     total; the peak of that total minus its value before the call is the most
-    memory the call held at once (output included). The static kernel, run the
-    same way, must exceed an n-sized float copy: that checks the measurement.
+    memory the call held at once, output included. The exact kernel must stay
+    within its fixed buffers (a scan buffer of ``SEGMENT`` values and the column
+    maxima of one ``COLUMN_BLOCK``: 4 MiB in float32, 6 MiB allowed) plus 48
+    bytes per selected coordinate, far below the n-sized float copy (28 MiB
+    here) that the static kernel makes, which the same measurement must see.
     """
     g = torch.Generator().manual_seed(0)
     tree = {"conv": torch.randn(512, 512, 3, 3, generator=g), "fc": torch.randn(1000, 2048, generator=g),
             "bn": torch.randn(2048, generator=g), "rest": torch.randn(3_000_000, generator=g)}
-    n = numel(tree)
-    n_bytes = 4 * n
-    for k in [1000, n // 100]:
-        for method, bound in [("exact", n_bytes // 4), ("torch", None)]:
+    n_bytes = 4 * numel(tree)
+    for k in [1000, numel(tree) // 100]:
+        for method in ["exact", "torch"]:
             ft.topk_indices(tree, k, method=method)  # warm-up
             records = _allocations_during(lambda: ft.topk_indices(tree, k, method=method))
             base = records[0][1] - records[0][0]
             peak = max(total for _, total in records) - base
             largest = max(size for size, _ in records)
-            if bound is None:
+            if method == "torch":
                 assert largest >= n_bytes and peak >= n_bytes
             else:
-                assert largest < n_bytes // 8 and peak < bound, (k, largest, peak, n_bytes)
+                assert largest < n_bytes // 8 and peak < (6 << 20) + 48 * k, (k, largest, peak, n_bytes)
 
 
 # --------------------------------------------------------------------------- approximate count band
