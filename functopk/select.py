@@ -36,7 +36,6 @@ __all__ = [
     "common_dtype",
     "flat_magnitudes",
     "gaussian_threshold_flat",
-    "mask_above",
     "mask_static",
     "radix_kth_key",
     "sample_threshold",
@@ -457,6 +456,14 @@ class _Scanner:
         return _merge_sorted(parts)
 
 
+def scan_above(flats: Sequence[torch.Tensor], t: float, dtype: torch.dtype, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted flat indices and values (in ``dtype``) of every coordinate with ``|x| > t`` (``t >= 0``) or NaN.
+
+    Eager only; ``fraction`` is the expected share of such coordinates (it picks the scan strategy).
+    """
+    return _Scanner(t, dtype, flats[0].device, fraction).run(flats)
+
+
 def _kth_largest(mags: torch.Tensor, k: int, t_hi: float | None) -> torch.Tensor:
     """The k-th largest of ``mags`` (0-d tensor). ``t_hi``: a value expected to have fewer than k above it."""
     m = mags.numel()
@@ -516,11 +523,6 @@ def select_exact(flats: Sequence[torch.Tensor], k: int, dtype: torch.dtype) -> t
 # --------------------------------------------------------------------------- approximate thresholds
 
 
-def mask_above(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``|x| > t``, and NaN (which counts as an infinite magnitude)."""
-    return ~(x.abs() <= t)
-
-
 def sample_threshold(
     flats: Sequence[torch.Tensor], k: int | torch.Tensor, dtype: torch.dtype, *, hits: int = 64
 ) -> torch.Tensor:
@@ -547,7 +549,9 @@ def sample_threshold(
     sample = systematic_sample(flats, sample_stride(n, target), dtype)
     s = sample.numel()
     r = min(round(k * s / n), s - 1)
-    return torch.kthvalue(sample, s - r).values  # the (r + 1)-th largest
+    if r < 4096:
+        return torch.topk(sample, r + 1, sorted=False).values.min()  # the (r + 1)-th largest
+    return torch.kthvalue(sample, s - r).values
 
 
 def gaussian_threshold_flat(

@@ -174,8 +174,12 @@ class _Selection(NamedTuple):
     threshold: torch.Tensor | None = None
 
 
-def _eager_exact(leaves: list[torch.Tensor]) -> bool:
-    """Whether the eager sampled kernel applies (else the static kernel gives the same result)."""
+def _eager_cpu(leaves: list[torch.Tensor]) -> bool:
+    """Whether the eager CPU kernels apply: not compiling, on CPU, no leaf requiring grad.
+
+    They read sizes and thresholds on the host; elsewhere the static kernels
+    give the same result (exact methods) or the same kind of result (approximate).
+    """
     if torch.compiler.is_compiling() or leaves[0].device.type != "cpu":
         return False
     return not (torch.is_grad_enabled() and any(x.requires_grad for x in leaves))
@@ -184,7 +188,7 @@ def _eager_exact(leaves: list[torch.Tensor]) -> bool:
 def _select(leaves: list[torch.Tensor], k: KLike, method: str) -> _Selection:
     dtype = select.common_dtype(leaves)
     numel = sum(x.numel() for x in leaves)
-    if method == "exact" and _eager_exact(leaves):
+    if method == "exact" and _eager_cpu(leaves):
         flats = [x.detach().reshape(-1) for x in leaves]
         kk = int(k) if isinstance(k, torch.Tensor) else k  # host read: this kernel is eager-only anyway
         idx, vals = select.select_exact(flats, kk, dtype)
@@ -196,6 +200,24 @@ def _select(leaves: list[torch.Tensor], k: KLike, method: str) -> _Selection:
         return _Selection(threshold=select.sample_threshold([f.detach() for f in flats], k, dtype))
     density = k / numel
     return _Selection(threshold=select.gaussian_threshold_flat([f.detach() for f in flats], density, dtype))
+
+
+def _leaf_limits(leaves: list[torch.Tensor], t: torch.Tensor) -> list[float]:
+    """The threshold ``t`` (common dtype) rounded down into each leaf's dtype (host read).
+
+    Comparing a leaf with its limit in its own dtype is then exactly comparing
+    it with ``t`` in the common dtype (see :func:`functopk.select._round_down`).
+    """
+    value, limits = t.item(), {}
+    for x in leaves:
+        if x.dtype not in limits:
+            limits[x.dtype] = select._round_down(value, x.dtype, t.dtype)
+    return [limits[x.dtype] for x in leaves]
+
+
+def _above_static(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``|x| > t`` or NaN, compared in ``t``'s (common) dtype: static shapes, no host read."""
+    return ~((x if x.dtype == t.dtype else x.to(t.dtype)).abs() <= t)
 
 
 def _split_mask(mask: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -217,8 +239,9 @@ def _dense_leaves(leaves: list[torch.Tensor], sel: _Selection) -> list[torch.Ten
     if sel.mask is not None:
         return [torch.where(m, x, 0.0) for m, x in zip(_split_mask(sel.mask, leaves), leaves)]
     if sel.threshold is not None:
-        t = sel.threshold
-        return [torch.where(x.abs() <= t, 0.0, x) for x in leaves]
+        if _eager_cpu(leaves):  # one vectorised op per leaf: keeps |x| > t and NaN, zeros the rest
+            return [torch.nn.functional.hardshrink(x, t) for x, t in zip(leaves, _leaf_limits(leaves, sel.threshold))]
+        return [torch.where(_above_static(x.detach(), sel.threshold), x, 0.0) for x in leaves]
     one_dtype = all(x.dtype == sel.values.dtype for x in leaves)
     out = []
     for x, (off, lo, hi) in zip(leaves, _leaf_bounds(sel.indices, leaves)):
@@ -235,7 +258,9 @@ def _mask_leaves(leaves: list[torch.Tensor], sel: _Selection) -> list[torch.Tens
     if sel.mask is not None:
         return _split_mask(sel.mask, leaves)
     if sel.threshold is not None:
-        return [select.mask_above(x.detach(), sel.threshold) for x in leaves]
+        if _eager_cpu(leaves):
+            return [~(x.detach().abs() <= t) for x, t in zip(leaves, _leaf_limits(leaves, sel.threshold))]
+        return [_above_static(x.detach(), sel.threshold) for x in leaves]
     out = []
     for x, (off, lo, hi) in zip(leaves, _leaf_bounds(sel.indices, leaves)):
         z = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
@@ -250,13 +275,19 @@ def _sparse(leaves: list[torch.Tensor], sel: _Selection, k: KLike) -> SparseUpda
     if sel.indices is not None:
         return SparseUpdates(sel.indices, sel.values, numel)
     dtype = select.common_dtype(leaves)
+    if sel.threshold is not None and _eager_cpu(leaves) and float(sel.threshold) >= 0:
+        # the exact kernel's scan gathers the coordinates above a threshold without a dense copy
+        flats = [x.detach().reshape(-1) for x in leaves]
+        fraction = k / numel if isinstance(k, int) else 0.01
+        idx, vals = select.scan_above(flats, float(sel.threshold), dtype, fraction)
+        return SparseUpdates(idx, vals, numel)
     flat = torch.cat([x.reshape(-1).to(dtype) for x in leaves])
     if sel.mask is not None:
         mask = sel.mask
         # Exactly k entries are set: with an int k the output size is static.
         idx = torch.nonzero_static(mask, size=k).view(-1) if isinstance(k, int) else mask.nonzero().view(-1)
     else:
-        idx = select.mask_above(flat, sel.threshold).nonzero().view(-1)
+        idx = _above_static(flat, sel.threshold).nonzero().view(-1)
     return SparseUpdates(idx, flat[idx], numel)
 
 

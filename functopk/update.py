@@ -118,7 +118,8 @@ class SparseUpdates(NamedTuple):
         """The dense tree with ``like``'s structure, shapes, dtypes and device: zeros except at ``indices``.
 
         Values are cast to each leaf's dtype (exact when they came from that leaf).
-        Static shapes, no host sync.
+        Compiled, or off CPU: static shapes, no host sync. In eager mode on CPU the
+        indices are split by leaf on the host (see :func:`apply_sparse_updates`).
         """
         leaves, treedef = optree.tree_flatten(like)
         _check_sparse(self, leaves, "like")
@@ -158,6 +159,8 @@ def _scatter(leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor, 
     if not leaves:
         return []
     device = leaves[0].device
+    if device.type == "cpu" and not torch.compiler.is_compiling():
+        return _scatter_per_leaf(leaves, idx, vals, base=base)
     dtypes = list(dict.fromkeys(x.dtype for x in leaves))
     if len(dtypes) == 1:
         groups = [(dtypes[0], list(range(len(leaves))), idx, 0)]
@@ -190,6 +193,37 @@ def _scatter(leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor, 
     return out
 
 
+def _scatter_per_leaf(
+    leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor, *, base: bool
+) -> list[torch.Tensor]:
+    """Eager CPU version of :func:`_scatter`: one buffer per leaf, indices split on the host.
+
+    A fresh n-sized CPU buffer costs a page fault per 4 KiB on first touch
+    (several times the work of filling it), while per-leaf buffers are reused
+    by the allocator from step to step. Reads how many indices fall in each
+    leaf (one small host read). With ``base=True``, a leaf that no index falls
+    in is returned as it is, not copied.
+    """
+    offsets = [0]
+    for x in leaves:
+        offsets.append(offsets[-1] + x.numel())
+    bounds = torch.searchsorted(idx, torch.tensor(offsets, dtype=idx.dtype, device=idx.device)).tolist()
+    if bounds[0] != 0 or bounds[-1] != idx.numel():
+        raise ValueError(f"sparse.indices must lie in [0, {offsets[-1]}) (the coordinates of the tree)")
+    out = []
+    for x, off, lo, hi in zip(leaves, offsets, bounds, bounds[1:]):
+        if base and hi == lo:
+            out.append(x)
+            continue
+        y = x.clone(memory_format=torch.contiguous_format) if base else torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        if hi > lo:
+            pos, src = idx[lo:hi] - off, vals[lo:hi].to(x.dtype)
+            y = y.view(-1).index_add_(0, pos, src) if base else y.view(-1).index_copy_(0, pos, src)
+            y = y.view(x.shape)
+        out.append(y)
+    return out
+
+
 def _check_scale(scale: Any) -> float | torch.Tensor:
     from functopk.transforms import check_hyperparam
 
@@ -200,13 +234,16 @@ def apply_sparse_updates(params: Params, sparse: SparseUpdates, scale: float | t
     """Return ``params + scale * sparse`` as a new tree (pure; inputs are not changed).
 
     The sparse twin of :func:`apply_updates`: for SGD on top-k gradients,
-    ``apply_sparse_updates(params, ft.topk_indices(grads, k), -lr)``. Cost: one
-    copy of the parameters (purity needs new tensors: a ``torch.cat`` per leaf
-    dtype into one flat buffer) plus ``O(k)`` for the ``index_add_``; the new
-    leaves are views into that buffer. Static shapes and no host sync, so it
-    compiles with ``fullgraph=True``. Values are multiplied by ``scale`` in their
-    own dtype, then cast to each parameter's dtype, so a float32 tree gets
-    exactly the bits of the dense ``apply_updates(params, scaled dense update)``.
+    ``apply_sparse_updates(params, ft.topk_indices(grads, k), -lr)``. Cost: a
+    copy of each parameter that receives an update (purity needs new tensors;
+    parameters that receive none are returned as they are) plus ``O(k)`` for the
+    ``index_add_``. In eager mode on CPU it splits the indices by leaf on the host
+    (one small read); compiled, or on other devices, it uses static shapes and no
+    host sync instead (a ``torch.cat`` per leaf dtype into one flat buffer, one
+    ``index_add_``, views cut back out) and compiles with ``fullgraph=True``.
+    Values are multiplied by ``scale`` in their own dtype, then cast to each
+    parameter's dtype, so a float32 tree gets exactly the bits of the dense
+    ``apply_updates(params, scaled dense update)``.
 
     Args:
         params: A tree with the leaves of the tree ``sparse`` was selected from.
