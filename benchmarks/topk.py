@@ -190,7 +190,8 @@ def bench_tree(name: str, ks: list, rounds: int, naive_max_k: int, with_memory: 
         if with_memory:
             for key in ("(a) cat+topk+scatter+split", "exact-sparse", "exact-dense", "torch-dense", "approx-dense"):
                 mem[key] = peak_memory(fns[key])
-        rows.append({"tree": name, "n": n, "k": k, "times": t, "memory": mem})
+        approx_count = sum(int(m.sum()) for m in optree.tree_leaves(ft.topk_mask(tree, k, method="approx")))
+        rows.append({"tree": name, "n": n, "k": k, "times": t, "memory": mem, "approx_count": approx_count})
         print(f"  {name} k={k}: exact-sparse {t['exact-sparse'] * 1e3:.1f} ms, (a) "
               f"{t['(a) cat+topk+scatter+split'] * 1e3:.1f} ms, floor {t['(d) floor: _foreach_norm'] * 1e3:.1f} ms",
               file=sys.stderr, flush=True)
@@ -213,7 +214,8 @@ COLUMNS = [
 
 def markdown(rows: list[dict]) -> str:
     present = [c for c in COLUMNS if any(c in r["times"] for r in rows)]
-    head = ["tree", "k"] + [c for c in present] + ["(a) / exact-dense", "(c) / exact-sparse", "exact-sparse / (d)"]
+    head = ["tree", "k"] + [c for c in present] + [
+        "(a) / exact-dense", "(c) / exact-sparse", "exact-sparse / (d)", "approx count / k"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         t = r["times"]
@@ -221,6 +223,7 @@ def markdown(rows: list[dict]) -> str:
         cells.append(f"{t['(a) cat+topk+scatter+split'] / t['exact-dense']:.1f}x")
         cells.append(f"{t['(c) jax.lax.top_k'] / t['exact-sparse']:.1f}x" if "(c) jax.lax.top_k" in t else "-")
         cells.append(f"{t['exact-sparse'] / t['(d) floor: _foreach_norm']:.1f}x")
+        cells.append(f"{r['approx_count'] / r['k']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines)
     if any(r["memory"] for r in rows):
