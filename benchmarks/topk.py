@@ -26,7 +26,7 @@ torch.profiler (profile_memory=True); jax's is not visible to torch.
 Usage:
     python benchmarks/topk.py                 # both trees, all k (tens of minutes on 2 cores)
     python benchmarks/topk.py --quick         # resnet18, two k, two rounds
-    python benchmarks/topk.py --out some.png --rounds 7 --threads 2
+    python benchmarks/topk.py --out some.png --rounds 7 --threads 2 --trees resnet50 --no-memory
 """
 
 from __future__ import annotations
@@ -270,11 +270,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    parser.add_argument("--trees", nargs="+", default=None, help="torchvision model names (default: resnet18 resnet50)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "topk.png")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    trees = ["resnet18"] if args.quick else ["resnet18", "resnet50"]
+    trees = args.trees or (["resnet18"] if args.quick else ["resnet18", "resnet50"])
     ks = [1000, 0.01] if args.quick else [1000, 10_000, 100_000, 0.01, 0.1]
     rounds = 2 if args.quick else args.rounds
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "

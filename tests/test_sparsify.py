@@ -381,6 +381,18 @@ def test_unsupported_float_dtype_rejected():
         ft.topk_sparsify({"w": torch.ones(3, dtype=torch.float8_e4m3fn)}, 1)
 
 
+@pytest.mark.parametrize("method", ["exact", "approx"])
+def test_deterministic_and_independent_of_the_global_rng(method):
+    g = torch.Generator().manual_seed(7)
+    tree = {"a": torch.randn(300_000, generator=g), "b": torch.randn(70_000, generator=g)}
+    torch.manual_seed(1)
+    first = ft.topk_indices(tree, 2000, method=method)
+    torch.manual_seed(2)
+    torch.rand(10)
+    second = ft.topk_indices(tree, 2000, method=method)
+    assert torch.equal(first.indices, second.indices) and torch.equal(first.values, second.values)
+
+
 # --------------------------------------------------------------------------- tensor k and schedules
 
 
