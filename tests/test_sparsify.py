@@ -556,12 +556,18 @@ def test_methods_compile_fullgraph(method):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_tensor_k_radix_select_compiles_without_recompiling():
+def test_tensor_k_compiles_without_recompiling():
     fn = torch.compile(lambda t, k: ft.topk_sparsify(t, k, method="torch"), fullgraph=True, backend="aot_eager")
     for i, k in enumerate([3, 7, 1, 33]):
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             out = fn(TREE, torch.tensor(k))
-        assert_tree_bitwise_equal(out, reference_sparsify(TREE, k))
+        assert_tree_bitwise_equal(out, reference_sparsify(TREE, k))  # radix select
+    for method in ("approx", "gaussian"):
+        fn = torch.compile(lambda t, k, m=method: ft.topk_sparsify(t, k, method=m), fullgraph=True, backend="aot_eager")
+        for i, k in enumerate([3, 20]):
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                out = fn(TREE, torch.tensor(k))
+            assert_tree_bitwise_equal(out, ft.topk_sparsify(TREE, torch.tensor(k), method=method))
 
 
 @pytest.mark.slow
@@ -590,9 +596,10 @@ def test_sparse_paths_compile_and_the_eager_exact_kernel_does_not():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     assert_tree_bitwise_equal(compiled(params, TREE), step(params, TREE))
     # approx: a data-dependent number of indices (nonzero), still one graph
-    approx = torch.compile(lambda g: ft.topk_indices(g, 5, method="approx"), fullgraph=True, backend="aot_eager")
-    got, expected = approx(TREE), ft.topk_indices(TREE, 5, method="approx")
-    assert torch.equal(got.indices, expected.indices) and torch.equal(got.values, expected.values)
+    for method in ("approx", "gaussian"):
+        fn = torch.compile(lambda g, m=method: ft.topk_indices(g, 5, method=m), fullgraph=True, backend="aot_eager")
+        got, expected = fn(TREE), ft.topk_indices(TREE, 5, method=method)
+        assert torch.equal(got.indices, expected.indices) and torch.equal(got.values, expected.values)
     # why "exact" switches to the static kernel under compile: the eager one branches on data
     big = torch.randn(1 << 17)
     kernel = torch.compile(lambda x: select.select_exact([x], 10, torch.float32), fullgraph=True, backend="aot_eager")
