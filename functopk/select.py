@@ -16,8 +16,9 @@ algorithms (see ``docs/topk.md`` for the measurements behind them):
   candidates) it falls back to :func:`mask_static`, so the result never
   depends on the sample, only the running time does. Data-dependent sizes and
   host reads: eager mode only.
-* :func:`sample_threshold` and :func:`gaussian_threshold`: approximate
-  thresholds, for the approximate methods.
+* :func:`sample_threshold` and :func:`gaussian_threshold_flat`: approximate
+  thresholds, for the approximate methods; :func:`scan_above` gathers the
+  coordinates above a threshold with the exact kernel's scan.
 
 Ranking rules shared by every exact kernel: magnitudes ``|x|`` are compared in
 the common (promoted) dtype of the leaves, NaN counts as ``+inf``, and among
@@ -33,19 +34,29 @@ import torch
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "column_rows",
     "common_dtype",
     "flat_magnitudes",
     "gaussian_threshold_flat",
     "mask_static",
+    "nonzero_1d",
     "radix_kth_key",
+    "sample_stride",
     "sample_threshold",
+    "scan_above",
     "select_exact",
     "select_static",
+    "systematic_sample",
 ]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+_INT_OF = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
 _MAGNITUDE_BITS = {torch.float16: 15, torch.bfloat16: 15, torch.float32: 31, torch.float64: 63}
 
 # Tuning constants of the eager exact kernel (module attributes so that tests can
@@ -53,7 +64,7 @@ _MAGNITUDE_BITS = {torch.float16: 15, torch.bfloat16: 15, torch.float32: 31, tor
 EXACT_MIN_NUMEL = 1 << 16
 """Trees smaller than this use the static kernel even in eager mode (it is as fast there)."""
 SEGMENT = 1 << 19
-"""Elements per segment of the candidate scan (fits in a core's L2 cache)."""
+"""Elements per segment of the direct scan (2 MiB of float32: the reused buffer stays in the L3 cache)."""
 SAMPLE_SIZE = 1 << 16
 """Target size of the systematic sample that brackets the k-th magnitude."""
 MARGIN = 4.0
@@ -148,7 +159,7 @@ def mask_static(mags: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     ``[1, n]``) uses :func:`radix_kth_key`.
     """
     if isinstance(k, torch.Tensor):
-        k = k.to(torch.int64).clamp(1, mags.numel())
+        k = k.to(device=mags.device, dtype=torch.int64).clamp(1, mags.numel())
         keys = _keys(mags)
         t = radix_kth_key(keys, k, _MAGNITUDE_BITS[mags.dtype])
         return _tie_mask(keys, keys > t, keys == t, k)
@@ -456,7 +467,9 @@ class _Scanner:
         return _merge_sorted(parts)
 
 
-def scan_above(flats: Sequence[torch.Tensor], t: float, dtype: torch.dtype, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+def scan_above(
+    flats: Sequence[torch.Tensor], t: float, dtype: torch.dtype, fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted flat indices and values (in ``dtype``) of every coordinate with ``|x| > t`` (``t >= 0``) or NaN.
 
     Eager only; ``fraction`` is the expected share of such coordinates (it picks the scan strategy).
@@ -540,6 +553,7 @@ def sample_threshold(
     if isinstance(k, torch.Tensor):
         sample = systematic_sample(flats, sample_stride(n, 1 << 16), dtype)
         s = sample.numel()
+        k = k.to(sample.device)
         r = torch.round(k.to(torch.float64) * (s / n)).to(torch.int64).clamp(0, s - 1).reshape(1)
         t = torch.sort(sample, descending=True).values.gather(0, r).reshape(())
         return torch.where(k >= n, torch.full_like(t, -1.0), t)

@@ -365,7 +365,9 @@ def topk_indices(tree: PyTree, k: KLike, *, method: str = "exact") -> SparseUpda
     return _sparse(leaves, _select(leaves, k, method), k)
 
 
-def gaussian_threshold(tree: PyTree, k: KLike | None = None, *, density: float | torch.Tensor | None = None) -> torch.Tensor:
+def gaussian_threshold(
+    tree: PyTree, k: KLike | None = None, *, density: float | torch.Tensor | None = None
+) -> torch.Tensor:
     """The Gaussian estimate of the k-th largest magnitude of a tree (Gaussian_k, Shi et al. 2019).
 
     Models every coordinate as drawn from one zero-mean Gaussian whose standard

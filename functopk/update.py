@@ -215,7 +215,10 @@ def _scatter_per_leaf(
         if base and hi == lo:
             out.append(x)
             continue
-        y = x.clone(memory_format=torch.contiguous_format) if base else torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        if base:
+            y = x.clone(memory_format=torch.contiguous_format)
+        else:
+            y = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
         if hi > lo:
             pos, src = idx[lo:hi] - off, vals[lo:hi].to(x.dtype)
             y = y.view(-1).index_add_(0, pos, src) if base else y.view(-1).index_copy_(0, pos, src)

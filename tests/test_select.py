@@ -13,7 +13,8 @@ import functopk as ft
 from functopk import select
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+          torch.float64: torch.int64}
 
 
 # --------------------------------------------------------------------------- nonzero_1d
