@@ -50,7 +50,7 @@ from functopk.schedules import (
     piecewise_constant_schedule,
     warmup_cosine_decay_schedule,
 )
-from functopk.sparsify import k_from_density, topk, topk_mask, topk_sparsify
+from functopk.sparsify import TopKState, gaussian_threshold, k_from_density, topk, topk_indices, topk_mask, topk_sparsify
 from functopk.transforms import (
     MaskOrFn,
     ScaleByScheduleState,
@@ -74,7 +74,7 @@ from functopk.tree import (
     tree_scale,
     tree_zeros_like,
 )
-from functopk.update import apply_updates, apply_updates_
+from functopk.update import SparseUpdates, apply_sparse_updates, apply_sparse_updates_, apply_updates, apply_updates_
 
 __version__ = "0.1.0"
 
@@ -97,6 +97,8 @@ __all__ = [
     "ScaleByRssState",
     "ScaleByScheduleState",
     "Schedule",
+    "SparseUpdates",
+    "TopKState",
     "TorchOptimizer",
     "TraceState",
     "TransformInitFn",
@@ -108,6 +110,8 @@ __all__ = [
     "add_decayed_weights",
     "all_finite",
     "apply_if_finite",
+    "apply_sparse_updates",
+    "apply_sparse_updates_",
     "apply_updates",
     "apply_updates_",
     "chain",
@@ -118,6 +122,7 @@ __all__ = [
     "cosine_decay_schedule",
     "distributed",
     "exponential_decay",
+    "gaussian_threshold",
     "global_norm",
     "identity",
     "inject_hyperparams",
@@ -145,6 +150,7 @@ __all__ = [
     "state_to_dict",
     "stateless",
     "topk",
+    "topk_indices",
     "topk_mask",
     "topk_sparsify",
     "trace",
