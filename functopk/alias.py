@@ -1,29 +1,74 @@
-"""Optimizers as chains of elementary transformations."""
+"""Optimizers with the semantics of their ``torch.optim`` namesakes.
+
+Each alias is a :class:`~functopk.GradientTransformation` whose updates, added
+to the parameters with :func:`functopk.apply_updates`, reproduce the parameters
+``torch.optim`` computes with the same hyperparameters (tested step by step to
+1e-6 relative in float32). ``sgd``, ``rmsprop`` and ``adagrad`` are chains of the
+elementary transformations; ``adam`` and ``adamw`` are one fused transformation
+(Adam's kernel with the learning rate folded into its last multiply).
+
+Every numeric hyperparameter may be a 0-d tensor, so every alias works under
+:func:`functopk.inject_hyperparams`; learning rates may also be schedules.
+"""
 
 from __future__ import annotations
 
-from functopk.base import GradientTransformation, ScalarOrSchedule, identity
-from functopk.combine import chain
 import torch
 
-from functopk.transforms import check_hyperparam, scale_by_learning_rate, trace
+from functopk.adaptive import adam_transform, scale_by_rms, scale_by_rss
+from functopk.base import GradientTransformation, ScalarOrSchedule
+from functopk.combine import chain
+from functopk.transforms import (
+    MaskOrFn,
+    add_decayed_weights,
+    check_bool,
+    check_hyperparam,
+    check_scalar_or_schedule,
+    is_zero,
+    scalar_dtype,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+    trace,
+)
 
-__all__ = ["sgd"]
+__all__ = ["adagrad", "adam", "adamw", "rmsprop", "sgd"]
+
+Hyper = float | torch.Tensor
+
+
+def _prefix(maximize: bool, weight_decay: Hyper) -> list[GradientTransformation]:
+    """``torch.optim``'s first two moves: negate the gradient (``maximize``), add ``weight_decay * params``."""
+    parts = []
+    if check_bool(maximize, "maximize"):
+        parts.append(scale(-1.0))
+    if not is_zero(weight_decay):
+        parts.append(add_decayed_weights(weight_decay))
+    return parts
 
 
 def sgd(
-    learning_rate: ScalarOrSchedule, momentum: float | torch.Tensor = 0.0, nesterov: bool = False
+    learning_rate: ScalarOrSchedule,
+    momentum: Hyper = 0.0,
+    nesterov: bool = False,
+    dampening: Hyper = 0.0,
+    weight_decay: Hyper = 0.0,
+    maximize: bool = False,
 ) -> GradientTransformation:
-    """Stochastic gradient descent, with optional (Nesterov) momentum.
+    """Stochastic gradient descent with optional momentum: ``torch.optim.SGD``.
 
-    ``chain(trace(momentum, nesterov), scale_by_learning_rate(learning_rate))``,
-    which matches ``torch.optim.SGD(lr, momentum, nesterov=nesterov)``.
+    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], [trace(momentum, nesterov, dampening)],
+    scale_by_learning_rate(learning_rate))``, where the bracketed parts appear only
+    when needed (``maximize``, a non-zero weight decay, a momentum; a 0-d tensor
+    counts as non-zero), so the state is the tuple of the present parts' states.
 
     Args:
-        learning_rate: A number or a schedule ``step -> lr``.
-        momentum: Momentum coefficient ``>= 0``; 0 means plain SGD (no state kept). A 0-d
-            tensor (from :func:`functopk.inject_hyperparams`) always keeps a momentum buffer.
-        nesterov: Nesterov momentum (needs ``momentum > 0``).
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
+        momentum: Momentum coefficient ``>= 0``; 0 means plain SGD (no buffer kept).
+        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``, as in torch).
+        dampening: Dampening of the momentum; the first step is undamped, as in torch.
+        weight_decay: Coupled weight decay (L2): ``weight_decay * params`` added to the gradient.
+        maximize: Ascend the objective instead (negate the gradient first).
 
     Example:
         >>> import torch, functopk as ft
@@ -36,13 +81,202 @@ def sgd(
         >>> params["w"]   # 1 - 0.1 * 1 - 0.1 * (1 + 0.9)
         tensor([0.7100])
     """
+    learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
     momentum = check_hyperparam(momentum, "momentum", minimum=0.0)
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
-    has_momentum = isinstance(momentum, torch.Tensor) or momentum > 0.0
+    check_bool(nesterov, "nesterov")
+    dampening = check_hyperparam(dampening, "dampening", minimum=0.0)
+    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
+    has_momentum = not is_zero(momentum)
     if nesterov and not has_momentum:
         raise ValueError("nesterov=True needs momentum > 0")
-    return chain(
-        trace(momentum, nesterov) if has_momentum else identity(),
-        scale_by_learning_rate(learning_rate),
+    parts = _prefix(maximize, weight_decay)
+    if has_momentum:
+        parts.append(trace(momentum, nesterov, dampening))
+    parts.append(scale_by_learning_rate(learning_rate))
+    return chain(*parts)
+
+
+def adam(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    eps_root: Hyper = 0.0,
+) -> GradientTransformation:
+    """Adam (Kingma & Ba, 2015): ``torch.optim.Adam``.
+
+    Equal to ``chain([scale(-1)], [add_decayed_weights(weight_decay)], scale_by_adam(b1, b2, eps,
+    eps_root, amsgrad), scale_by_learning_rate(learning_rate))`` up to rounding,
+    but computed as one transformation (state :class:`ScaleByAdamState`) so that
+    the learning rate rides on Adam's last multiply. ``weight_decay`` is coupled
+    (added to the gradient, L2), as in ``torch.optim.Adam``; see :func:`adamw`
+    for decoupled decay. ``betas=(b1, b2)`` in torch.
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
+        b1: Decay of the first moment.
+        b2: Decay of the second moment.
+        eps: Added to the denominator, outside the square root (as in torch).
+        weight_decay: Coupled weight decay.
+        amsgrad: The AMSGrad variant (Reddi et al., 2018).
+        maximize: Ascend the objective.
+        eps_root: Added inside the square root (not in torch; 0 by default).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.adam(0.1)
+        >>> params = {"w": torch.tensor([1.0, 1.0])}
+        >>> updates, state = tx.update({"w": torch.tensor([3.0, -0.5])}, tx.init(params), params)
+        >>> updates["w"]   # the first Adam step moves each coordinate by lr against its gradient's sign
+        tensor([-0.1000,  0.1000])
+    """
+    check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
+    return adam_transform(
+        b1, b2, eps, eps_root, amsgrad, learning_rate=learning_rate, weight_decay=weight_decay, maximize=maximize
     )
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    eps_root: Hyper = 0.0,
+    mask: MaskOrFn | None = None,
+) -> GradientTransformation:
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019): ``torch.optim.AdamW``.
+
+    The update is ``-learning_rate * (adam_direction + weight_decay * params)``,
+    i.e. ``params * (1 - lr * weight_decay)`` minus the Adam step, as torch computes
+    it. Equal, up to rounding, to ``chain(scale_by_adam(...), add_decayed_weights(weight_decay,
+    mask), scale_by_learning_rate(learning_rate))``, computed as one transformation.
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
+        b1: Decay of the first moment.
+        b2: Decay of the second moment.
+        eps: Added to the denominator, outside the square root.
+        weight_decay: Decoupled weight decay (torch's default 1e-2).
+        amsgrad: The AMSGrad variant.
+        maximize: Ascend the objective.
+        eps_root: Added inside the square root (not in torch; 0 by default).
+        mask: Which parameters to decay: a tree of bools or a function ``params -> tree of bools``
+            (e.g. no decay for biases and norm layers); ``None`` decays all.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.adamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.tensor([2.0])}
+        >>> updates, _ = tx.update({"w": torch.tensor([1.0])}, tx.init(params), params)
+        >>> updates["w"]   # -0.1 * (1 + 0.5 * 2)
+        tensor([-0.2000])
+    """
+    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
+    return adam_transform(
+        b1,
+        b2,
+        eps,
+        eps_root,
+        amsgrad,
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        decoupled=True,
+        mask=mask,
+        maximize=maximize,
+    )
+
+
+def rmsprop(
+    learning_rate: ScalarOrSchedule = 1e-2,
+    alpha: Hyper = 0.99,
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
+    momentum: Hyper = 0.0,
+    centered: bool = False,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """RMSprop: ``torch.optim.RMSprop``.
+
+    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], scale_by_rms(alpha, eps, centered=centered),
+    [trace(momentum)], scale_by_learning_rate(learning_rate))``: ``eps`` outside the
+    square root, no bias correction, the momentum buffer starting at zero, all as
+    in torch (optax's ``rmsprop`` differs: ``eps`` inside the root, decay 0.9).
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
+        alpha: Decay of the running mean of squared gradients.
+        eps: Added to the root.
+        weight_decay: Coupled weight decay.
+        momentum: Momentum applied to the scaled update.
+        centered: Normalise by the estimated variance instead of the second moment.
+        maximize: Ascend the objective.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.rmsprop(0.1, alpha=0.75)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> tx.update({"w": torch.tensor([2.0])}, tx.init(params), params)[0]["w"]   # -0.1 * 2 / sqrt(0.25 * 4)
+        tensor([-0.2000])
+    """
+    momentum = check_hyperparam(momentum, "momentum", minimum=0.0)
+    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
+    learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
+    parts = _prefix(maximize, weight_decay)
+    parts.append(scale_by_rms(alpha, eps, centered=centered))
+    if not is_zero(momentum):
+        parts.append(trace(momentum))
+    parts.append(scale_by_learning_rate(learning_rate))
+    return chain(*parts)
+
+
+def adagrad(
+    learning_rate: ScalarOrSchedule = 1e-2,
+    lr_decay: Hyper = 0.0,
+    weight_decay: Hyper = 0.0,
+    initial_accumulator_value: Hyper = 0.0,
+    eps: Hyper = 1e-10,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adagrad (Duchi et al., 2011): ``torch.optim.Adagrad``.
+
+    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], scale_by_rss(initial_accumulator_value, eps),
+    scale_by_learning_rate(lr_t))`` with ``lr_t = learning_rate / (1 + t * lr_decay)`` at
+    step ``t`` (from 0), torch's learning-rate decay.
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
+        lr_decay: torch's ``lr_decay``, ``>= 0``.
+        weight_decay: Coupled weight decay.
+        initial_accumulator_value: Starting value of the sum of squares.
+        eps: Added to the root of the sum.
+        maximize: Ascend the objective.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.adagrad(0.1, eps=0.0)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> tx.update({"w": torch.tensor([-4.0])}, tx.init(params), params)[0]["w"]   # -0.1 * -4 / sqrt(16)
+        tensor([0.1000])
+    """
+    learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
+    lr_decay = check_hyperparam(lr_decay, "lr_decay", minimum=0.0)
+    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
+    parts = _prefix(maximize, weight_decay)
+    parts.append(scale_by_rss(initial_accumulator_value, eps))
+    if is_zero(lr_decay):
+        parts.append(scale_by_learning_rate(learning_rate))
+    else:
+
+        def decayed(count: torch.Tensor) -> torch.Tensor:
+            lr = learning_rate(count) if callable(learning_rate) else learning_rate
+            # float32 like the schedules: the update multiplies float32 leaves by it.
+            return (-lr / (1.0 + count.to(scalar_dtype(count.device)) * lr_decay)).to(torch.float32)
+
+        parts.append(scale_by_schedule(decayed))
+    return chain(*parts)

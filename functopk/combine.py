@@ -1,12 +1,25 @@
-"""Combinators: transformations built from other transformations."""
+"""Combinators: transformations built from other transformations.
+
+``chain``/``named_chain`` compose in sequence; ``masked`` and ``partition`` send
+different parameters to different transformations. The last two hand each inner
+transformation the *sub-tree* of its parameters: the same tree with every other
+leaf replaced by ``None`` (an empty node for optree), so the inner state holds
+tensors for its own leaves only and the inner transformation never sees the rest.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, NamedTuple, Union
+
+import optree
+import torch
 
 from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
+from functopk.transforms import MaskOrFn, resolve_mask
+from functopk.tree import PyTree
 
-__all__ = ["chain", "named_chain"]
+__all__ = ["MaskedState", "chain", "masked", "named_chain", "partition"]
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -82,5 +95,168 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         for name, tx in transforms:
             updates, new_state[name] = tx.update(updates, state[name], params)
         return updates, new_state
+
+    return GradientTransformation(init, update)
+
+
+def _subtree(treedef: optree.PyTreeSpec, leaves: list[Any], keep: list[bool]) -> PyTree:
+    """The tree with the leaves where ``keep`` is False replaced by ``None``."""
+    return optree.tree_unflatten(treedef, [x if k else None for x, k in zip(leaves, keep)])
+
+
+def _sub_leaves(treedef: optree.PyTreeSpec, sub: PyTree, keep: list[bool], name: str) -> list[Any]:
+    """The leaves of an inner transformation's output, in the full tree's leaf positions."""
+    try:
+        leaves = treedef.flatten_up_to(sub)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{name} returned updates whose structure does not fit the parameters: {err}") from err
+    for leaf, k in zip(leaves, keep):
+        if k and not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"{name} returned {type(leaf).__name__} for a leaf it was given; expected a tensor")
+    return leaves
+
+
+class MaskedState(NamedTuple):
+    """State of :func:`masked`: the inner transformation's state, built on the masked sub-tree."""
+
+    inner_state: OptState
+
+
+def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformation:
+    """Apply ``inner`` to the leaves where ``mask`` is True; pass the others through unchanged.
+
+    ``inner`` sees (and keeps state for) only the selected leaves: its ``init``
+    and ``update`` get the parameter and update trees with the unselected leaves
+    replaced by ``None``.
+
+    Args:
+        inner: The transformation for the selected leaves.
+        mask: A tree of Python bools with the parameters' structure, or a function
+            ``tree -> such a tree``; the function is called on ``params`` (on the
+            updates when ``params`` is not given) and should depend on structure and
+            shapes only (reading tensor values would be a host sync).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.masked(ft.scale(10.0), {"w": True, "b": False})
+        >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+        >>> tx.update(params, tx.init(params), params)[0]
+        {'w': tensor([10., 10.]), 'b': tensor([1.])}
+    """
+    check_transformation(inner, "inner")
+    if not callable(mask):
+        optree.tree_structure(mask)
+
+    def init(params: Params) -> MaskedState:
+        leaves, treedef = optree.tree_flatten(params)
+        keep = resolve_mask(mask, params)
+        return MaskedState(inner.init(_subtree(treedef, leaves, keep)))
+
+    def update(updates: Updates, state: MaskedState, params: Params | None = None) -> tuple[Updates, MaskedState]:
+        if not isinstance(state, MaskedState):
+            raise ValueError(f"state must be a MaskedState, got {type(state).__name__}")
+        leaves, treedef = optree.tree_flatten(updates)
+        keep = resolve_mask(mask, updates if params is None else params)
+        sub_params = None
+        if params is not None:
+            p_leaves, p_def = optree.tree_flatten(params)
+            if p_def != treedef:
+                raise ValueError(f"updates has tree structure {treedef}, but params has {p_def}; they must match")
+            sub_params = _subtree(treedef, p_leaves, keep)
+        sub_updates, inner_state = inner.update(_subtree(treedef, leaves, keep), state.inner_state, sub_params)
+        new = _sub_leaves(treedef, sub_updates, keep, "masked's inner transformation")
+        out = [n if k else x for x, n, k in zip(leaves, new, keep)]
+        return optree.tree_unflatten(treedef, out), MaskedState(inner_state)
+
+    return GradientTransformation(init, update)
+
+
+LabelsOrFn = Union[PyTree, Callable[[PyTree], PyTree]]
+"""A tree of labels shaped like the parameters, or a function ``params -> such a tree``."""
+
+
+def _resolve_labels(labels: LabelsOrFn, tree: PyTree, known: Mapping[Hashable, Any]) -> list[Hashable]:
+    if callable(labels):
+        labels = labels(tree)
+    treedef = optree.tree_structure(tree)
+    try:
+        flat = treedef.flatten_up_to(labels)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"param_labels must have the structure of the parameters {treedef}, got {optree.tree_structure(labels)}"
+        ) from err
+    for path, label in zip(treedef.paths(), flat):
+        if label is None or not isinstance(label, Hashable) or label not in known:
+            where = "".join(f"[{p!r}]" for p in path) or "<root>"
+            raise ValueError(
+                f"param_labels leaf at {where} is {label!r}, which is not a key of transforms "
+                f"{sorted(map(repr, known))}"
+            )
+    return flat
+
+
+def partition(
+    transforms: Mapping[Hashable, GradientTransformation], param_labels: LabelsOrFn
+) -> GradientTransformation:
+    """Send each parameter to the transformation of its label (``torch.optim`` parameter groups).
+
+    Every leaf gets exactly one label; the transformation of that label sees the
+    sub-tree of the leaves with that label (the others are ``None``) and keeps
+    state for them only. The state is a dict ``label -> inner state``.
+
+    Args:
+        transforms: ``label -> transformation``.
+        param_labels: A tree of labels with the parameters' structure, or a function
+            ``tree -> such a tree`` (called on ``params``, or on the updates when
+            ``params`` is not given; it should depend on structure, names and shapes only).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.partition({"fast": ft.sgd(1.0), "frozen": ft.scale(0.0)},
+        ...                   {"w": "fast", "b": "frozen"})
+        >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+        >>> tx.update(params, tx.init(params), params)[0]
+        {'w': tensor([-1., -1.]), 'b': tensor([0.])}
+    """
+    if not isinstance(transforms, Mapping) or not transforms:
+        raise TypeError(f"transforms must be a non-empty dict label -> transformation, got {transforms!r}")
+    for label, tx in transforms.items():
+        check_transformation(tx, f"transforms[{label!r}]")
+    transforms = dict(transforms)
+    if not callable(param_labels):
+        optree.tree_structure(param_labels)
+
+    def init(params: Params) -> dict[Hashable, OptState]:
+        leaves, treedef = optree.tree_flatten(params)
+        labels = _resolve_labels(param_labels, params, transforms)
+        return {
+            label: tx.init(_subtree(treedef, leaves, [lab == label for lab in labels]))
+            for label, tx in transforms.items()
+        }
+
+    def update(
+        updates: Updates, state: dict[Hashable, OptState], params: Params | None = None
+    ) -> tuple[Updates, dict[Hashable, OptState]]:
+        if not isinstance(state, dict) or set(state) != set(transforms):
+            got = sorted(map(repr, state)) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state must be a dict with keys {sorted(map(repr, transforms))}, got {got}")
+        leaves, treedef = optree.tree_flatten(updates)
+        labels = _resolve_labels(param_labels, updates if params is None else params, transforms)
+        p_leaves = None
+        if params is not None:
+            p_leaves, p_def = optree.tree_flatten(params)
+            if p_def != treedef:
+                raise ValueError(f"updates has tree structure {treedef}, but params has {p_def}; they must match")
+        out = list(leaves)
+        new_state = {}
+        for label, tx in transforms.items():
+            keep = [lab == label for lab in labels]
+            sub_params = None if p_leaves is None else _subtree(treedef, p_leaves, keep)
+            sub_updates, new_state[label] = tx.update(_subtree(treedef, leaves, keep), state[label], sub_params)
+            new = _sub_leaves(treedef, sub_updates, keep, f"transforms[{label!r}]")
+            for i, k in enumerate(keep):
+                if k:
+                    out[i] = new[i]
+        return optree.tree_unflatten(treedef, out), new_state
 
     return GradientTransformation(init, update)

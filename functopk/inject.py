@@ -53,7 +53,10 @@ def inject_hyperparams(
     as tensors at every update. Everything else (bools, strings, ``None``,
     transformations), positional arguments, and names listed in
     ``static_args`` are passed through unchanged. The factory must accept 0-d
-    tensors for the injected arguments; functopk's own transformations do.
+    tensors for the injected arguments; every functopk factory does, integer ones
+    (``multi_steps``'s ``every_k``) included. Every callable is taken for a
+    schedule: list function-valued arguments that are not schedules (masks,
+    ``partition`` labels) in ``static_args``.
 
     Args:
         factory: A function returning a :class:`GradientTransformation`, e.g. ``ft.sgd``.
@@ -84,7 +87,7 @@ def inject_hyperparams(
             elif isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
                 injected[name] = value
             elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-                injected[name] = float(value)
+                injected[name] = value
             elif callable(value) and not isinstance(value, GradientTransformation):
                 schedules[name] = value
             else:

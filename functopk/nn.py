@@ -7,6 +7,14 @@ training mode) then writes into the tensors you passed. Inside
 would mutate a captured Tensor"), and outside it silently mutates your inputs.
 :func:`functionalize` makes the buffers explicit: they go in as an argument and
 the updated buffers come out as a result, and the inputs are never written.
+
+The model function works under ``torch.func.grad`` (BatchNorm in training mode
+included), ``torch.func.vmap`` (per-example gradients, for models without
+BatchNorm or with BatchNorm in evaluation mode: ``train=False``; a batch-norm in
+training mode needs the whole batch and cannot run per example) and
+``torch.compile(fullgraph=True)``. :func:`load_into_module_` writes trained
+``(params, buffers)`` back into the module, e.g. to save it or to evaluate it
+with ordinary code.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-__all__ = ["FunctionalModel", "functionalize"]
+__all__ = ["FunctionalModel", "functionalize", "load_into_module_"]
 
 Tree = dict[str, torch.Tensor]
 
@@ -96,3 +104,69 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Tree, Tree]:
     params = {name: p.detach() for name, p in module.named_parameters()}
     buffers = {name: b.detach() for name, b in module.named_buffers()}
     return model_fn, params, buffers
+
+
+def _checked_pairs(named: dict[str, torch.Tensor], values: Tree, kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair module tensors with new values after checking keys, shapes and dtypes."""
+    if not isinstance(values, dict):
+        raise TypeError(f"{kind} must be a dict of tensors, got {type(values).__name__}")
+    missing = sorted(set(named) - set(values))
+    unexpected = sorted(set(values) - set(named))
+    if missing or unexpected:
+        raise ValueError(
+            f"{kind} keys do not match the module's {kind}: missing {missing}, unexpected {unexpected}"
+        )
+    pairs = []
+    for name, target in named.items():
+        value = values[name]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{kind}[{name!r}] must be a tensor, got {type(value).__name__}")
+        if value.shape != target.shape or value.dtype != target.dtype:
+            raise ValueError(
+                f"{kind}[{name!r}] has shape {tuple(value.shape)} and dtype {value.dtype}; the module's has "
+                f"shape {tuple(target.shape)} and dtype {target.dtype}"
+            )
+        pairs.append((target, value))
+    return pairs
+
+
+def load_into_module_(module: nn.Module, params: Tree | None = None, buffers: Tree | None = None) -> nn.Module:
+    """In place: copy ``params`` and ``buffers`` into the module's own tensors; return ``module``.
+
+    The inverse of :func:`functionalize` after functional training. **Mutates**
+    ``module`` (under ``torch.no_grad``); the dicts are only read. Keys must be
+    exactly those of ``module.named_parameters()`` / ``named_buffers()`` (tied
+    parameters appear once, as there), with equal shapes and dtypes; values may
+    live on another device and are copied across. Everything is checked before
+    anything is written, so a failed call leaves the module unchanged. Pass
+    ``None`` to leave parameters or buffers alone.
+
+    Args:
+        module: The module to write into.
+        params: New parameter values, keyed like ``module.named_parameters()``.
+        buffers: New buffer values, keyed like ``module.named_buffers()``.
+
+    Raises:
+        TypeError: a dict or value has the wrong type.
+        ValueError: keys, shapes or dtypes do not match the module's.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> net = torch.nn.Linear(2, 1)
+        >>> model_fn, params, buffers = ft.nn.functionalize(net)
+        >>> params = ft.tree_map(torch.zeros_like, params)
+        >>> ft.nn.load_into_module_(net, params).weight
+        Parameter containing:
+        tensor([[0., 0.]], requires_grad=True)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    pairs = []
+    if params is not None:
+        pairs += _checked_pairs(dict(module.named_parameters()), params, "params")
+    if buffers is not None:
+        pairs += _checked_pairs(dict(module.named_buffers()), buffers, "buffers")
+    with torch.no_grad():
+        for target, value in pairs:
+            target.copy_(value)
+    return module

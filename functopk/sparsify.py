@@ -1,10 +1,12 @@
 """Global top-k gradient sparsification.
 
 :func:`topk_sparsify` keeps the ``k`` coordinates of largest absolute value
-across *all* leaves of a tree (not per leaf) and zeros the rest; :func:`topk` is
-the same operation as a :class:`~functopk.GradientTransformation`.
+across *all* leaves of a tree (not per leaf) and zeros the rest;
+:func:`topk_mask` returns the selection as a boolean tree, :func:`topk_indices`
+as a :class:`~functopk.SparseUpdates` (flat indices and values), and
+:func:`topk` is the same operation as a :class:`~functopk.GradientTransformation`.
 
-Selection rules (shared by every selection method):
+Selection rules (shared by the exact methods ``"exact"`` and ``"torch"``):
 
 * Magnitudes are compared in the promoted dtype of all leaves. Converting a
   narrower float (fp16, bf16) to a wider one is exact, so leaves of mixed float
@@ -15,33 +17,80 @@ Selection rules (shared by every selection method):
   are kept, always.
 * NaN: a NaN coordinate ranks as an infinite magnitude (equal to ``±inf``, ties
   again by flat index), so it is selected and the NaN reaches the update where
-  it can be seen (``functopk.apply_if_finite``-style guards can then act on it);
-  it is never silently dropped in favour of finite values.
-* ``None`` nodes (frozen parameters) stay ``None``; integer, bool and complex
-  leaves are rejected with ``TypeError``; leaves on several devices with
-  ``ValueError``.
+  it can be seen; it is never silently dropped in favour of finite values.
+* ``None`` nodes (frozen parameters) stay ``None``; leaves must be float16,
+  bfloat16, float32 or float64 tensors (others raise ``TypeError``) on one
+  device (else ``ValueError``).
+
+Methods (``method=``; see ``docs/topk.md`` for measurements and the compile table):
+
+* ``"exact"`` (default): the exact top-k, fastest. In eager mode on CPU it
+  brackets the k-th magnitude with a sample, scans the leaves once for
+  candidates without concatenating them, and selects exactly among the
+  candidates (with a fallback that keeps it exact for any input); it reads sizes
+  on the host and has data-dependent shapes. Under ``torch.compile``, on other
+  devices, or when a leaf requires grad, it runs the ``"torch"`` kernel instead,
+  which gives the identical result with static shapes.
+* ``"torch"``: ``torch.topk`` over the concatenated magnitudes (a radix select
+  for a tensor ``k``): static shapes, no host sync, compiles with ``fullgraph=True``.
+* ``"approx"``: keeps the coordinates above a threshold estimated from a
+  systematic sample (:func:`functopk.select.sample_threshold`): about ``k`` of
+  them (see ``docs/topk.md`` for the band), static shapes, cheapest.
+* ``"gaussian"``: the same with the Gaussian threshold of Shi et al. (2019)
+  (:func:`gaussian_threshold`); accurate only for near-Gaussian gradients.
+
+Approximate methods rank NaN like the exact ones (always kept) and never keep
+exact zeros unless the threshold is negative (``k`` equal to the tree size).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple, Union
 
 import optree
 import torch
 
+from functopk import select
 from functopk.base import EmptyState, GradientTransformation, Params, Updates
+from functopk.transforms import init_count
 from functopk.tree import PyTree, _path_str
+from functopk.update import SparseUpdates
 
-__all__ = ["k_from_density", "topk", "topk_mask", "topk_sparsify"]
+__all__ = [
+    "TopKState",
+    "gaussian_threshold",
+    "k_from_density",
+    "topk",
+    "topk_indices",
+    "topk_mask",
+    "topk_sparsify",
+]
 
-_METHODS = ("torch",)
+METHODS = ("exact", "torch", "approx", "gaussian")
+
+KLike = Union[int, torch.Tensor]
+"""A count: a Python int, or a 0-d tensor (integer, or float rounded to the nearest integer)."""
 
 
-def _check_k(k: Any, numel: int) -> int:
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_k(k: Any, numel: int) -> KLike:
+    """An int ``k`` checked against ``numel``, or a 0-d tensor ``k`` as int64 clamped to ``[1, numel]``."""
+    if isinstance(k, torch.Tensor):
+        if k.dim() != 0 or k.dtype == torch.bool or k.is_complex():
+            raise TypeError(f"k must be an int or a 0-d real tensor, got a tensor of shape {tuple(k.shape)} "
+                            f"and dtype {k.dtype}")
+        if numel < 1:
+            raise ValueError("k exceeds the number of coordinates in the tree (0)")
+        if k.is_floating_point():
+            k = torch.round(k)
+        return k.to(torch.int64).clamp(1, numel)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"k must be an int, got {type(k).__name__} {k!r}")
+        raise TypeError(f"k must be an int or a 0-d tensor, got {type(k).__name__} {k!r}")
     k = int(k)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -50,7 +99,12 @@ def _check_k(k: Any, numel: int) -> int:
     return k
 
 
-def _check_density(density: Any) -> float:
+def _check_density(density: Any) -> float | torch.Tensor:
+    if isinstance(density, torch.Tensor):
+        if density.dim() != 0 or not density.is_floating_point():
+            raise TypeError(f"density must be a float in (0, 1] or a 0-d float tensor, got a tensor of shape "
+                            f"{tuple(density.shape)} and dtype {density.dtype}")
+        return density
     if isinstance(density, bool) or not isinstance(density, numbers.Real):
         raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__} {density!r}")
     density = float(density)
@@ -60,13 +114,16 @@ def _check_density(density: Any) -> float:
 
 
 def _check_method(method: Any) -> str:
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return method
 
 
-def k_from_density(density: float, numel: int) -> int:
+def k_from_density(density: float | torch.Tensor, numel: int) -> KLike:
     """The number of coordinates kept at ``density``: ``round(density * numel)``, at least 1.
+
+    A 0-d tensor ``density`` gives a 0-d int64 tensor (clamped to ``[1, numel]``,
+    no host sync).
 
     Example:
         >>> import functopk as ft
@@ -78,20 +135,22 @@ def k_from_density(density: float, numel: int) -> int:
     density = _check_density(density)
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
+    if isinstance(density, torch.Tensor):
+        return torch.floor(density.to(torch.float64) * numel + 0.5).to(torch.int64).clamp(1, numel)
     return min(numel, max(1, math.floor(density * numel + 0.5)))
 
 
 def _float_leaves(tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
-    """Flatten ``tree``, checking that leaves are floating tensors on one device."""
+    """Flatten ``tree``, checking that leaves are supported float tensors on one device."""
     leaves, treedef = optree.tree_flatten(tree)
     device = None
     for path, leaf in zip(treedef.paths(), leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{name} leaf at {_path_str(path)} is a {type(leaf).__name__}; expected a torch.Tensor")
-        if not leaf.is_floating_point():
+        if leaf.dtype not in select.SUPPORTED_DTYPES:
             raise TypeError(
-                f"{name} leaf at {_path_str(path)} has dtype {leaf.dtype}; top-k needs floating-point leaves "
-                "(integer, bool and complex tensors are not gradients)"
+                f"{name} leaf at {_path_str(path)} has dtype {leaf.dtype}; top-k needs float16, bfloat16, "
+                "float32 or float64 leaves (integer, bool and complex tensors are not gradients)"
             )
         if device is None:
             device = leaf.device
@@ -103,76 +162,160 @@ def _float_leaves(tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.P
     return leaves, treedef
 
 
-def _common_dtype(leaves: list[torch.Tensor]) -> torch.dtype:
-    dtype = leaves[0].dtype
-    for leaf in leaves[1:]:
-        dtype = torch.promote_types(dtype, leaf.dtype)
-    return dtype
+# --------------------------------------------------------------------------- selection
 
 
-def _flat_magnitudes(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """|x| of every coordinate in flat order, in the common dtype, NaN mapped to +inf."""
-    dtype = _common_dtype(leaves)
-    mags = torch.cat([leaf.detach().reshape(-1).to(dtype) for leaf in leaves]).abs_()
-    return torch.nan_to_num_(mags, nan=math.inf, posinf=math.inf)
+class _Selection(NamedTuple):
+    """What a kernel produced: exactly one of a flat mask, (indices, values), or a threshold."""
+
+    mask: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    threshold: torch.Tensor | None = None
 
 
-def _select_torch(mags: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean mask of the top ``k`` of ``mags`` (ties: lower index wins), via ``torch.topk``.
+def _eager_cpu(leaves: list[torch.Tensor]) -> bool:
+    """Whether the eager CPU kernels apply: not compiling, on CPU, no leaf requiring grad.
 
-    Only static shapes and no host syncs: this compiles with ``fullgraph=True``.
+    They read sizes and thresholds on the host; elsewhere the static kernels
+    give the same result (exact methods) or the same kind of result (approximate).
     """
-    threshold = torch.topk(mags, k, sorted=False).values.min()
-    above = mags > threshold
-    at = mags == threshold
-    # Of the coordinates equal to the threshold, keep the first (k - #above) in flat order.
-    room = k - above.sum()
-    return above | (at & (torch.cumsum(at, 0) <= room))
+    if torch.compiler.is_compiling() or leaves[0].device.type != "cpu":
+        return False
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in leaves))
 
 
-def _flat_topk_mask(leaves: list[torch.Tensor], k: int, method: str) -> torch.Tensor:
-    mags = _flat_magnitudes(leaves)
-    del method  # one method today; the dispatch lives here
-    return _select_torch(mags, k)
+def _select(leaves: list[torch.Tensor], k: KLike, method: str) -> _Selection:
+    dtype = select.common_dtype(leaves)
+    numel = sum(x.numel() for x in leaves)
+    if method == "exact" and _eager_cpu(leaves):
+        flats = [x.detach().reshape(-1) for x in leaves]
+        kk = int(k) if isinstance(k, torch.Tensor) else k  # host read: this kernel is eager-only anyway
+        idx, vals = select.select_exact(flats, kk, dtype)
+        return _Selection(indices=idx, values=vals)
+    flats = [x.reshape(-1) for x in leaves]
+    if method in ("exact", "torch"):
+        return _Selection(mask=select.mask_static(select.flat_magnitudes([f.detach() for f in flats], dtype), k))
+    if method == "approx":
+        return _Selection(threshold=select.sample_threshold([f.detach() for f in flats], k, dtype))
+    density = k / numel
+    return _Selection(threshold=select.gaussian_threshold_flat([f.detach() for f in flats], density, dtype))
 
 
-def topk_mask(tree: PyTree, k: int, *, method: str = "torch") -> PyTree:
-    """Boolean tree marking the ``k`` coordinates of largest ``|value|`` across all leaves.
+def _leaf_limits(leaves: list[torch.Tensor], t: torch.Tensor) -> list[float]:
+    """The threshold ``t`` (common dtype) rounded down into each leaf's dtype (host read).
 
-    Same rules as :func:`topk_sparsify` (ties, NaN, dtypes); exactly ``k`` entries are True.
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> ft.topk_mask({"a": torch.tensor([3.0, -1.0]), "b": torch.tensor([-5.0])}, 2)
-        {'a': tensor([ True, False]), 'b': tensor([True])}
+    Comparing a leaf with its limit in its own dtype is then exactly comparing
+    it with ``t`` in the common dtype (see :func:`functopk.select._round_down`).
     """
+    value, limits = t.item(), {}
+    for x in leaves:
+        if x.dtype not in limits:
+            limits[x.dtype] = select._round_down(value, x.dtype, t.dtype)
+    return [limits[x.dtype] for x in leaves]
+
+
+def _above_static(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``|x| > t`` or NaN, compared in ``t``'s (common) dtype: static shapes, no host read."""
+    return ~((x if x.dtype == t.dtype else x.to(t.dtype)).abs() <= t)
+
+
+def _split_mask(mask: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    pieces = torch.split(mask, [x.numel() for x in leaves])
+    return [p.view(x.shape) for p, x in zip(pieces, leaves)]
+
+
+def _leaf_bounds(idx: torch.Tensor, leaves: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(offset, lo, hi) per leaf: the slice of the sorted ``idx`` falling in each leaf (host read)."""
+    offsets = [0]
+    for x in leaves:
+        offsets.append(offsets[-1] + x.numel())
+    bounds = torch.searchsorted(idx, torch.tensor(offsets, dtype=torch.int64, device=idx.device)).tolist()
+    return list(zip(offsets[:-1], bounds[:-1], bounds[1:]))
+
+
+def _dense_leaves(leaves: list[torch.Tensor], sel: _Selection) -> list[torch.Tensor]:
+    """The sparsified leaves (kept values bit-exact, zeros elsewhere)."""
+    if sel.mask is not None:
+        return [torch.where(m, x, 0.0) for m, x in zip(_split_mask(sel.mask, leaves), leaves)]
+    if sel.threshold is not None:
+        if _eager_cpu(leaves):  # one vectorised op per leaf: keeps |x| > t and NaN, zeros the rest
+            return [torch.nn.functional.hardshrink(x, t) for x, t in zip(leaves, _leaf_limits(leaves, sel.threshold))]
+        return [torch.where(_above_static(x.detach(), sel.threshold), x, 0.0) for x in leaves]
+    one_dtype = all(x.dtype == sel.values.dtype for x in leaves)
+    out = []
+    for x, (off, lo, hi) in zip(leaves, _leaf_bounds(sel.indices, leaves)):
+        z = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        if hi > lo:
+            pos = sel.indices[lo:hi] - off
+            src = sel.values[lo:hi] if one_dtype else x.detach().reshape(-1)[pos]  # mixed: the leaf's own bits
+            z.view(-1).index_copy_(0, pos, src)
+        out.append(z)
+    return out
+
+
+def _mask_leaves(leaves: list[torch.Tensor], sel: _Selection) -> list[torch.Tensor]:
+    if sel.mask is not None:
+        return _split_mask(sel.mask, leaves)
+    if sel.threshold is not None:
+        if _eager_cpu(leaves):
+            return [~(x.detach().abs() <= t) for x, t in zip(leaves, _leaf_limits(leaves, sel.threshold))]
+        return [_above_static(x.detach(), sel.threshold) for x in leaves]
+    out = []
+    for x, (off, lo, hi) in zip(leaves, _leaf_bounds(sel.indices, leaves)):
+        z = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        if hi > lo:
+            z.view(-1).index_fill_(0, sel.indices[lo:hi] - off, True)
+        out.append(z)
+    return out
+
+
+def _sparse(leaves: list[torch.Tensor], sel: _Selection, k: KLike) -> SparseUpdates:
+    numel = sum(x.numel() for x in leaves)
+    if sel.indices is not None:
+        return SparseUpdates(sel.indices, sel.values, numel)
+    dtype = select.common_dtype(leaves)
+    if sel.threshold is not None and _eager_cpu(leaves) and float(sel.threshold) >= 0:
+        # the exact kernel's scan gathers the coordinates above a threshold without a dense copy
+        flats = [x.detach().reshape(-1) for x in leaves]
+        fraction = k / numel if isinstance(k, int) else 0.01
+        idx, vals = select.scan_above(flats, float(sel.threshold), dtype, fraction)
+        return SparseUpdates(idx, vals, numel)
+    flat = torch.cat([x.reshape(-1).to(dtype) for x in leaves])
+    if sel.mask is not None:
+        mask = sel.mask
+        # Exactly k entries are set: with an int k the output size is static.
+        idx = torch.nonzero_static(mask, size=k).view(-1) if isinstance(k, int) else mask.nonzero().view(-1)
+    else:
+        idx = _above_static(flat, sel.threshold).nonzero().view(-1)
+    return SparseUpdates(idx, flat[idx], numel)
+
+
+def _prepare(tree: PyTree, k: Any, method: Any) -> tuple[list[torch.Tensor], optree.PyTreeSpec, KLike, str]:
     leaves, treedef = _float_leaves(tree, "tree")
-    numel = sum(leaf.numel() for leaf in leaves)
+    numel = sum(x.numel() for x in leaves)
     k = _check_k(k, numel)
-    method = _check_method(method)
-    mask = _flat_topk_mask(leaves, k, method)
-    pieces = torch.split(mask, [leaf.numel() for leaf in leaves])
-    return optree.tree_unflatten(treedef, [p.view(leaf.shape) for p, leaf in zip(pieces, leaves)])
+    return leaves, treedef, k, _check_method(method)
 
 
-def topk_sparsify(tree: PyTree, k: int, *, method: str = "torch") -> PyTree:
+def topk_sparsify(tree: PyTree, k: KLike, *, method: str = "exact") -> PyTree:
     """Keep the ``k`` coordinates of largest absolute value across the whole tree; zero the rest.
 
     Pure: returns a new tree with the input's structure, shapes, dtypes and
     devices; kept values are bit-exact copies of the input. See the module
-    docstring for the tie, dtype and NaN rules.
+    docstring for the tie, dtype and NaN rules and the methods.
 
     Args:
         tree: A pytree of floating-point tensors on one device (``None`` nodes allowed).
-        k: How many coordinates to keep, ``1 <= k <= total number of coordinates``.
-        method: The selection algorithm. ``"torch"``: ``torch.topk`` over the
-            concatenated magnitudes (static shapes, compiles with ``fullgraph=True``).
+        k: How many coordinates to keep, ``1 <= k <= total number of coordinates``;
+            or a 0-d tensor (clamped to that range, not checked on the host).
+        method: ``"exact"`` (default), ``"torch"``, ``"approx"`` or ``"gaussian"``.
 
     Returns:
         The sparsified tree.
 
     Raises:
-        TypeError: ``k`` is not an int, or a leaf is not a floating-point tensor.
+        TypeError: ``k`` is not an int or 0-d tensor, or a leaf is not a supported float tensor.
         ValueError: ``k`` is out of range, leaves are on several devices, or
             ``method`` is unknown.
 
@@ -183,66 +326,196 @@ def topk_sparsify(tree: PyTree, k: int, *, method: str = "torch") -> PyTree:
         {'conv': tensor([[ 0., -2.],
                 [ 0.,  3.]]), 'bias': tensor([0.])}
     """
-    leaves, treedef = _float_leaves(tree, "tree")
-    numel = sum(leaf.numel() for leaf in leaves)
-    k = _check_k(k, numel)
-    method = _check_method(method)
-    return optree.tree_unflatten(treedef, _sparsify_leaves(leaves, k, method))
+    leaves, treedef, k, method = _prepare(tree, k, method)
+    return optree.tree_unflatten(treedef, _dense_leaves(leaves, _select(leaves, k, method)))
 
 
-def _sparsify_leaves(leaves: list[torch.Tensor], k: int, method: str) -> list[torch.Tensor]:
-    mask = _flat_topk_mask(leaves, k, method)
-    pieces = torch.split(mask, [leaf.numel() for leaf in leaves])
-    return [torch.where(p.view(leaf.shape), leaf, 0.0) for p, leaf in zip(pieces, leaves)]
+def topk_mask(tree: PyTree, k: KLike, *, method: str = "exact") -> PyTree:
+    """Boolean tree marking the ``k`` coordinates of largest ``|value|`` across all leaves.
+
+    Same rules and methods as :func:`topk_sparsify`; with an exact method exactly
+    ``k`` entries are True.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.topk_mask({"a": torch.tensor([3.0, -1.0]), "b": torch.tensor([-5.0])}, 2)
+        {'a': tensor([ True, False]), 'b': tensor([True])}
+    """
+    leaves, treedef, k, method = _prepare(tree, k, method)
+    return optree.tree_unflatten(treedef, _mask_leaves(leaves, _select(leaves, k, method)))
 
 
-def topk(k: int | None = None, *, density: float | None = None, method: str = "torch") -> GradientTransformation:
+def topk_indices(tree: PyTree, k: KLike, *, method: str = "exact") -> SparseUpdates:
+    """The top ``k`` coordinates as a :class:`~functopk.SparseUpdates`: ascending flat indices and values.
+
+    The sparse twin of :func:`topk_sparsify` (same rules and methods): ``O(k)``
+    output instead of a dense tree. Apply it with
+    :func:`~functopk.apply_sparse_updates` or densify it with
+    :meth:`~functopk.SparseUpdates.to_dense`. With ``method="torch"`` and an int
+    ``k`` the output has static shape ``(k,)`` (``torch.nonzero_static``) and
+    compiles with ``fullgraph=True``; the approximate methods return a
+    data-dependent number of coordinates.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.topk_indices({"w": torch.tensor([[1.0, -4.0], [0.5, 2.0]])}, 2)
+        SparseUpdates(indices=tensor([1, 3]), values=tensor([-4.,  2.]), numel=4)
+    """
+    leaves, _, k, method = _prepare(tree, k, method)
+    return _sparse(leaves, _select(leaves, k, method), k)
+
+
+def gaussian_threshold(
+    tree: PyTree, k: KLike | None = None, *, density: float | torch.Tensor | None = None
+) -> torch.Tensor:
+    """The Gaussian estimate of the k-th largest magnitude of a tree (Gaussian_k, Shi et al. 2019).
+
+    Models every coordinate as drawn from one zero-mean Gaussian whose standard
+    deviation is the root mean square of all coordinates, and returns the
+    magnitude ``t`` with ``P(|x| > t) = density``:
+    ``t = rms * Phi^-1(1 - density / 2)``. One read pass (``torch._foreach_norm``),
+    no host sync, static shapes. ``|x| > t`` then keeps about ``k`` coordinates
+    *if* the gradient is close to Gaussian; real gradients mix layers of very
+    different scales and have heavier tails, so the count can be off by a large
+    factor (``docs/topk.md`` measures it). Shi et al. refine the estimate with a
+    few counting passes; ``method="approx"`` uses a sample instead, which is
+    distribution-free. A NaN or infinite coordinate makes the estimate NaN or
+    infinite.
+
+    Args:
+        tree: A pytree of floating-point tensors on one device.
+        k: The target count (give exactly one of ``k`` and ``density``).
+        density: The target fraction of coordinates, in ``(0, 1]``.
+
+    Returns:
+        A 0-d tensor in the tree's common dtype.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> g = {"w": torch.randn(100_000, generator=torch.Generator().manual_seed(0))}
+        >>> t = ft.gaussian_threshold(g, density=0.01)
+        >>> round(float(t), 2), int((g["w"].abs() > t).sum())
+        (2.58, 1022)
+    """
+    leaves, _ = _float_leaves(tree, "tree")
+    numel = sum(x.numel() for x in leaves)
+    if numel == 0:
+        raise ValueError("tree has no coordinates")
+    if (k is None) == (density is None):
+        raise ValueError("give exactly one of k or density")
+    if k is not None:
+        k = _check_k(k, numel)
+        density = k / numel
+    else:
+        density = _check_density(density)
+    flats = [x.detach().reshape(-1) for x in leaves]
+    return select.gaussian_threshold_flat(flats, density, select.common_dtype(leaves))
+
+
+# --------------------------------------------------------------------------- the transformation
+
+
+class TopKState(NamedTuple):
+    """State of :func:`topk` when ``k`` or ``density`` is a schedule: the number of updates done."""
+
+    count: torch.Tensor
+
+
+def _schedule_value(fn: Callable[[torch.Tensor], Any], count: torch.Tensor, name: str) -> Any:
+    value = fn(count)
+    if isinstance(value, (torch.Tensor, numbers.Real)) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"the {name} schedule must return a number or a 0-d tensor, got {type(value).__name__}")
+
+
+def topk(
+    k: int | torch.Tensor | Callable[[torch.Tensor], Any] | None = None,
+    *,
+    density: float | torch.Tensor | Callable[[torch.Tensor], Any] | None = None,
+    method: str = "exact",
+    sparse: bool = False,
+) -> GradientTransformation:
     """Global top-k sparsification as a transformation (see :func:`topk_sparsify`).
 
     Give exactly one of ``k`` (a count) or ``density`` (a fraction of all
     coordinates, turned into ``k`` by :func:`k_from_density` from the size of
-    the updates). Stateless.
+    the updates). Each may be a constant, a 0-d tensor (as
+    :func:`~functopk.inject_hyperparams` passes them) or a schedule, a function of
+    the step count (``count -> k`` or ``count -> density``). With a schedule the
+    state is a :class:`TopKState` holding the count, and the selection runs with
+    a 0-d tensor ``k``: ``"torch"`` and compiled ``"exact"`` then use a radix
+    select (static shapes, a few histogram passes), eager ``"exact"`` reads ``k``
+    on the host (it reads sizes anyway). Otherwise the state is empty.
 
     Args:
         k: Coordinates kept per step.
         density: Fraction of coordinates kept per step, in ``(0, 1]``.
         method: Selection algorithm, as for :func:`topk_sparsify`.
+        sparse: Emit a :class:`~functopk.SparseUpdates` instead of a dense tree.
+            It is meant to end a chain: apply it with
+            :func:`~functopk.apply_sparse_updates` (``scale=-lr`` for plain SGD,
+            which then costs the selection plus one copy of the parameters).
 
     Example:
         >>> import torch, functopk as ft
         >>> tx = ft.topk(density=0.5)
         >>> tx.update({"w": torch.tensor([1.0, -4.0, 2.0, 0.5])}, tx.init(None))[0]
         {'w': tensor([ 0., -4.,  2.,  0.])}
+        >>> tx = ft.topk(lambda count: 1 + count)       # keep 1, then 2, 3, ... coordinates
+        >>> state = tx.init(None)
+        >>> for _ in range(2):
+        ...     out, state = tx.update({"w": torch.tensor([1.0, -4.0, 2.0, 0.5])}, state)
+        >>> out["w"], state.count
+        (tensor([ 0., -4.,  2.,  0.]), tensor(2))
     """
     if (k is None) == (density is None):
         raise ValueError("give exactly one of k or density")
-    if k is not None:
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-            raise TypeError(f"k must be an int, got {type(k).__name__} {k!r}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        k = int(k)
-    else:
-        density = _check_density(density)
+    if not isinstance(sparse, bool):
+        raise TypeError(f"sparse must be a bool, got {type(sparse).__name__}")
     method = _check_method(method)
+    scheduled = callable(k) or callable(density)
+    if k is not None and not callable(k):
+        if isinstance(k, torch.Tensor):
+            _check_k(k, 1)  # type and shape only
+        else:
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+                raise TypeError(f"k must be an int, a 0-d tensor or a schedule, got {type(k).__name__} {k!r}")
+            if k < 1:
+                raise ValueError(f"k must be >= 1, got {k}")
+            k = int(k)
+    if density is not None and not callable(density):
+        density = _check_density(density)
 
-    def resolve_k(leaves: list[torch.Tensor]) -> int:
-        numel = sum(leaf.numel() for leaf in leaves)
+    def resolve_k(leaves: list[torch.Tensor], count: torch.Tensor | None) -> KLike:
+        numel = sum(x.numel() for x in leaves)
         if k is not None:
-            return _check_k(k, numel)
+            value = _schedule_value(k, count, "k") if callable(k) else k
+            return _check_k(value, numel)
         if numel == 0:
             raise ValueError("cannot keep a fraction of an empty tree: it has no coordinates")
-        return k_from_density(density, numel)
+        value = _schedule_value(density, count, "density") if callable(density) else density
+        return k_from_density(value, numel)
 
-    def init(params: Params) -> EmptyState:
-        if params is not None:
-            resolve_k(_float_leaves(params, "params")[0])
-        return EmptyState()
+    def init(params: Params) -> EmptyState | TopKState:
+        if params is not None and not scheduled:
+            resolve_k(_float_leaves(params, "params")[0], None)
+        return TopKState(count=init_count(params)) if scheduled else EmptyState()
 
-    def update(updates: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+    def update(
+        updates: Updates, state: EmptyState | TopKState, params: Params | None = None
+    ) -> tuple[Updates | SparseUpdates, EmptyState | TopKState]:
         del params
         leaves, treedef = _float_leaves(updates, "updates")
-        kk = resolve_k(leaves)
-        return optree.tree_unflatten(treedef, _sparsify_leaves(leaves, kk, method)), state
+        if scheduled:
+            if not isinstance(state, TopKState):
+                raise TypeError(f"state must be a TopKState (k or density is a schedule), got {type(state).__name__}")
+            kk = resolve_k(leaves, state.count)
+            new_state = TopKState(count=state.count + 1)
+        else:
+            kk = resolve_k(leaves, None)
+            new_state = state
+        sel = _select(leaves, kk, method)
+        out = _sparse(leaves, sel, kk) if sparse else optree.tree_unflatten(treedef, _dense_leaves(leaves, sel))
+        return out, new_state
 
     return GradientTransformation(init, update)

@@ -3,27 +3,38 @@
 All tree maths here goes through ``torch._foreach_*`` kernels over the flat list
 of leaves, so a step costs a handful of kernel launches rather than one Python
 operation per parameter, and none of it reads a tensor back to the host.
+
+The adaptive transformations (``scale_by_adam``, ``scale_by_rms``,
+``scale_by_rss``) live in :mod:`functopk.adaptive`; clipping and non-finite
+guards in :mod:`functopk.clipping`; gradient accumulation in
+:mod:`functopk.accumulate`.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Union
 
 import optree
 import torch
 
-from functopk.base import GradientTransformation, Params, ScalarOrSchedule, Schedule, Updates, stateless
+from functopk.base import EmptyState, GradientTransformation, Params, ScalarOrSchedule, Schedule, Updates, stateless
 from functopk.tree import PyTree, check_same_structure, keep_dtypes, tree_scale, tree_zeros_like
 
 __all__ = [
+    "MaskOrFn",
     "ScaleByScheduleState",
     "TraceState",
+    "add_decayed_weights",
     "scale",
     "scale_by_learning_rate",
     "scale_by_schedule",
     "trace",
 ]
+
+MaskOrFn = Union[PyTree, Callable[[PyTree], PyTree]]
+"""A tree of Python bools shaped like the parameters, or a function ``params -> such a tree``."""
 
 
 def check_number(value: Any, name: str, *, minimum: float | None = None, below: float | None = None) -> float:
@@ -56,11 +67,23 @@ def check_hyperparam(
     return check_number(value, name, minimum=minimum, below=below)
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a bool, else ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_scalar_or_schedule(value: Any, name: str) -> ScalarOrSchedule:
     """``value`` if it is a real number, a 0-d float tensor or a schedule, else ``TypeError`` naming ``name``."""
     if callable(value):
         return value
     return check_hyperparam(value, name)
+
+
+def is_zero(value: float | torch.Tensor) -> bool:
+    """True for the Python number 0; a tensor is never taken as zero (that would need its value)."""
+    return not isinstance(value, torch.Tensor) and value == 0.0
 
 
 def tree_device(tree: PyTree) -> torch.device:
@@ -72,6 +95,83 @@ def tree_device(tree: PyTree) -> torch.device:
 def init_count(params: Params) -> torch.Tensor:
     """A fresh step counter: an int64 0-d tensor on the parameters' device."""
     return torch.zeros((), dtype=torch.int64, device=tree_device(params))
+
+
+def scalar_dtype(device: torch.device) -> torch.dtype:
+    """The dtype for scalar maths on ``device``: float64, except where a backend lacks it (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def for_leaves(scalar: float | torch.Tensor, leaves: Sequence[torch.Tensor]) -> float | torch.Tensor:
+    """A float64 tensor scalar cast to float32 unless some leaf is float64.
+
+    Scalars (bias corrections, step sizes) are computed in float64, as torch.optim
+    computes them in Python floats; its kernels then use them in float32 for
+    float32 (and lower) tensors, and so does this. Keeping them float64 would make
+    ``torch.compile`` do the whole update in float64 (twice as slow on CPU).
+    """
+    if isinstance(scalar, torch.Tensor) and scalar.dtype == torch.float64:
+        if not any(x.dtype == torch.float64 for x in leaves):
+            return scalar.to(torch.float32)
+    return scalar
+
+
+def require_params(params: Params | None, name: str) -> Params:
+    """``params`` if given, else ``ValueError`` saying that transformation ``name`` needs them."""
+    if params is None:
+        raise ValueError(f"{name} needs the parameters: call update(updates, state, params) with params")
+    return params
+
+
+def mul(xs: Sequence[torch.Tensor], scalar: float | torch.Tensor) -> list[torch.Tensor]:
+    """``scalar * x`` for each ``x`` (one foreach kernel), dtypes kept."""
+    return keep_dtypes(torch._foreach_mul(list(xs), scalar), xs)
+
+
+def add_scaled(
+    a: Sequence[torch.Tensor], scalar: float | torch.Tensor, b: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``a + scalar * b`` over lists of tensors (one fused kernel for a Python scalar), dtypes of ``a`` kept."""
+    if isinstance(scalar, torch.Tensor):
+        return keep_dtypes(torch._foreach_add(list(a), torch._foreach_mul(list(b), scalar)), a)
+    return list(torch._foreach_add(list(a), list(b), alpha=scalar))
+
+
+def select_leaves(cond: torch.Tensor, new: Sequence[torch.Tensor], old: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``new`` where the 0-d bool ``cond`` holds, else ``old``, leaf by leaf, without a host sync.
+
+    There is no foreach ``where`` kernel, so this is one ``torch.where`` per leaf
+    (``torch.compile`` fuses them); it is the price of a branch-free step.
+    """
+    return [torch.where(cond, n, o) for n, o in zip(new, old)]
+
+
+def resolve_mask(mask: MaskOrFn, tree: PyTree, *, name: str = "mask") -> list[bool]:
+    """The mask's Python bools in the flat order of ``tree``'s leaves.
+
+    Args:
+        mask: A tree of bools with ``tree``'s structure, or a function ``tree -> such a tree``.
+        tree: The parameters (or updates) the mask refers to.
+        name: The argument name for error messages.
+
+    Raises:
+        ValueError: if the mask's structure differs from the tree's.
+        TypeError: if a mask leaf is not a Python bool.
+    """
+    if callable(mask):
+        mask = mask(tree)
+    treedef = optree.tree_structure(tree)
+    try:
+        flags = treedef.flatten_up_to(mask)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"{name} must have the structure of the parameters {treedef}, got {optree.tree_structure(mask)}"
+        ) from err
+    for path, flag in zip(treedef.paths(), flags):
+        if not isinstance(flag, bool):
+            where = "".join(f"[{p!r}]" for p in path) or "<root>"
+            raise TypeError(f"{name} leaf at {where} must be a Python bool, got {type(flag).__name__} {flag!r}")
+    return flags
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
@@ -98,6 +198,15 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
 
     The count is a 0-d int64 tensor kept in the state, so the schedule is
     evaluated without a host sync and a compiled step does not recompile.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.scale_by_schedule(lambda count: 1.0 / (count + 1))
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> for _ in range(2):
+        ...     updates, state = tx.update({"w": torch.tensor([1.0])}, state)
+        >>> updates["w"]
+        tensor([0.5000])
     """
     if not callable(schedule):
         raise TypeError(f"schedule must be callable (step -> value), got {type(schedule).__name__}")
@@ -119,45 +228,72 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     """Multiply updates by ``-learning_rate`` (or ``+learning_rate`` with ``flip_sign=False``).
 
     Args:
-        learning_rate: A number, or a schedule ``step -> lr`` evaluated on the step counter.
+        learning_rate: A number, a 0-d tensor, or a schedule ``step -> lr`` evaluated on the step counter.
         flip_sign: Negate, so that adding the update descends the loss (default).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.scale_by_learning_rate(0.1)
+        >>> tx.update({"w": torch.tensor([1.0, -2.0])}, tx.init(None))[0]
+        {'w': tensor([-0.1000,  0.2000])}
     """
     learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
+    check_bool(flip_sign, "flip_sign")
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
         return scale_by_schedule(lambda count: sign * learning_rate(count))
     return scale(sign * learning_rate)
 
 
-def _add_scaled(a: list[torch.Tensor], scalar: float | torch.Tensor, b: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``a + scalar * b`` over lists of tensors (one fused kernel for a Python scalar)."""
-    if isinstance(scalar, torch.Tensor):
-        return list(torch._foreach_add(a, torch._foreach_mul(b, scalar)))
-    return list(torch._foreach_add(a, b, alpha=scalar))
-
-
 class TraceState(NamedTuple):
-    """State of :func:`trace`: the momentum buffer, a tree like the parameters."""
+    """State of :func:`trace`.
+
+    Attributes:
+        trace: The momentum buffer, a tree like the parameters (zeros at first).
+        count: The number of updates done (0-d int64 tensor); dampening skips the first one.
+    """
 
     trace: PyTree
+    count: torch.Tensor
 
 
-def trace(decay: float | torch.Tensor, nesterov: bool = False) -> GradientTransformation:
-    """Momentum: ``trace = updates + decay * trace``; emit ``trace`` (or the Nesterov form).
+def trace(
+    decay: float | torch.Tensor, nesterov: bool = False, dampening: float | torch.Tensor = 0.0
+) -> GradientTransformation:
+    """Momentum, exactly as ``torch.optim.SGD`` keeps it.
 
-    With ``nesterov=True`` the emitted update is ``updates + decay * trace``
-    (using the new trace), as ``torch.optim.SGD(nesterov=True)`` does.
+    ``trace = decay * trace + (1 - dampening) * updates`` and the emitted update
+    is ``trace`` (or, with ``nesterov=True``, ``updates + decay * trace`` using the
+    new trace). As in ``torch.optim.SGD``, the first update sets
+    ``trace = updates`` undamped: the state starts at zero and the dampening
+    factor is 1 while ``count == 0`` (a 0-d tensor comparison, no host sync).
+
+    Cost per step: one foreach kernel without dampening (``updates + decay *
+    trace``, fused), three with it, plus one for Nesterov.
 
     Args:
         decay: The momentum coefficient, ``>= 0`` (a number or a 0-d tensor).
-        nesterov: Use Nesterov momentum.
+        nesterov: Use Nesterov momentum (``torch.optim.SGD`` needs ``dampening == 0`` for it; so does this).
+        dampening: Dampening of the gradient's contribution, ``>= 0``.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.trace(0.5, dampening=0.5)
+        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> for _ in range(2):
+        ...     updates, state = tx.update({"w": torch.tensor([1.0])}, state)
+        >>> updates["w"]    # first step 1.0 (undamped), then 0.5 * 1.0 + 0.5 * 1.0
+        tensor([1.])
     """
     decay = check_hyperparam(decay, "decay", minimum=0.0)
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+    check_bool(nesterov, "nesterov")
+    dampening = check_hyperparam(dampening, "dampening", minimum=0.0)
+    if nesterov and not is_zero(dampening):
+        raise ValueError(f"nesterov=True needs dampening == 0, got dampening={dampening}")
+    damped = not is_zero(dampening)
 
     def init(params: Params) -> TraceState:
-        return TraceState(trace=tree_zeros_like(params))
+        return TraceState(trace=tree_zeros_like(params), count=init_count(params))
 
     def update(updates: Updates, state: TraceState, params: Params | None = None) -> tuple[Updates, TraceState]:
         del params
@@ -165,9 +301,83 @@ def trace(decay: float | torch.Tensor, nesterov: bool = False) -> GradientTransf
         leaves, treedef = optree.tree_flatten(updates)
         buf = optree.tree_leaves(state.trace)
         if not leaves:
-            return updates, state
-        new_buf = keep_dtypes(_add_scaled(leaves, decay, buf), buf)
-        out = keep_dtypes(_add_scaled(leaves, decay, new_buf), leaves) if nesterov else new_buf
-        return optree.tree_unflatten(treedef, list(out)), TraceState(trace=optree.tree_unflatten(treedef, list(new_buf)))
+            return updates, state._replace(count=state.count + 1)
+        if damped:
+            # torch.optim.SGD clones the gradient into the buffer on the first step; with a
+            # zero buffer that is the same as an undamped first step.
+            first = state.count == 0
+            one = torch.ones((), dtype=scalar_dtype(first.device), device=first.device)
+            factor = for_leaves(torch.where(first, one, 1.0 - dampening), leaves)
+            new_buf = keep_dtypes(torch._foreach_add(torch._foreach_mul(buf, decay), mul(leaves, factor)), buf)
+        else:
+            new_buf = keep_dtypes(add_scaled(leaves, decay, buf), buf)
+        out = add_scaled(leaves, decay, new_buf) if nesterov else new_buf
+        return (
+            optree.tree_unflatten(treedef, list(out)),
+            TraceState(trace=optree.tree_unflatten(treedef, list(new_buf)), count=state.count + 1),
+        )
 
     return GradientTransformation(init, update)
+
+
+def add_decayed_weights(
+    weight_decay: float | torch.Tensor = 0.0, mask: MaskOrFn | None = None
+) -> GradientTransformation:
+    """Add ``weight_decay * params`` to the updates (L2 regularisation's gradient).
+
+    Placed before an optimizer's scaling it is *coupled* weight decay, as the
+    ``weight_decay`` of ``torch.optim.SGD``/``Adam``/``RMSprop``/``Adagrad``;
+    placed after ``scale_by_adam`` and before the learning rate it is AdamW's
+    *decoupled* decay.
+
+    Args:
+        weight_decay: The coefficient (a number or a 0-d tensor).
+        mask: Which leaves to decay: a tree of Python bools with the parameters'
+            structure, or a function ``params -> such a tree`` (evaluated at every
+            update, on the structure and shapes only, e.g.
+            ``lambda p: ft.tree_map(lambda x: x.dim() > 1, p)``). ``None`` decays all.
+            Leaves masked out pass through unchanged.
+
+    Raises:
+        ValueError: at update time, when ``params`` is not given or the mask does not fit.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.add_decayed_weights(0.1, mask={"w": True, "b": False})
+        >>> params = {"w": torch.tensor([10.0]), "b": torch.tensor([10.0])}
+        >>> tx.update({"w": torch.tensor([1.0]), "b": torch.tensor([1.0])}, tx.init(params), params)[0]
+        {'w': tensor([2.]), 'b': tensor([1.])}
+    """
+    weight_decay = check_hyperparam(weight_decay, "weight_decay")
+    if mask is not None and not callable(mask):
+        optree.tree_structure(mask)  # an unflattenable mask fails here, early
+
+    def init(params: Params) -> EmptyState:
+        if mask is not None:
+            resolve_mask(mask, params)
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        params = require_params(params, "add_decayed_weights")
+        check_same_structure(params, updates, name="updates", expected_name="params")
+        if is_zero(weight_decay):
+            return updates, state
+        leaves, treedef = optree.tree_flatten(updates)
+        p_leaves = optree.tree_leaves(params)
+        idx = list(range(len(leaves))) if mask is None else [i for i, f in enumerate(resolve_mask(mask, params)) if f]
+        if not idx:
+            return updates, state
+        out = list(leaves)
+        decayed = add_scaled([leaves[i] for i in idx], weight_decay, [p_leaves[i] for i in idx])
+        for i, x in zip(idx, decayed):
+            out[i] = x
+        return optree.tree_unflatten(treedef, out), state
+
+    return GradientTransformation(init, update)
+
+
+def full_like_leaves(leaves: Sequence[torch.Tensor], value: float | torch.Tensor) -> list[torch.Tensor]:
+    """New tensors shaped like ``leaves`` filled with ``value`` (a number or a 0-d tensor; no host sync)."""
+    if isinstance(value, torch.Tensor):
+        return [torch.zeros_like(x).add_(value) for x in leaves]
+    return [torch.full_like(x, value) for x in leaves]

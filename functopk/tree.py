@@ -260,6 +260,29 @@ class FlatLayout:
             pieces = [p.to(device=dev, dtype=dt) for p, dt, dev in zip(pieces, self.dtypes, self.devices)]
         return optree.tree_unflatten(self.treedef, pieces)
 
+    def locate(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which leaf each flat index falls in, and the position inside that leaf (flattened).
+
+        Tensor ops only (``torch.searchsorted`` over the leaf offsets), no Python
+        loop over coordinates and no host sync; empty leaves are skipped over.
+
+        Args:
+            indices: An integer tensor of flat indices in ``[0, numel)``.
+
+        Returns:
+            ``(leaf_ids, positions)``, int64 tensors shaped like ``indices``.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> layout = ft.FlatLayout.from_tree({"a": torch.zeros(2, 2), "b": torch.zeros(3)})
+            >>> layout.locate(torch.tensor([0, 3, 4, 6]))
+            (tensor([0, 0, 1, 1]), tensor([0, 3, 0, 2]))
+        """
+        starts = torch.tensor(self.offsets[:-1], dtype=torch.int64, device=indices.device)
+        indices = indices.to(torch.int64)
+        leaf_ids = torch.searchsorted(starts, indices, right=True) - 1
+        return leaf_ids, indices - starts[leaf_ids.clamp_min(0)]
+
     def leaf_paths(self) -> list[str]:
         """Readable paths of the leaves in flat order, e.g. ``"['layer1.0.conv1.weight']"``."""
         return [_path_str(p) for p in self.treedef.paths()]

@@ -78,28 +78,37 @@ def test_ravel_pytree():
     assert_tree_bitwise_equal(unravel(flat), tree)
 
 
+def assert_rounded_from(actual, terms):
+    """``actual`` equals the exact (float64) sum of ``terms`` up to rounding of each term and of the sum.
+
+    A reduced-precision result may round an intermediate product before adding, so
+    the allowed error is a couple of ulps of the largest term, not of the result.
+    """
+    exact = sum(t.double() for t in terms)
+    eps = torch.finfo(actual.dtype).eps
+    bound = 2 * eps * sum(t.double().abs() for t in terms) + torch.finfo(actual.dtype).tiny
+    finite = torch.isfinite(exact) & torch.isfinite(bound)
+    assert actual.dtype == terms[0].dtype and actual.shape == terms[0].shape
+    err = (actual.double() - exact).abs()
+    assert bool((err[finite] <= bound[finite]).all()), (actual, exact)
+    assert torch.equal(torch.isnan(actual[~finite]), torch.isnan(exact[~finite].to(actual.dtype)))
+
+
 @given(trees_st(), st.floats(-4, 4, allow_nan=False, width=32))
 def test_tree_maths_match_per_leaf_reference(tree, s):
-    from functools import partial
-
-    close = partial(torch.testing.assert_close, equal_nan=True)
     before = clone_tree(tree)
+    leaves = ft.tree_leaves(tree)
     other = ft.tree_map(lambda x: torch.ones_like(x) * 0.5, tree)
-    close(ft.tree_leaves(ft.tree_scale(tree, s)), [x * s for x in ft.tree_leaves(tree)])
-    close(
-        ft.tree_leaves(ft.tree_add(tree, other)), [x + y for x, y in zip(ft.tree_leaves(tree), ft.tree_leaves(other))]
-    )
-    close(
-        ft.tree_leaves(ft.tree_add_scaled(tree, s, other)),
-        [x + s * y for x, y in zip(ft.tree_leaves(tree), ft.tree_leaves(other))],
-    )
-    ts = torch.tensor(s)
-    close(
-        ft.tree_leaves(ft.tree_add_scaled(tree, ts, other)),
-        [x + s * y for x, y in zip(ft.tree_leaves(tree), ft.tree_leaves(other))],
-    )
+    others = ft.tree_leaves(other)
+    for out, x in zip(ft.tree_leaves(ft.tree_scale(tree, s)), leaves):
+        torch.testing.assert_close(out, (x.double() * s).to(x.dtype), equal_nan=True)
+    for out, x, y in zip(ft.tree_leaves(ft.tree_add(tree, other)), leaves, others):
+        assert_rounded_from(out, [x, y])
+    for scalar in (s, torch.tensor(s)):
+        for out, x, y in zip(ft.tree_leaves(ft.tree_add_scaled(tree, scalar, other)), leaves, others):
+            assert_rounded_from(out, [x, y.double() * s])
     zeros = ft.tree_zeros_like(tree)
-    assert all(not z.any() and z.shape == x.shape for z, x in zip(ft.tree_leaves(zeros), ft.tree_leaves(tree)))
+    assert all(not z.any() and z.shape == x.shape for z, x in zip(ft.tree_leaves(zeros), leaves))
     assert_tree_bitwise_equal(tree, before)
 
 

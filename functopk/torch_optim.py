@@ -1,0 +1,527 @@
+"""``torch.optim`` adapter: any functopk transformation in an imperative training loop.
+
+:class:`TorchOptimizer` is a real :class:`torch.optim.Optimizer`: it plugs into
+``loss.backward(); opt.step(); opt.zero_grad()`` loops, learning-rate schedulers,
+AMP's ``GradScaler`` and ``torch.compile``, while the update itself is computed
+by one pure functopk transformation over *one tree of all parameters of all
+groups*, so ``topk(k)`` selects the ``k`` largest gradient coordinates across
+the whole model::
+
+    opt = ft.TorchOptimizer(model.parameters(), ft.chain(ft.topk(1000), ft.sgd(0.1)))
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, Union
+
+import optree
+import torch
+
+from functopk.base import GradientTransformation, OptState
+from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
+from functopk.inject import inject_hyperparams
+from functopk.tree import PyTree
+
+__all__ = ["TorchOptimizer"]
+
+Factory = Callable[[Any], GradientTransformation]
+_STATE_KEY = "functopk"
+
+
+def _check_lr(lr: Any) -> float | torch.Tensor:
+    if isinstance(lr, torch.Tensor):
+        if lr.dim() != 0 or not lr.is_floating_point():
+            raise TypeError(f"lr must be a number or a 0-d float tensor, got a tensor of shape {tuple(lr.shape)} "
+                            f"and dtype {lr.dtype}")
+        return lr
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"lr must be a real number or a 0-d float tensor, got {type(lr).__name__} {lr!r}")
+    lr = float(lr)
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    return lr
+
+
+def _lr_key(lr: Any) -> Any:
+    """A hashable identity for a group's lr: its value for numbers, the object for tensors."""
+    return ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else ("number", float(lr))
+
+
+class TorchOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that applies a functopk transformation to ``.grad``.
+
+    At each :meth:`step` the gradients of all parameters of all groups form one
+    tree (a dict keyed by parameter name when the parameters were given with
+    names, e.g. ``model.named_parameters()``; otherwise a list in group order),
+    the transformation turns it into updates, and the updates are added to the
+    parameters in place. A parameter whose ``.grad`` is ``None`` appears as
+    ``None`` in the tree: it takes no part (top-k ignores it) and is not changed.
+
+    **Learning rate.** Two forms, chosen by what ``tx`` is:
+
+    * ``tx`` a :class:`~functopk.GradientTransformation` (it has its own learning
+      rate, e.g. ``ft.sgd(0.1)``): each group's ``lr`` (default ``1.0``) is a
+      *factor on that group's updates*. With the default the updates are applied
+      exactly as the transformation computed them; a scheduler scales them
+      relative to it; groups may have different factors (one global top-k, then
+      per-group step sizes). Exact for optimizers whose learning rate is the
+      last, linear factor (sgd, adam, ...).
+    * ``tx`` a *factory* ``lr -> GradientTransformation`` with ``lr=`` given,
+      e.g. ``TorchOptimizer(params, lambda lr: ft.chain(ft.topk(1000), ft.sgd(lr)), lr=0.1)``:
+      the learning rate lives *inside* the transformation (through
+      :func:`~functopk.inject_hyperparams`, as a 0-d tensor in the state), so
+      the transformation sees the value that ``param_groups`` holds at every
+      step, as a scheduler set it (this matters when something follows the
+      learning rate in the chain, e.g. error feedback on ``lr``-scaled updates).
+      One global transformation has one learning rate: all groups with
+      gradients must then hold the same ``lr`` (the same number, or the same
+      tensor object: tensor values are not compared, which would sync), else
+      :meth:`step` raises.
+
+    **State.** One state for the whole tree, created at the first step from the
+    parameters that have gradients. If later steps give gradients to further
+    parameters (unfreezing, :meth:`add_param_group`), the state is extended:
+    state subtrees shaped like the parameter tree get the fresh ``init`` values
+    for the new parameters; other leaves (step counts) are kept. If a step lacks
+    gradients for some covered parameters, the transformation runs on the others
+    and the state of the missing ones is carried over unchanged, as
+    ``torch.optim`` does. Step counts count optimizer steps, not per-parameter
+    steps. A transformation whose state is sized by the whole parameter set
+    (not per parameter) cannot be extended or restricted; that raises
+    ``ValueError``.
+
+    **Checkpoints.** :meth:`state_dict` is ``torch.optim``'s format with the
+    transformation state under ``state["functopk"]`` as a plain dict
+    (:func:`functopk.state_to_dict`): ``torch.save`` and
+    ``torch.load(weights_only=True)`` round-trip it. :meth:`load_state_dict`
+    checks structure, shapes and dtypes first and changes nothing on error.
+
+    **AMP.** ``GradScaler.step(opt)`` unscales the gradients, checks them for
+    inf/NaN and calls :meth:`step` only when all are finite (one host sync,
+    inside the scaler, as for ``torch.optim.SGD``); a skipped step leaves the
+    parameters and the transformation state exactly as they were.
+
+    **Compile.** ``torch.compile(opt.step)`` works; the learning rates pass as
+    values, so a scheduled ``lr`` may recompile the step when it changes unless
+    it is a 0-d tensor (``lr=torch.tensor(0.1)``), as for ``torch.optim``. The
+    fully compiled path is the functional one (``tx.update`` in a compiled step).
+
+    Args:
+        params: Parameters, ``(name, parameter)`` pairs, or param-group dicts, as
+            for any ``torch.optim`` optimizer.
+        tx: A transformation, or a factory ``lr -> transformation``.
+        lr: The default group ``lr``: required with a factory; a factor (default
+            ``1.0``) with a transformation.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = ft.TorchOptimizer(model.parameters(), ft.chain(ft.topk(2), ft.sgd(0.1)))
+        >>> before = [p.detach().clone() for p in model.parameters()]
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
+        2
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        tx: Union[GradientTransformation, Factory],
+        *,
+        lr: float | torch.Tensor | None = None,
+    ) -> None:
+        if isinstance(tx, GradientTransformation):
+            self._injected = False
+            self._tx = tx
+            lr = 1.0 if lr is None else lr
+        elif callable(tx):
+            if lr is None:
+                raise TypeError("lr is required when tx is a factory lr -> GradientTransformation")
+            factory = tx
+
+            def build(learning_rate: Any) -> GradientTransformation:
+                out = factory(learning_rate)
+                if not isinstance(out, GradientTransformation):
+                    raise TypeError(
+                        f"tx must be a GradientTransformation or a factory returning one; the factory returned "
+                        f"{type(out).__name__}"
+                    )
+                return out
+
+            self._injected = True
+            self._tx = inject_hyperparams(build)(learning_rate=_check_lr(lr))
+        else:
+            raise TypeError(
+                f"tx must be a functopk.GradientTransformation or a factory lr -> GradientTransformation, "
+                f"got {type(tx).__name__}"
+            )
+        # Everything step() changes lives in this dict and is changed by item assignment:
+        # torch.compile (dynamo) replays mutations of a dict, but silently drops attribute
+        # assignments on torch.optim.Optimizer subclasses (torch 2.14; cf. pytorch/pytorch#171590).
+        self._mutable: dict[str, Any] = {"state": None, "ptree": None, "layout": None, "lr": None}
+        super().__init__(params, {"lr": _check_lr(lr)})
+
+    # -- the public view of the state ------------------------------------------------------------
+
+    @property
+    def transformation(self) -> GradientTransformation:
+        """The transformation applied (with a factory: its ``inject_hyperparams`` wrapper)."""
+        return self._tx
+
+    @property
+    def transform_state(self) -> OptState | None:
+        """The current transformation state (``None`` before the first step). Read it; do not mutate it."""
+        return self._mutable["state"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in ("_injected", "_tx", "_mutable"):
+            state[name] = getattr(self, name)
+        return state
+
+    # -- parameter groups --------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (as ``torch.optim``); its parameters join the global tree at the next step.
+
+        Raises:
+            ValueError: the group's ``lr`` is invalid, or a parameter name is used twice.
+        """
+        super().add_param_group(param_group)
+        try:
+            group = self.param_groups[-1]
+            group["lr"] = _check_lr(group["lr"])
+            self._names(self.param_groups)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
+    @staticmethod
+    def _names(groups: list[dict[str, Any]]) -> list[str] | None:
+        """All parameter names in group order, or ``None`` when the parameters have no names."""
+        if not all("param_names" in g for g in groups):
+            return None
+        names = [n for g in groups for n in g["param_names"]]
+        if len(set(names)) != len(names):
+            seen: set[str] = set()
+            dup = next(n for n in names if n in seen or seen.add(n))
+            raise ValueError(f"parameter name {dup!r} appears twice in the param groups; names must be unique")
+        return names
+
+    @staticmethod
+    def _make_tree(values: list[Any], names: list[str] | None) -> PyTree:
+        return dict(zip(names, values)) if names is not None else list(values)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Apply the transformation to the current gradients and update the parameters in place.
+
+        Args:
+            closure: Optional; re-evaluates the model and returns the loss (run with
+                gradients enabled before the update, as in ``torch.optim``).
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        slots = [p for g in self.param_groups for p in g["params"]]
+        grads = []
+        for p in slots:
+            g = p.grad
+            if g is not None and g.is_sparse:
+                raise TypeError("TorchOptimizer does not support sparse gradients")
+            grads.append(g)
+        if all(g is None for g in grads):
+            return loss
+        names = self._names(self.param_groups)
+        mask = tuple(g is not None for g in grads)
+        active = self._make_tree([p if m else None for p, m in zip(slots, mask)], names)
+        grad_tree = self._make_tree(grads, names)
+
+        # Work on locals and commit at the end, so that an error leaves the state as it was.
+        box = self._mutable
+        state, ptree, layout = box["state"], box["ptree"], box["layout"]
+        if state is not None and layout is not None and layout.fits(slots, mask, names):
+            full, union = True, ptree  # the common case: the same parameters have gradients as last time
+        else:
+            layout = None
+            if state is None:
+                state, ptree = self._tx.init(active), active
+            covered = {id(p) for p in optree.tree_leaves(ptree)}
+            union = self._make_tree([p if m or id(p) in covered else None for p, m in zip(slots, mask)], names)
+            if not _same_ptree(union, ptree):
+                grows = any(id(p) not in covered for p in optree.tree_leaves(active))
+                state = _remap(state, ptree, union, self._tx.init(union) if grows else None)
+            full = _same_ptree(active, union)
+
+        run_state = state if full else _remap(state, union, active, self._shape_template(active))
+        if self._injected:
+            lr = self._injected_lr(active)
+            run_state = run_state._replace(hyperparams={**run_state.hyperparams, "learning_rate": lr})
+        updates, new_state = self._tx.update(grad_tree, run_state, active)
+        if not full:
+            new_state = _remap(new_state, active, union, state)
+        self._apply_updates(active, updates)
+        if layout is None and full:
+            layout = _Layout(tuple(slots), mask, names)
+        box.update(state=new_state, ptree=union, layout=layout)
+        return loss
+
+    def _shape_template(self, ptree: PyTree) -> OptState:
+        """A state for ``ptree`` to check shapes against; on the meta device when ``init`` allows."""
+        try:
+            meta = optree.tree_map(lambda p: torch.empty_like(p, device="meta"), ptree)
+            return self._tx.init(meta)
+        except Exception:  # an init that reads values: build a real one
+            return self._tx.init(ptree)
+
+    def _injected_lr(self, active: PyTree) -> torch.Tensor:
+        groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
+        lrs = {_lr_key(g["lr"]) for g in groups}
+        if len(lrs) > 1:
+            raise ValueError(
+                "with a factory tx, the learning rate lives in the one global transformation, so all param "
+                f"groups with gradients must have the same lr; got {[g['lr'] for g in groups]}. Pass a "
+                "GradientTransformation instead to use group lrs as per-group factors on the updates"
+            )
+        lr = groups[0]["lr"]
+        device = optree.tree_leaves(active)[0].device
+        if isinstance(lr, torch.Tensor):
+            # A copy: schedulers update tensor lrs in place, and the state must not change behind our back.
+            return lr.detach().to(device=device, dtype=torch.float32, copy=True)
+        key = (float(lr), device)
+        cached = self._mutable["lr"]
+        if cached is None or cached[0] != key:
+            # torch.full writes the value with a kernel: no host-to-device copy, no sync.
+            cached = self._mutable["lr"] = (key, torch.full((), float(lr), dtype=torch.float32, device=device))
+        return cached[1]
+
+    def _apply_updates(self, active: PyTree, updates: PyTree) -> None:
+        """Add the updates into the parameters of ``active`` (``None`` where no gradient)."""
+        p_leaves, p_def = optree.tree_flatten(active, none_is_leaf=True)
+        u_leaves, u_def = optree.tree_flatten(updates, none_is_leaf=True)
+        if p_def != u_def:
+            raise ValueError(
+                f"the transformation returned updates with tree structure {u_def}, but the parameters with "
+                f"gradients have structure {p_def}"
+            )
+        ps, us = [], []
+        for p, u in zip(p_leaves, u_leaves):
+            if p is None or u is None:
+                continue
+            if u.shape != p.shape:
+                raise ValueError(f"the transformation returned an update of shape {tuple(u.shape)} for a "
+                                 f"parameter of shape {tuple(p.shape)}")
+            ps.append(p)
+            us.append(u if u.dtype == p.dtype else u.to(p.dtype))
+        if not ps:
+            return
+        if self._injected or all(
+            not isinstance(g["lr"], torch.Tensor) and g["lr"] == 1.0 for g in self.param_groups
+        ):
+            torch._foreach_add_(ps, us)  # updates exactly as the transformation computed them
+            return
+        # group lrs are factors on the updates: one foreach call per distinct factor
+        factor = {id(p): g["lr"] for g in self.param_groups for p in g["params"]}
+        buckets: dict[Any, tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = {}
+        for p, u in zip(ps, us):
+            lr = factor[id(p)]
+            bucket = buckets.setdefault(_lr_key(lr), (lr, [], []))
+            bucket[1].append(p)
+            bucket[2].append(u)
+        for lr, bps, bus in buckets.values():
+            if isinstance(lr, torch.Tensor):
+                torch._foreach_add_(bps, torch._foreach_mul(bus, lr.to(bps[0].device)))
+            elif lr == 1.0:
+                torch._foreach_add_(bps, bus)
+            else:
+                torch._foreach_add_(bps, bus, alpha=lr)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    @torch._disable_dynamo
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim``'s state dict, with the transformation state under ``state["functopk"]``.
+
+        ``state["functopk"]`` holds ``"transform"`` (a :func:`functopk.state_to_dict`
+        dict) and ``"params_with_state"`` (the indices, in ``param_groups`` order, of
+        the parameters the state covers). Empty before the first step.
+        """
+        box = self._mutable
+        if box["state"] is None:
+            return super().state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        entry = {
+            "transform": state_to_dict(box["state"]),
+            "params_with_state": sorted(index[id(p)] for p in optree.tree_leaves(box["ptree"])),
+        }
+        # Placed in self.state for the duration of the call, so that state-dict hooks see it.
+        self.state[_STATE_KEY] = entry
+        try:
+            return super().state_dict()
+        finally:
+            del self.state[_STATE_KEY]
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; everything is checked before anything changes.
+
+        Raises:
+            ValueError: the param groups differ in number or size from this optimizer's.
+            CheckpointError: the transformation state has another structure, shape or
+                dtype than this optimizer's transformation would have (or is malformed).
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise CheckpointError("state_dict must be a dict with keys 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                "loaded state dict has param groups of sizes "
+                f"{[len(s['params']) for s in saved_groups]}, this optimizer has "
+                f"{[len(g['params']) for g in self.param_groups]}"
+            )
+        saved_state = dict(state_dict["state"])
+        entry = saved_state.pop(_STATE_KEY, None)
+        new_state = new_ptree = None
+        if entry is not None:
+            new_state, new_ptree = self._parse_entry(entry, saved_groups)
+        if saved_state:
+            raise CheckpointError(
+                f"state_dict['state'] has entries {sorted(map(str, saved_state))[:5]} that TorchOptimizer does "
+                f"not know (it keeps its whole state under {_STATE_KEY!r})"
+            )
+        super().load_state_dict({**state_dict, "state": {}})
+        self._mutable.update(state=new_state, ptree=new_ptree, layout=None, lr=None)
+
+    def _parse_entry(self, entry: Any, saved_groups: list[dict[str, Any]]) -> tuple[OptState, PyTree]:
+        if not isinstance(entry, dict) or set(entry) != {"transform", "params_with_state"}:
+            raise CheckpointError(
+                f"state_dict['state'][{_STATE_KEY!r}] must be a dict with keys 'transform' and 'params_with_state'"
+            )
+        slots = [p for g in self.param_groups for p in g["params"]]
+        indices = entry["params_with_state"]
+        if (
+            not isinstance(indices, list)
+            or not all(isinstance(i, int) and 0 <= i < len(slots) for i in indices)
+            or len(set(indices)) != len(indices)
+        ):
+            raise CheckpointError(
+                f"state_dict params_with_state must be a list of distinct parameter indices in [0, {len(slots)}), "
+                f"got {indices!r}"
+            )
+        # After loading, the saved names (if any) replace the current ones, as in torch.optim.
+        groups = [
+            {**g, "param_names": s["param_names"]} if "param_names" in s else g
+            for g, s in zip(self.param_groups, saved_groups)
+        ]
+        names = self._names(groups)
+        chosen = set(indices)
+        ptree = self._make_tree([p if i in chosen else None for i, p in enumerate(slots)], names)
+        return state_from_dict(self._tx.init(ptree), entry["transform"]), ptree
+
+
+class _Layout(NamedTuple):
+    """What the last full step saw, to skip the set-of-parameters checks when nothing changed."""
+
+    slots: tuple[torch.Tensor, ...]
+    mask: tuple[bool, ...]
+    names: list[str] | None
+
+    def fits(self, slots: list[torch.Tensor], mask: tuple[bool, ...], names: list[str] | None) -> bool:
+        return (
+            mask == self.mask
+            and names == self.names
+            and len(slots) == len(self.slots)
+            and all(a is b for a, b in zip(slots, self.slots))
+        )
+
+
+def _same_ptree(a: PyTree, b: PyTree) -> bool:
+    """Same structure and the very same parameter objects at the same places."""
+    la, da = optree.tree_flatten(a, none_is_leaf=True)
+    lb, db = optree.tree_flatten(b, none_is_leaf=True)
+    return da == db and all(x is y for x, y in zip(la, lb))
+
+
+def _param_parts(state: OptState, ptree: PyTree) -> tuple[list[Any], optree.PyTreeSpec, list[bool]]:
+    """Flatten ``state`` down to its subtrees shaped like ``ptree`` (per-parameter state) and other leaves."""
+    spec = optree.tree_structure(ptree)
+
+    def is_part(node: Any) -> bool:
+        return not isinstance(node, torch.Tensor) and optree.tree_structure(node) == spec
+
+    parts, skeleton = optree.tree_flatten(state, is_leaf=is_part)
+    return parts, skeleton, [is_part(x) for x in parts]
+
+
+def _remap(state: OptState, ptree: PyTree, target: PyTree, other: OptState | None = None) -> OptState:
+    """``state`` (built for parameter tree ``ptree``) re-cut for parameter tree ``target``.
+
+    Per-parameter subtrees (those shaped like ``ptree``) take each parameter's
+    entry from ``state`` if it has one, else from ``other``, a state built for
+    ``target``. Other leaves (step counts, hyperparameters) come from ``state``;
+    when ``other`` is given they must have the same shapes and dtypes there,
+    else the transformation keeps state sized by the parameter set and cannot be
+    re-cut (``ValueError``).
+    """
+    parts, skeleton, is_part = _param_parts(state, ptree)
+    other_parts = None
+    if other is not None:
+        other_parts, other_skeleton, other_is_part = _param_parts(other, target)
+        if other_skeleton != skeleton or other_is_part != is_part:
+            raise ValueError(_CANNOT_RECUT + f" (state structure {skeleton} would need to be {other_skeleton})")
+    p_leaves = optree.tree_leaves(ptree)
+    t_leaves, t_spec = optree.tree_flatten(target, none_is_leaf=True)
+    out = []
+    for i, (part, per_param) in enumerate(zip(parts, is_part)):
+        if not per_param:
+            if other_parts is not None and not _same_kind(part, other_parts[i]):
+                raise ValueError(
+                    _CANNOT_RECUT + f" (a state leaf is {_kind(part)} but would need to be {_kind(other_parts[i])})"
+                )
+            out.append(part)
+            continue
+        have = {id(p): v for p, v in zip(p_leaves, optree.tree_leaves(part))}
+        if other_parts is not None:
+            have_other = {id(p): v for p, v in zip(optree.tree_leaves(target), optree.tree_leaves(other_parts[i]))}
+        else:
+            have_other = {}
+        values = []
+        for p in t_leaves:
+            if p is None:
+                values.append(None)
+            elif id(p) in have:
+                values.append(have[id(p)])
+            else:
+                values.append(have_other[id(p)])
+        out.append(optree.tree_unflatten(t_spec, values))
+    return optree.tree_unflatten(skeleton, out)
+
+
+_CANNOT_RECUT = (
+    "the set of parameters with gradients changed, but the transformation keeps state sized by the whole "
+    "parameter set, so its state cannot be carried over to the new set; give the same parameters a gradient at "
+    "every step (e.g. zero_grad(set_to_none=False)) and freeze parameters (no gradient) from the first step"
+)
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"a {type(x).__name__}"
+
+
+def _same_kind(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype
+    return type(a) is type(b)

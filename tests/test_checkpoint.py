@@ -1,0 +1,167 @@
+"""Checkpoints: states to and from plain dicts, torch.save / torch.load(weights_only=True)."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+
+import functopk as ft
+from functopk.checkpoint import CheckpointError
+from tests.conftest import assert_tree_bitwise_equal, clone_tree
+
+PARAMS = {
+    "conv": torch.randn(4, 3, generator=torch.Generator().manual_seed(1)),
+    "half": torch.randn(5, generator=torch.Generator().manual_seed(2)).half(),
+    "double": torch.randn(2, 2, generator=torch.Generator().manual_seed(3)).double(),
+    "frozen": None,
+}
+
+
+def make_tx():
+    return ft.named_chain(
+        ("sparsify", ft.topk(4)),
+        ("opt", ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.9, nesterov=True)),
+    )
+
+
+def trained_state(steps=3):
+    tx = make_tx()
+    state = tx.init(PARAMS)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        grads = ft.tree_map(lambda p: torch.randn(p.shape, generator=g).to(p.dtype), PARAMS)
+        _, state = tx.update(grads, state, PARAMS)
+    return tx, state
+
+
+def roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_roundtrip_through_torch_save_weights_only_is_bitwise():
+    tx, state = trained_state()
+    sd = ft.state_to_dict(state)
+    # plain containers only: what weights_only=True can rebuild
+    assert type(sd) is dict and type(sd["leaves"]) is dict
+    assert all(isinstance(v, torch.Tensor) for v in sd["leaves"].values())
+    assert len(sd["leaves"]) == len(ft.tree_leaves(state))
+    for path in [
+        "['opt'].count",
+        "['opt'].hyperparams['learning_rate']",
+        "['opt'].hyperparams['momentum']",
+        "['opt'].inner_state[0].trace['conv']",
+        "['opt'].inner_state[0].trace['double']",
+        "['opt'].inner_state[0].trace['half']",
+    ]:
+        assert path in sd["leaves"], path
+    assert torch.equal(sd["leaves"]["['opt'].inner_state[0].trace['half']"], state["opt"].inner_state[0].trace["half"])
+    assert "'frozen': None" in sd["structure"]
+    restored = ft.state_from_dict(tx.init(PARAMS), roundtrip(sd))
+    assert_tree_bitwise_equal(restored, state)
+    assert type(restored["opt"]) is ft.InjectHyperparamsState
+    assert int(restored["opt"].count) == 3
+
+
+def test_restored_state_continues_identically():
+    tx, state = trained_state()
+    restored = ft.state_from_dict(tx.init(PARAMS), roundtrip(ft.state_to_dict(state)))
+    grads = ft.tree_map(lambda p: torch.ones_like(p), PARAMS)
+    u1, s1 = tx.update(grads, state, PARAMS)
+    u2, s2 = tx.update(grads, restored, PARAMS)
+    assert_tree_bitwise_equal(u1, u2)
+    assert_tree_bitwise_equal(s1, s2)
+
+
+def test_pure_and_file_helpers(tmp_path):
+    tx, state = trained_state()
+    template = tx.init(PARAMS)
+    state_before, template_before = clone_tree(state), clone_tree(template)
+    path = tmp_path / "opt.pt"
+    ft.save_state(path, state)
+    assert os.listdir(tmp_path) == ["opt.pt"]  # the temporary file was renamed, nothing left over
+    ft.save_state(str(path), state)  # overwriting works too
+    restored = ft.load_state(path, template)
+    assert_tree_bitwise_equal(restored, state)
+    assert_tree_bitwise_equal(state, state_before)
+    assert_tree_bitwise_equal(template, template_before)
+
+
+def test_python_scalar_leaves_and_empty_states():
+    tree = {"n": 3, "flag": True, "x": torch.arange(3.0), "empty": ft.EmptyState()}
+    restored = ft.state_from_dict(tree, roundtrip(ft.state_to_dict(tree)))
+    assert restored == {"n": 3, "flag": True, "x": restored["x"], "empty": ft.EmptyState()}
+    assert torch.equal(restored["x"], tree["x"])
+    with pytest.raises(CheckpointError, match=r"\['flag'\] is a int, expected a bool"):
+        ft.state_from_dict(tree, ft.state_to_dict({**tree, "flag": 1}))
+    with pytest.raises(TypeError, match=r"leaf at \['s'\] is a str"):
+        ft.state_to_dict({"s": "text"})
+
+
+def test_wrong_structure_names_the_leaves():
+    _, state = trained_state()
+    sd = ft.state_to_dict(state)
+    other = ft.named_chain(("sparsify", ft.topk(4)), ("opt", ft.inject_hyperparams(ft.sgd)(learning_rate=0.1)))
+    template = other.init(PARAMS)
+    with pytest.raises(CheckpointError, match=r"structure does not match.*unexpected leaves: .*momentum"):
+        ft.state_from_dict(template, sd)
+    # same leaves, other container types (a plain chain instead of a named one)
+    plain = ft.chain(ft.topk(4), ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.9, nesterov=True))
+    with pytest.raises(CheckpointError, match="structure does not match"):
+        ft.state_from_dict(plain.init(PARAMS), sd)
+
+
+def test_wrong_shape_and_dtype_name_the_leaf():
+    tx, state = trained_state()
+    sd = roundtrip(ft.state_to_dict(state))
+    bigger = {**PARAMS, "conv": torch.zeros(4, 4)}
+    with pytest.raises(CheckpointError, match=r"trace\['conv'\] is a tensor of shape \(4, 3\).*expected .*\(4, 4\)"):
+        ft.state_from_dict(tx.init(bigger), sd)
+    as_float = {**PARAMS, "double": PARAMS["double"].float()}
+    with pytest.raises(CheckpointError, match=r"trace\['double'\].*torch.float64, expected .*torch.float32"):
+        ft.state_from_dict(tx.init(as_float), sd)
+
+
+def test_malformed_dicts():
+    template = make_tx().init(PARAMS)
+    with pytest.raises(CheckpointError, match="must be a dict"):
+        ft.state_from_dict(template, [1, 2])
+    with pytest.raises(CheckpointError, match="not a functopk state dict"):
+        ft.state_from_dict(template, {"state": {}, "param_groups": []})
+    sd = ft.state_to_dict(template)
+    with pytest.raises(CheckpointError, match="format version 99"):
+        ft.state_from_dict(template, {**sd, "version": 99})
+
+
+def test_truncated_and_garbage_files_raise_clearly(tmp_path):
+    tx, state = trained_state()
+    path = tmp_path / "opt.pt"
+    ft.save_state(path, state)
+    data = path.read_bytes()
+    for cut in (len(data) // 2, len(data) - 10, 20):
+        bad = tmp_path / f"cut{cut}.pt"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match="truncated, corrupted or not written by torch.save"):
+            ft.load_state(bad, tx.init(PARAMS))
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="truncated, corrupted"):
+        ft.load_state(garbage, tx.init(PARAMS))
+    with pytest.raises(FileNotFoundError):
+        ft.load_state(tmp_path / "missing.pt", tx.init(PARAMS))
+
+
+def test_whole_functional_training_state():
+    """Any tree of tensors works: params, buffers and optimizer state together."""
+    from tests.helpers import small_cnn
+
+    model_fn, params, buffers = ft.nn.functionalize(small_cnn())
+    tx = ft.chain(ft.topk(10), ft.sgd(0.1, momentum=0.9))
+    tree = {"params": params, "buffers": buffers, "opt_state": tx.init(params), "step": torch.tensor(7)}
+    restored = ft.state_from_dict(tree, roundtrip(ft.state_to_dict(tree)))
+    assert_tree_bitwise_equal(restored, tree)
