@@ -268,19 +268,6 @@ def test_dgc_density_warmup_compiles_and_errors():
         ft.dgc_density_warmup(0.1, 10, -1)
 
 
-def _topk_takes_a_schedule() -> bool:
-    try:
-        ft.topk(density=lambda step: 0.5)
-    except TypeError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(
-    not _topk_takes_a_schedule(),
-    reason="ft.topk does not accept a callable density yet: scheduled k/density is issue 4's work; "
-    "this test runs once it is merged",
-)
 def test_dgc_with_density_warmup_sends_the_scheduled_number_of_coordinates():
     params = normal_tree(0)
     n = 24 + 20 + 3
@@ -289,10 +276,9 @@ def test_dgc_with_density_warmup_sends_the_scheduled_number_of_coordinates():
     state = tx.init(params)
     for t in range(10):
         updates, state = tx.update(normal_tree(t + 1), state, params)
-        expected = ft.k_from_density(float(schedule(t)), n)
+        expected = int(ft.k_from_density(schedule(torch.tensor(t)), n))
         sent = sum(int((x != 0).sum()) for x in ft.tree_leaves(updates))
-        # the count topk derives from a float32 density may round differently by one coordinate
-        assert abs(sent - expected) <= 1, (t, sent, expected)
+        assert sent == expected, (t, sent, expected)
     assert ft.k_from_density(float(schedule(0)), n) > 4 * ft.k_from_density(float(schedule(6)), n)
 
 
