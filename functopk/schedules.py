@@ -23,6 +23,7 @@ from functopk.base import Schedule
 __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
+    "dgc_density_warmup",
     "exponential_decay",
     "join_schedules",
     "linear_schedule",
@@ -253,5 +254,46 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
             later = torch.as_tensor(s(count - boundary), dtype=torch.float32, device=count.device)
             value = torch.where(count >= boundary, later, value)
         return value
+
+    return schedule
+
+
+def dgc_density_warmup(final_density: float, steps_per_epoch: int, warmup_epochs: int = 4) -> Schedule:
+    """Deep Gradient Compression's exponential density warm-up (Lin et al. 2018).
+
+    During epoch ``e < warmup_epochs`` (epoch ``e`` is steps
+    ``[e * steps_per_epoch, (e + 1) * steps_per_epoch)``) the density is
+    ``final_density ** ((e + 1) / (warmup_epochs + 1))``; from epoch
+    ``warmup_epochs`` on it is ``final_density``. The density thus falls by the
+    same factor ``final_density ** (1 / (warmup_epochs + 1))`` every epoch, as in
+    the reference implementation's ``warmup_coeff``. For ``final_density=0.001``
+    and 4 warm-up epochs: 25.1%, 6.31%, 1.58%, 0.398%, then 0.1% (the paper
+    quotes these as 25%, 6.25%, 1.5625%, 0.4%, 0.1%). ``warmup_epochs=0`` gives
+    the constant ``final_density``.
+
+    Use it as the ``density`` of ``ft.topk`` / ``ft.dgc`` (where ``topk`` takes a
+    schedule), together with a learning-rate warm-up.
+
+    Args:
+        final_density: The density after warm-up, in ``(0, 1]``.
+        steps_per_epoch: Optimizer steps per epoch, ``>= 1``.
+        warmup_epochs: Number of warm-up epochs, ``>= 0``.
+
+    Example:
+        >>> import functopk as ft
+        >>> s = ft.dgc_density_warmup(0.001, steps_per_epoch=10, warmup_epochs=4)
+        >>> [round(float(s(i)), 6) for i in (0, 9, 10, 20, 30, 40, 1000)]
+        [0.251189, 0.251189, 0.063096, 0.015849, 0.003981, 0.001, 0.001]
+    """
+    final = _real(final_density, "final_density")
+    if not 0.0 < final <= 1.0:
+        raise ValueError(f"final_density must be in (0, 1], got {final}")
+    steps_per_epoch = _steps(steps_per_epoch, "steps_per_epoch", minimum=1)
+    warmup_epochs = _steps(warmup_epochs, "warmup_epochs")
+
+    def schedule(step: Any) -> torch.Tensor:
+        epoch = torch.floor(_count(step).clamp_min(0.0) / steps_per_epoch)
+        exponent = ((epoch + 1.0) / (warmup_epochs + 1)).clamp_max(1.0)
+        return _out(torch.pow(torch.full_like(exponent, final), exponent))
 
     return schedule

@@ -57,26 +57,21 @@ def lr_factory(make):
     return lambda lr: ft.inject_hyperparams(lambda learning_rate: make(learning_rate))(learning_rate=lr)
 
 
-def _needs(name, issue):
-    return pytest.mark.skipif(not hasattr(ft, name), reason=f"needs ft.{name} (issue {issue}), not merged yet")
-
-
 CONFIGS = {
     "sgd_nesterov": dict(tx=lambda: ft.sgd(0.1, momentum=0.9, nesterov=True)),
     "topk_sgd": dict(tx=lambda: ft.chain(ft.topk(K), ft.sgd(0.1, momentum=0.9))),
     "topk_sgd_unnamed": dict(tx=lambda: ft.chain(ft.topk(K), ft.sgd(0.1, momentum=0.9)), named=False),
     "factory_topk_sgd": dict(make=lambda lr: ft.chain(ft.topk(K), ft.sgd(lr, momentum=0.9)), lr=0.1),
-    "topk_adam": dict(tx=lambda: ft.chain(ft.topk(K), ft.adam(1e-2)), marks=_needs("adam", 3)),
-    "factory_adam": dict(make=lambda lr: ft.adam(lr), lr=1e-2, marks=_needs("adam", 3)),
+    "topk_adam": dict(tx=lambda: ft.chain(ft.topk(K), ft.adam(1e-2))),
+    "factory_adam": dict(make=lambda lr: ft.adam(lr), lr=1e-2),
     "topk_error_feedback_sgd": dict(
         tx=lambda: ft.chain(ft.error_feedback(ft.topk(K)), ft.sgd(0.1, momentum=0.9)),
-        marks=_needs("error_feedback", 5),
     ),
 }
 
 
 @pytest.mark.parametrize(
-    "config", [pytest.param(c, id=name, marks=c.get("marks", ())) for name, c in CONFIGS.items()]
+    "config", [pytest.param(c, id=name) for name, c in CONFIGS.items()]
 )
 def test_imperative_equals_functional_bit_for_bit_over_20_steps(config):
     named = config.get("named", True)

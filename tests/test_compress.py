@@ -1,0 +1,355 @@
+"""randk, threshold and layerwise_topk against independent references."""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+import torch._dynamo
+
+import functopk as ft
+from functopk.compress import _fmix32, _mul32, randk_keys
+from tests.conftest import assert_tree_bitwise_equal, bits, clone_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tree_of(*shapes, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"p{i}": torch.randn(*s, generator=g).to(dtype) for i, s in enumerate(shapes)}
+
+
+def flat_true_indices(mask_tree) -> list[int]:
+    return torch.cat([m.reshape(-1) for m in optree.tree_leaves(mask_tree)]).nonzero().reshape(-1).tolist()
+
+
+def ref_leaf_topk_mask(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Brute force for one leaf: sort by (-|x| with NaN as inf, index)."""
+    vals = x.reshape(-1).double().tolist()
+    mags = [math.inf if math.isnan(v) else abs(v) for v in vals]
+    order = sorted(range(len(mags)), key=lambda i: (-mags[i], i))
+    keep = torch.zeros(len(mags), dtype=torch.bool)
+    keep[order[:k]] = True
+    return keep.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------- the hash
+
+
+def test_mul32_and_fmix32_match_python_integer_arithmetic():
+    rng = random.Random(0)
+    xs = [0, 1, 2**31 - 1, 2**31, 2**32 - 1] + [rng.randrange(2**32) for _ in range(2000)]
+    cs = [0x85EBCA6B, 0xC2B2AE35, 0xFFFFFFFF, 1, 0]
+    t = torch.tensor(xs, dtype=torch.int64)
+    for c in cs:
+        assert t.__class__ is torch.Tensor
+        assert _mul32(t, c).tolist() == [(x * c) % 2**32 for x in xs]
+
+    def fmix_ref(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) % 2**32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) % 2**32
+        return h ^ (h >> 16)
+
+    assert _fmix32(t).tolist() == [fmix_ref(x) for x in xs]
+
+
+def test_keys_are_distinct_32_bit_values():
+    keys = randk_keys(1 << 17, seed=123, step=9)
+    assert keys.dtype == torch.int64
+    assert int(keys.min()) >= 0 and int(keys.max()) < 2**32
+    assert keys.unique().numel() == keys.numel()  # a bijection of the index: no ties, a unique top-k set
+
+
+# --------------------------------------------------------------------------- randk
+
+
+def test_randk_mask_is_a_function_of_seed_step_and_layout():
+    tree = tree_of((7, 5), (3,), (2, 2, 3))
+    other_values = ft.tree_map(lambda x: x * 100 + 1, tree)
+    m = flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=3))
+    assert len(m) == 6
+    assert flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=3)) == m
+    assert flat_true_indices(ft.randk_mask(other_values, 6, seed=11, step=3)) == m  # values are not read
+    assert flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=torch.tensor(3))) == m
+    assert flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=4)) != m
+    assert flat_true_indices(ft.randk_mask(tree, 6, seed=12, step=3)) != m
+    # steps beyond 2**32 use the high word too
+    assert flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=3 + 2**32)) != m
+
+
+def test_randk_same_indices_in_a_separate_process():
+    tree = tree_of((40, 25), (17,), (3, 3, 3))
+    expected = {step: flat_true_indices(ft.randk_mask(tree, 20, seed=2024, step=step)) for step in (0, 1, 77)}
+    code = textwrap.dedent(
+        """
+        import torch, functopk as ft
+        tree = {"p0": torch.zeros(40, 25), "p1": torch.zeros(17), "p2": torch.zeros(3, 3, 3)}
+        for step in (0, 1, 77):
+            m = ft.randk_mask(tree, 20, seed=2024, step=torch.tensor(step))
+            flat = torch.cat([x.reshape(-1) for x in ft.tree_leaves(m)])
+            print(step, flat.nonzero().reshape(-1).tolist())
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    ).stdout
+    got = {int(line.split(" ", 1)[0]): eval(line.split(" ", 1)[1]) for line in out.strip().splitlines()}
+    assert got == expected
+    assert expected[0] != expected[1] != expected[77]
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 1), (10, 10), (1000, 37), (4097, 4096)])
+def test_randk_selects_exactly_k(n, k):
+    out, _ = ft.randk(k, seed=5).update({"w": torch.randn(n)}, ft.randk(k, seed=5).init({"w": torch.zeros(n)}))
+    assert int((out["w"] != 0).sum()) == k
+
+
+def test_randk_transform_equals_mask_and_counts_steps():
+    params = tree_of((6, 5), (4,))
+    tx = ft.randk(density=0.25, seed=9)
+    state = tx.init(params)
+    k = ft.k_from_density(0.25, 34)
+    for step in range(4):
+        grads = tree_of((6, 5), (4,), seed=step + 1)
+        before = clone_tree(grads)
+        out, new_state = tx.update(grads, state, params)
+        assert_tree_bitwise_equal(grads, before)  # pure
+        mask = ft.randk_mask(grads, k, seed=9, step=step)
+        assert_tree_bitwise_equal(out, ft.tree_map(lambda g, m: torch.where(m, g, 0.0), grads, mask))
+        assert int(state.count) == step and int(new_state.count) == step + 1
+        state = new_state
+
+
+def test_randk_selection_frequencies_are_uniform():
+    """Each coordinate is kept with probability k/n; consecutive steps overlap like independent draws."""
+    n, k, steps = 50, 5, 2000
+    tree = {"w": torch.zeros(n)}
+    counts = torch.zeros(n)
+    overlap = 0
+    prev = None
+    for t in range(steps):
+        m = ft.randk_mask(tree, k, seed=1, step=t)["w"]
+        counts += m
+        if prev is not None:
+            overlap += int((m & prev).sum())
+        prev = m
+    p = k / n
+    mean, sd = steps * p, math.sqrt(steps * p * (1 - p))
+    assert float((counts - mean).abs().max()) < 5 * sd, counts
+    chi2 = float(((counts - mean) ** 2 / mean).sum())  # ~ chi-square with 49 dof: mean 49, sd ~10
+    assert chi2 < 49 + 5 * 10, chi2
+    expected_overlap = (steps - 1) * k * k / n
+    assert abs(overlap - expected_overlap) < 5 * math.sqrt(expected_overlap), overlap
+
+
+def test_randk_unbiased_scales_by_n_over_k_and_averages_to_the_input():
+    x = {"a": torch.tensor([1.0, -2.0, 3.0, 0.5]), "b": torch.tensor([[4.0, -1.0], [0.25, 2.0]])}
+    n, k = 8, 2
+    tx = ft.randk(k, seed=3, unbiased=True)
+    state = tx.init(x)
+    total = ft.tree_zeros_like(x)
+    steps = 2000
+    for t in range(steps):
+        out, state = tx.update(x, state)
+        if t < 5:
+            mask = ft.randk_mask(x, k, seed=3, step=t)
+            assert_tree_bitwise_equal(out, ft.tree_map(lambda v, m: torch.where(m, v * (n / k), 0.0), x, mask))
+        total = ft.tree_add(total, out)
+    mean = ft.tree_scale(total, 1.0 / steps)
+    # each coordinate: mean of (n/k) * Bernoulli(k/n) * x, sd = |x| sqrt((n/k - 1) / steps) ~ 0.039 |x|
+    for m, v in zip(ft.tree_leaves(mean), ft.tree_leaves(x)):
+        assert torch.all((m - v).abs() <= 0.2 * v.abs()), (m, v)
+
+
+def test_randk_errors():
+    with pytest.raises(ValueError, match="exactly one of k or density"):
+        ft.randk()
+    with pytest.raises(ValueError, match="exactly one of k or density"):
+        ft.randk(3, density=0.1)
+    with pytest.raises(TypeError, match="k must be an int"):
+        ft.randk(2.0)
+    with pytest.raises(ValueError, match="density must be in"):
+        ft.randk(density=1.5)
+    with pytest.raises(ValueError, match="seed must be in"):
+        ft.randk(1, seed=-1)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        ft.randk(1, seed="a")
+    with pytest.raises(TypeError, match="unbiased must be a bool"):
+        ft.randk(1, unbiased=1)
+    with pytest.raises(ValueError, match="k=5 exceeds"):
+        ft.randk(5).init({"w": torch.zeros(4)})
+    with pytest.raises(ValueError, match="k=5 exceeds"):
+        ft.randk_mask({"w": torch.zeros(4)}, 5, seed=0, step=0)
+    with pytest.raises(TypeError, match="step must be an int or a 0-d integer tensor"):
+        ft.randk_mask({"w": torch.zeros(4)}, 1, seed=0, step=torch.tensor(1.0))
+    with pytest.raises(TypeError, match="floating-point"):
+        ft.randk_mask({"w": torch.zeros(4, dtype=torch.int64)}, 1, seed=0, step=0)
+    tx = ft.randk(1)
+    with pytest.raises(ValueError, match="RandKState"):
+        tx.update({"w": torch.zeros(4)}, ft.EmptyState())
+
+
+# --------------------------------------------------------------------------- threshold
+
+
+def test_threshold_matches_reference_and_keeps_nan_and_inf():
+    x = {
+        "a": torch.tensor([0.5, -1.0, 1.0, -0.999, 2.0, 0.0, -0.0]),
+        "b": torch.tensor([[float("nan"), float("inf")], [-float("inf"), 0.25]]),
+        "c": torch.tensor([1.0, -3.0], dtype=torch.float64),
+    }
+    before = clone_tree(x)
+    tx = ft.threshold(1.0)
+    out, state = tx.update(x, tx.init(None))
+    assert_tree_bitwise_equal(x, before)
+
+    def ref(leaf):
+        vals = [v if (math.isnan(v) or abs(v) >= 1.0) else 0.0 for v in leaf.reshape(-1).tolist()]
+        return torch.tensor(vals, dtype=leaf.dtype).reshape(leaf.shape)
+
+    assert_tree_bitwise_equal(out, ft.tree_map(ref, x))
+
+
+def test_threshold_zero_keeps_everything_and_tensor_v_equals_number():
+    x = tree_of((5, 3), (4,))
+    out, _ = ft.threshold(0.0).update(x, ft.EmptyState())
+    assert_tree_bitwise_equal(out, x)
+    a, _ = ft.threshold(0.7).update(x, ft.EmptyState())
+    b, _ = ft.threshold(torch.tensor(0.7)).update(x, ft.EmptyState())
+    assert_tree_bitwise_equal(a, b)
+
+
+def test_threshold_with_inject_hyperparams():
+    tx = ft.inject_hyperparams(ft.threshold)(v=0.5)
+    x = {"w": torch.tensor([0.2, 0.6, -1.0])}
+    state = tx.init(x)
+    out, state = tx.update(x, state)
+    assert out["w"].tolist() == [0.0, pytest.approx(0.6), -1.0]
+    state = state._replace(hyperparams={"v": torch.tensor(0.8)})
+    out, state = tx.update(x, state)
+    assert out["w"].tolist() == [0.0, 0.0, -1.0]
+
+
+def test_threshold_errors():
+    with pytest.raises(ValueError, match="v must be >= 0"):
+        ft.threshold(-1.0)
+    with pytest.raises(TypeError, match="v must be a real number"):
+        ft.threshold("0.1")
+    with pytest.raises(TypeError, match="floating-point"):
+        ft.threshold(0.1).update({"w": torch.ones(2, dtype=torch.int32)}, ft.EmptyState())
+
+
+# --------------------------------------------------------------------------- layerwise top-k
+
+
+def test_layerwise_topk_matches_per_leaf_brute_force_with_ties_and_nan():
+    tree = {
+        "big": torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 0.5, float("nan"), 1.0]),
+        "ties": torch.tensor([[2.0, -2.0, 2.0], [1.0, -2.0, 0.0]]),
+        "mixed": torch.tensor([0.1, 5.0, -5.0, 0.3, 0.2], dtype=torch.float16),
+        "small": torch.tensor([9.0, 8.0]),
+    }
+    before = clone_tree(tree)
+    tx = ft.layerwise_topk(3, min_size=5)
+    out, _ = tx.update(tree, tx.init(tree))
+    assert_tree_bitwise_equal(tree, before)
+    for name in ("big", "ties", "mixed"):
+        expected = torch.where(ref_leaf_topk_mask(tree[name], 3), tree[name], 0.0)
+        assert torch.equal(bits(out[name]), bits(expected)), name
+    assert torch.equal(out["small"], tree["small"])  # below min_size: dense
+
+
+@pytest.mark.parametrize("density", [0.01, 0.1, 0.5, 1.0])
+def test_layerwise_topk_density_keeps_k_from_density_per_leaf(density):
+    tree = tree_of((30, 20), (7, 7), (5,), (100,))
+    tx = ft.layerwise_topk(density=density, min_size=10)
+    out, _ = tx.update(tree, tx.init(tree))
+    for name, leaf in tree.items():
+        n = leaf.numel()
+        if n < 10:
+            assert torch.equal(out[name], leaf)
+        else:
+            k = ft.k_from_density(density, n)
+            assert torch.equal(out[name] != 0, ref_leaf_topk_mask(leaf, k)), name
+
+
+def test_layerwise_topk_min_size_boundary_and_small_k():
+    tree = {"a": torch.randn(10), "b": torch.randn(9), "c": torch.randn(2)}
+    out, _ = ft.layerwise_topk(2, min_size=10).update(tree, ft.EmptyState())
+    assert int((out["a"] != 0).sum()) == 2  # numel == min_size: sparsified
+    assert torch.equal(out["b"], tree["b"])  # numel < min_size: dense
+    out, _ = ft.layerwise_topk(5, min_size=0).update(tree, ft.EmptyState())
+    assert torch.equal(out["c"], tree["c"])  # numel <= k: kept whole
+    assert int((out["b"] != 0).sum()) == 5
+
+
+def test_layerwise_topk_errors():
+    with pytest.raises(TypeError, match="numeric density"):
+        ft.layerwise_topk(density=lambda step: 0.1)
+    with pytest.raises(ValueError, match="min_size must be >= 0"):
+        ft.layerwise_topk(1, min_size=-1)
+    with pytest.raises(TypeError, match="min_size must be an int"):
+        ft.layerwise_topk(1, min_size=1.5)
+    with pytest.raises(ValueError, match="method"):
+        ft.layerwise_topk(1, method="no-such-method")
+    with pytest.raises(ValueError, match="exactly one of k or density"):
+        ft.layerwise_topk()
+
+
+# --------------------------------------------------------------------------- compile
+
+
+@pytest.fixture()
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _check_compiled(tx, params, steps=3, backend="aot_eager"):
+    state_e = state_c = tx.init(params)
+    update_c = torch.compile(tx.update, fullgraph=True, backend=backend)
+    for i in range(steps):
+        grads = tree_of(*[p.shape for p in params.values()], seed=100 + i)
+        u_e, state_e = tx.update(grads, state_e, params)
+        if i == 0:
+            u_c, state_c = update_c(grads, state_c, params)
+        else:
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                u_c, state_c = update_c(grads, state_c, params)
+        assert_tree_bitwise_equal(u_c, u_e)
+        assert_tree_bitwise_equal(state_c, state_e)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ft.randk(density=0.1, seed=4),
+        lambda: ft.randk(5, seed=4, unbiased=True),
+        lambda: ft.threshold(0.5),
+        lambda: ft.inject_hyperparams(ft.threshold)(v=0.5),
+        lambda: ft.layerwise_topk(density=0.2, min_size=8, method="torch"),
+    ],
+    ids=["randk", "randk-unbiased", "threshold", "threshold-injected", "layerwise"],
+)
+def test_compiles_fullgraph_without_recompiling(make, fresh_dynamo):
+    _check_compiled(make(), tree_of((6, 5), (4,), (3, 3)))
+
+
+@pytest.mark.slow
+def test_randk_keys_under_inductor_equal_eager(fresh_dynamo):
+    """Inductor generates its own integer code for the hash: it must give the same keys."""
+    keys = torch.compile(lambda step: randk_keys(5000, 2**40 + 17, step), fullgraph=True, backend="inductor")
+    for step in (0, 1, 2**33 + 5):
+        t = torch.tensor(step)
+        assert torch.equal(keys(t), randk_keys(5000, 2**40 + 17, t))
