@@ -25,8 +25,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+DEMO_ARGS ?=
+
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(PY) examples/train_resnet.py $(DEMO_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/topk.py
+	$(PY) benchmarks/optim.py
+	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/convergence.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis out

@@ -350,3 +350,21 @@ def test_dgc_training_step_compiles_fullgraph_without_recompiling(fresh_dynamo):
                 comp = compiled(*comp, x, y)
         assert_tree_close(comp, eager, rtol=1e-5, atol=1e-6)
     assert not torch.equal(comp[0]["7.weight"], params["7.weight"])
+
+
+def test_dgc_density_warmup_compiles_once_across_density_changes(fresh_dynamo):
+    """k changes every 2 steps; compiled, k is a 0-d tensor and the selection a radix select: one graph."""
+    params = normal_tree(0)
+    schedule = ft.dgc_density_warmup(0.05, steps_per_epoch=2, warmup_epochs=2)
+    tx = ft.dgc(0.1, momentum=0.9, density=schedule)
+    update = torch.compile(tx.update, fullgraph=True, backend="aot_eager")
+    state_c = state_e = tx.init(params)
+    counts = []
+    for t in range(6):
+        grads = normal_tree(t + 1)
+        with torch._dynamo.config.patch(error_on_recompile=t > 0):
+            u_c, state_c = update(grads, state_c, params)
+        u_e, state_e = tx.update(grads, state_e, params)
+        assert_tree_close(u_c, u_e, rtol=0, atol=0)
+        counts.append(sum(int((x != 0).sum()) for x in ft.tree_leaves(u_c)))
+    assert counts[0] > counts[2] > counts[4] >= 1, counts

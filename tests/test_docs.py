@@ -43,3 +43,30 @@ def test_relative_links_resolve():
             if not (md.parent / target).exists():
                 broken.append(f"{md.relative_to(ROOT)} -> {target}")
     assert broken == [], broken
+
+
+def test_faq_examples_run():
+    """Every python block of docs/faq.md runs, in order, in one namespace (the first asserts exactly k move)."""
+    text = (ROOT / "docs" / "faq.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 4
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/faq.md", "exec"), namespace)
+    assert namespace["changed"] == namespace["k"] == 1000
+
+
+def test_readme_example_trains_with_exactly_k_coordinates_on_the_first_step():
+    """The README's example, run eagerly (the compile decorator is the one line left out: it is slow here)."""
+    import torch
+
+    text = (ROOT / "README.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert "@torch.compile(fullgraph=True)\n" in block
+    namespace: dict = {}
+    exec(compile(block.replace("@torch.compile(fullgraph=True)\n", ""), "README.md", "exec"), namespace)
+    params, buffers, opt_state = namespace["params"], namespace["buffers"], namespace["opt_state"]
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    new_params, new_buffers, _ = namespace["step"](params, buffers, opt_state, x, y)
+    assert sum(int((new_params[n] != params[n]).sum()) for n in params) == 1000
+    assert not torch.equal(new_buffers["bn1.running_mean"], buffers["bn1.running_mean"])

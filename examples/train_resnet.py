@@ -1,0 +1,462 @@
+"""Train a ResNet-18 applying only the top-k gradient coordinates of the whole model each step.
+
+torchvision's ``resnet18`` with a small-image stem (3x3 stride-1 first
+convolution, no max-pool) is trained with ``torch.func`` and functopk on
+scikit-learn's handwritten digits (1,797 8x8 images, shipped inside
+scikit-learn: nothing is downloaded), or on CIFAR-10 when it is already on
+disk. Every method starts from the same weights, sees the same mini-batches in
+the same order and uses the same learning-rate schedule; only the update rule
+differs:
+
+* ``dense``: momentum SGD, ``ft.sgd(lr, momentum)``;
+* ``topk``: ``ft.chain(ft.topk(k), ft.sgd(lr, momentum))``: every step applies
+  the k largest gradient coordinates of the whole model and drops the rest;
+* ``topk+ef``: ``ft.chain(ft.error_feedback(ft.topk(k)), ft.sgd(lr, momentum))``:
+  what was not applied is remembered and added to the next gradient;
+* ``dgc``: ``ft.dgc(lr, momentum, density=ft.dgc_density_warmup(...))``: Deep
+  Gradient Compression (momentum correction, momentum factor masking and an
+  exponential density warm-up over the first ``--warmup-epochs``).
+
+It prints a table (test accuracy, training loss, wall time, density, and the
+bytes one data-parallel rank would send per step against a dense all-reduce)
+and writes the loss and accuracy curves as a PNG, plus the table as markdown
+and JSON, under ``--out``.
+
+    python examples/train_resnet.py                          # the demo: about 4 minutes on 2 cores
+    python examples/train_resnet.py --k 1000 --epochs 8      # k instead of a density
+    python examples/train_resnet.py --dataset cifar10 --data-dir ~/data --device cuda --compile
+
+``benchmarks/convergence.py`` runs the same code with the documented
+experiment's settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.func import grad_and_value
+
+import functopk as ft
+
+METHODS = ("dense", "topk", "topk+ef", "dgc")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INDEX_BYTES = 4  # int32 flat indices (a ResNet-18 has fewer than 2**31 coordinates)
+
+
+# --------------------------------------------------------------------------- options
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=description or __doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sel = parser.add_mutually_exclusive_group()
+    sel.add_argument("--k", type=_positive_int, default=None, help="coordinates applied per step (global top-k)")
+    sel.add_argument("--density", type=_fraction, default=None,
+                     help="fraction of coordinates applied per step (default 0.001 when --k is not given)")
+    parser.add_argument("--methods", type=_methods, default=METHODS, help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--epochs", type=_positive_int, default=4)
+    parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--lr", type=_positive_float, default=0.05, help="peak learning rate (cosine decay to 0)")
+    parser.add_argument("--momentum", type=_fraction_or_zero, default=0.9)
+    parser.add_argument("--warmup-epochs", type=_non_negative_float, default=1.0,
+                        help="DGC: length of the exponential density warm-up (4 stages)")
+    parser.add_argument("--dataset", choices=("digits", "cifar10"), default="digits")
+    parser.add_argument("--data-dir", default=os.path.join(ROOT, "data"),
+                        help="where CIFAR-10 already is (torchvision's cifar-10-batches-py layout); never downloaded")
+    parser.add_argument("--train-size", type=_positive_int, default=None,
+                        help="use only the first N training images (smoke runs)")
+    parser.add_argument("--steps-per-epoch", type=_positive_int, default=None, help="cap the steps of an epoch")
+    parser.add_argument("--device", type=_device, default=torch.device("cpu"), help="cpu, cuda, cuda:1, mps, ...")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the whole training step with torch.compile(fullgraph=True)")
+    parser.add_argument("--threads", type=_non_negative_int, default=0, help="torch intra-op threads (0: default)")
+    parser.add_argument("--seed", type=_non_negative_int, default=0)
+    parser.add_argument("--out", default=os.path.join(ROOT, "out", "train_resnet"),
+                        help="directory for curves.png, results.md and results.json")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _fraction_or_zero(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {', '.join(METHODS)}, got {text!r}")
+    return tuple(dict.fromkeys(methods))
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError("MPS is not available on this machine")
+    return device
+
+
+# --------------------------------------------------------------------------- data and model
+
+
+def load_data(
+    name: str, data_dir: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_train, y_train, x_test, y_test)``, standardised with the training split's statistics.
+
+    Digits: a stratified 75/25 split fixed by ``seed``. CIFAR-10: the official
+    split, read from ``data_dir`` (``FileNotFoundError`` when it is not there).
+    """
+    if name == "digits":
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        y = torch.tensor(digits.target, dtype=torch.int64)
+        train_idx, test_idx = train_test_split(
+            range(len(y)), test_size=0.25, random_state=seed, stratify=digits.target
+        )
+        x_train, y_train, x_test, y_test = x[train_idx], y[train_idx], x[test_idx], y[test_idx]
+    elif name == "cifar10":
+        try:
+            train = torchvision.datasets.CIFAR10(data_dir, train=True, download=False)
+            test = torchvision.datasets.CIFAR10(data_dir, train=False, download=False)
+        except RuntimeError as err:  # torchvision: "Dataset not found or corrupted"
+            raise FileNotFoundError(
+                f"CIFAR-10 is not in {os.path.abspath(data_dir)!r} ({err}). This script never downloads; fetch it "
+                "once with torchvision.datasets.CIFAR10(root, download=True) and pass --data-dir root"
+            ) from None
+
+        def to_tensors(ds: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.from_numpy(ds.data).permute(0, 3, 1, 2).float() / 255.0
+            return x, torch.tensor(ds.targets, dtype=torch.int64)
+
+        (x_train, y_train), (x_test, y_test) = to_tensors(train), to_tensors(test)
+    else:
+        raise ValueError(f"dataset must be 'digits' or 'cifar10', got {name!r}")
+    dims = (0, 2, 3)
+    mean, std = x_train.mean(dims, keepdim=True), x_train.std(dims, keepdim=True)
+    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
+
+
+def make_model(in_channels: int, num_classes: int, seed: int) -> nn.Module:
+    """torchvision's ResNet-18 with the small-image stem (3x3 stride-1 conv, no max-pool)."""
+    torch.manual_seed(seed)
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+# --------------------------------------------------------------------------- the methods
+
+
+def make_tx(method: str, lr: ft.ScalarOrSchedule, momentum: float, k: int, density_warmup: ft.Schedule
+            ) -> ft.GradientTransformation:  # fmt: skip
+    """The update rule of ``method``; ``k`` coordinates per step for the sparse ones."""
+    if method == "dense":
+        return ft.sgd(lr, momentum=momentum)
+    if method == "topk":
+        return ft.chain(ft.topk(k), ft.sgd(lr, momentum=momentum))
+    if method == "topk+ef":
+        return ft.chain(ft.error_feedback(ft.topk(k)), ft.sgd(lr, momentum=momentum))
+    if method == "dgc":
+        return ft.dgc(lr, momentum=momentum, density=density_warmup)
+    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+
+
+def wire_bytes(coords: int, numel: int, dense: bool) -> int:
+    """Bytes one data-parallel rank hands to the network per step: fp32 values (+ int32 indices)."""
+    return 4 * numel if dense else coords * (4 + INDEX_BYTES)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train(method: str, args: argparse.Namespace, data: tuple, progress: bool) -> dict[str, Any]:
+    """Train one method from the shared initial weights; returns its history."""
+    device = args.device
+    x_train, y_train, x_test, y_test = (t.to(device) for t in data)
+    model = make_model(x_train.shape[1], 10, args.seed).to(device)
+    model_fn, params, buffers = ft.nn.functionalize(model)
+    numel = sum(p.numel() for p in params.values())
+    n = len(y_train)
+    steps_per_epoch = max(1, n // args.batch_size)  # every batch full: one shape, no recompiles
+    if args.steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, args.steps_per_epoch)
+    total_steps = steps_per_epoch * args.epochs
+    k = args.k if args.k is not None else ft.k_from_density(args.density, numel)
+    k = min(k, numel)
+    density = k / numel
+    # DGC's warm-up: 4 stages, each a quarter of --warmup-epochs, density falling exponentially to k / numel
+    stage_steps = max(1, round(args.warmup_epochs * steps_per_epoch / 4))
+    warmup = ft.dgc_density_warmup(density, stage_steps, 4 if args.warmup_epochs > 0 else 0)
+    lr = ft.cosine_decay_schedule(args.lr, total_steps)
+    tx = make_tx(method, lr, args.momentum, k, warmup)
+
+    def loss_fn(p: dict, b: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logits, new_b = model_fn(p, b, x, train=True)
+        return F.cross_entropy(logits, y), new_b
+
+    grad_fn = grad_and_value(loss_fn, has_aux=True)
+
+    def step(params: dict, buffers: dict, state: Any, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        grads, (loss, buffers) = grad_fn(params, buffers, x, y)
+        updates, state = tx.update(grads, state, params)
+        return ft.apply_updates(params, updates), buffers, state, loss.detach()
+
+    if args.compile:
+        step = torch.compile(step, fullgraph=True)
+
+    def evaluate(params: dict, buffers: dict) -> float:
+        correct = 0
+        with torch.no_grad():
+            for i in range(0, len(y_test), 1000):
+                logits, _ = model_fn(params, buffers, x_test[i : i + 1000], train=False)
+                correct += (logits.argmax(1) == y_test[i : i + 1000]).sum()
+        return float(correct) / len(y_test) * 100.0
+
+    state = tx.init(params)
+    hist: dict[str, Any] = {"method": method, "epoch": [0], "test_acc": [evaluate(params, buffers)],
+                            "epoch_loss": [math.nan], "step_loss": []}  # fmt: skip
+    coords_sent = 0
+    generator = torch.Generator().manual_seed(args.seed)
+    bar = _progress(total_steps, f"{method:8s}", progress)
+    start = time.perf_counter()
+    for epoch in range(args.epochs):
+        order = torch.randperm(n, generator=generator).to(device)
+        losses = []
+        for i in range(steps_per_epoch):
+            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+            params, buffers, state, loss = step(params, buffers, state, x_train[idx], y_train[idx])
+            losses.append(loss)
+            t = epoch * steps_per_epoch + i
+            coords_sent += numel if method == "dense" else _sent_at(method, t, k, warmup, numel)
+            bar.update(1)
+        epoch_losses = torch.stack(losses).tolist()  # one host sync per epoch
+        hist["step_loss"].extend(epoch_losses)
+        hist["epoch"].append(epoch + 1)
+        hist["epoch_loss"].append(sum(epoch_losses) / len(epoch_losses))
+        hist["test_acc"].append(evaluate(params, buffers))
+        bar.set_postfix(loss=f"{hist['epoch_loss'][-1]:.3f}", test_acc=f"{hist['test_acc'][-1]:.1f}%")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    hist["wall_s"] = time.perf_counter() - start
+    bar.close()
+    hist.update(numel=numel, k=k, steps=total_steps, density=coords_sent / (numel * total_steps),
+                bytes_per_step=wire_bytes(coords_sent / total_steps, numel, method == "dense"),
+                dense_bytes_per_step=wire_bytes(numel, numel, True))  # fmt: skip
+    return hist
+
+
+def _sent_at(method: str, t: int, k: int, warmup: ft.Schedule, numel: int) -> int:
+    """Coordinates a sparse method sends at step ``t`` (DGC: its warm-up density's k)."""
+    if method == "dgc":
+        return int(ft.k_from_density(float(warmup(t)), numel))
+    return k
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    if enabled:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+    return _NoBar()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    """The results as a markdown table."""
+    rows = [
+        "| method | final test acc (%) | best test acc (%) | final train loss | density | bytes/step (per rank) "
+        "| vs dense | wall time (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for h in results:
+        rows.append(
+            f"| {h['method']} | {h['test_acc'][-1]:.2f} | {max(h['test_acc']):.2f} | {h['epoch_loss'][-1]:.4f} "
+            f"| {100 * h['density']:.3g}% | {_human(h['bytes_per_step'])} | "
+            f"{h['bytes_per_step'] / h['dense_bytes_per_step']:.2%} | {h['wall_s']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    raise AssertionError("unreachable")
+
+
+def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
+    """Training loss per step (smoothed) and test accuracy per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for h in results:
+        losses = torch.tensor(h["step_loss"])
+        width = max(1, len(losses) // 20)
+        smooth = torch.nn.functional.avg_pool1d(losses[None, None], width, stride=1)[0, 0] if width > 1 else losses
+        steps_per_epoch = len(losses) / max(1, h["epoch"][-1])
+        ax1.plot([(i + width) / steps_per_epoch for i in range(len(smooth))], smooth.tolist(), label=h["method"])
+        ax2.plot(h["epoch"], h["test_acc"], marker="o", label=h["method"])
+    ax1.set(xlabel="epoch", ylabel="training loss (running mean)", yscale="log")
+    ax2.set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(0, 100))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(textwrap.fill(title, 150), fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None, *, defaults: dict[str, Any] | None = None,
+         description: str | None = None, png_name: str = "curves.png") -> list[dict[str, Any]]:  # fmt: skip
+    """Parse ``argv``, train every method, print and write the results; returns the histories."""
+    parser = build_parser(description)
+    if defaults:
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    if args.k is None and args.density is None:
+        args.density = 0.001
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        data = load_data(args.dataset, args.data_dir, args.seed)
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    if args.train_size is not None:
+        data = (data[0][: args.train_size], data[1][: args.train_size], data[2], data[3])
+    if len(data[1]) < args.batch_size:
+        parser.error(f"--batch-size {args.batch_size} exceeds the {len(data[1])} training images")
+
+    numel = sum(p.numel() for p in make_model(data[0].shape[1], 10, args.seed).parameters())
+    k = args.k if args.k is not None else ft.k_from_density(args.density, numel)
+    if k > numel:
+        parser.error(f"--k {k} exceeds the model's {numel:,} coordinates")
+    header = (
+        f"ResNet-18 (small-image stem, {numel:,} parameters) on {args.dataset}: {len(data[1])} train / "
+        f"{len(data[3])} test images; {args.epochs} epochs, batch {args.batch_size}, momentum SGD "
+        f"{args.momentum}, lr {args.lr} cosine to 0; k = {k:,} ({k / numel:.3%}) per step; seed {args.seed}"
+    )
+    print(header)
+    print(f"torch {torch.__version__}, device {args.device}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads{', compiled' if args.compile else ''}", flush=True)
+
+    results = [train(m, args, data, progress=not args.no_progress) for m in args.methods]
+
+    os.makedirs(args.out, exist_ok=True)
+    md = table(results)
+    print("\n" + md + "\n")
+    print("test accuracy per epoch:")
+    for h in results:
+        print(f"  {h['method']:8s} " + " ".join(f"{a:5.1f}" for a in h["test_acc"]))
+    png = os.path.join(args.out, png_name)
+    plot(results, png, header)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(header + "\n\n" + md + "\n")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        options = {key: (str(v) if isinstance(v, torch.device) else v) for key, v in vars(args).items()}
+        json.dump({"options": options, "torch": torch.__version__, "results": results}, f, indent=1)
+    print(f"\nwrote {os.path.abspath(png)}")
+    print(f"wrote {os.path.abspath(os.path.join(args.out, 'results.md'))} and results.json")
+    return results
+
+
+if __name__ == "__main__":
+    main()

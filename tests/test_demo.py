@@ -1,0 +1,114 @@
+"""Smoke tests of the demo (examples/train_resnet.py) and the convergence benchmark that reuses it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import train_resnet  # noqa: E402
+
+TINY = ["--epochs", "1", "--train-size", "96", "--batch-size", "32", "--steps-per-epoch", "2", "--no-progress"]
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_demo_runs_and_writes_the_table_and_the_plot(tmp_path):
+    out = tmp_path / "demo"
+    proc = run("examples/train_resnet.py", *TINY, "--k", "1000", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("| method |")))
+    rows = [line.split("|")[1:-1] for line in lines[header + 2 : header + 6]]
+    assert [r[0].strip() for r in rows] == ["dense", "topk", "topk+ef", "dgc"]
+    for r in rows:
+        assert 0.0 <= float(r[1]) <= 100.0  # final test accuracy
+    numel = 11_172_810  # resnet18 with the 1-channel 3x3 stem and 10 classes
+    assert rows[0][4].strip() == "100%" and rows[0][6].strip() == "100.00%"
+    # topk: k = 1000 coordinates per step, 8 bytes each (int32 index + fp32 value) vs 4 bytes per coordinate
+    assert rows[1][4].strip() == f"{100 * 1000 / numel:.3g}%" and rows[1][5].strip() == "8.0 KB"
+    assert rows[1][6].strip() == f"{8000 / (4 * numel):.2%}"
+    png = out / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"wrote {png}" in proc.stdout
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert [h["method"] for h in results] == ["dense", "topk", "topk+ef", "dgc"]
+    assert all(h["steps"] == 2 and len(h["step_loss"]) == 2 and h["numel"] == numel for h in results)
+    # every method starts from the same weights: the same test accuracy before the first step
+    assert len({h["test_acc"][0] for h in results}) == 1
+    # DGC's density warm-up sends more than k in its first steps
+    assert results[3]["density"] > results[1]["density"]
+    assert (out / "results.md").read_text().count("\n| ") == 2 + 4  # header, separator, a row per method
+
+
+@pytest.mark.slow
+def test_convergence_benchmark_reuses_the_demo(tmp_path):
+    proc = run("benchmarks/convergence.py", *TINY, "--methods", "topk+ef", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "| topk+ef |" in proc.stdout and "k = 11,173 (0.100%)" in proc.stdout
+    assert (tmp_path / "convergence.png").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--density", "2"], "--density: expected a number in (0, 1]"),
+        (["--k", "0"], "--k: expected an integer >= 1"),
+        (["--k", "10", "--density", "0.1"], "not allowed with argument"),
+        (["--methods", "dense,sgd"], "--methods: expected a comma-separated subset"),
+        (["--dataset", "mnist"], "invalid choice: 'mnist'"),
+        (["--epochs", "two"], "--epochs: expected an integer, got 'two'"),
+        (["--lr", "nan"], "--lr: expected a finite number"),
+        (["--device", "gpu0"], "--device: not a torch device"),
+        (["--k", "100000000"], "exceeds the model's"),
+        (["--train-size", "10"], "--batch-size 64 exceeds the 10 training images"),
+    ],
+)
+def test_bad_options_are_argparse_errors(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        train_resnet.main([*argv, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cifar10_missing_is_a_clear_error_and_never_downloads(capsys, tmp_path, monkeypatch):
+    def no_download(*args, **kwargs):
+        raise AssertionError("a download was attempted")
+
+    monkeypatch.setattr("torchvision.datasets.utils.download_url", no_download)
+    with pytest.raises(SystemExit) as exc:
+        train_resnet.main(["--dataset", "cifar10", "--data-dir", str(tmp_path), "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "CIFAR-10 is not in" in err and "never downloads" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_quickstart_example_runs():
+    proc = run("examples/quickstart.py", "--epochs", "1", "--k", "200")
+    assert proc.returncode == 0, proc.stderr
+    assert "dense sgd (momentum 0.9)" in proc.stdout and "top-200 + sgd (momentum 0.9)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ddp_example_runs_under_torchrun_with_two_gloo_ranks():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(ROOT, "examples", "ddp_topk.py"), "--epochs", "1", "--warmup-iters", "2"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "replicas identical: True" in proc.stdout and "kB sent per rank" in proc.stdout
