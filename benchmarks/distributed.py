@@ -16,8 +16,9 @@ Rows:
 * ``sparse exchange in place``: the same into an existing buffer, as
   ``topk_hook`` does with DDP's bucket (no n-sized allocation: a fresh one
   costs page faults, which dominate on a loaded machine);
-* ``local top-k selection only``: ``torch.topk`` of the magnitudes (no
-  communication), the selection the transform and the hook run before exchanging;
+* ``local top-k selection only``: the exact selection the transform and the
+  hook run before exchanging (``functopk.topk_indices``), no communication;
+* ``torch.topk selection``: ``torch.topk`` of the magnitudes, for comparison;
 * ``distributed_topk step``: the whole transform: add the residual, select the
   local top k of all coordinates, the exchange above, the mean, the new residual.
 
@@ -102,6 +103,8 @@ def _worker(rank: int, store: str, numel: int, densities: list[float], reps: int
 
         times = _timed(lambda: _local_topk(g, k), max(3, reps // 2))
         rows.append(("local top-k selection only", density, k, 0, 0, times))
+        times = _timed(lambda: torch.topk(g.abs(), k, sorted=False), max(3, reps // 2))
+        rows.append(("torch.topk selection", density, k, 0, 0, times))
 
         tx = distributed_topk(k)
         grads = {"g": g}

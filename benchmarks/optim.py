@@ -215,7 +215,10 @@ def run(model: str, rounds: int, warmup: int, opts: list[str], compile_: bool) -
             worst = max(
                 float(((v.params()[k] - ref[k]).abs() / (ref[k].abs() + 1e-3)).max()) for k in ref
             )
-            if worst > 1e-4:
+            # functopk must match torch.optim to float32 rounding; TorchOpt's Adam orders its float32
+            # operations differently, and with the same gradient every step the difference grows by
+            # about 1e-5 per step (1.7e-4 after 22 steps), so it only gets a sanity bound
+            if worst > (1e-3 if isinstance(v, TorchOpt) else 1e-4):
                 raise AssertionError(f"{opt}/{v.name}: parameters differ from torch.optim's by {worst:.2e}")
             med = statistics.median(times[v.name])
             q = statistics.quantiles(times[v.name], n=4)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from functopk.sparsify import topk_mask
+from functopk.sparsify import topk_indices, topk_mask
 
 __all__ = ["sparse_allreduce"]
 
@@ -108,14 +107,13 @@ def _scatter_add_(
 
 
 def _local_topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices (int64) and values of the ``k`` entries of largest ``|flat|`` (NaN ranks as infinite).
+    """Ascending int64 indices and values of the ``k`` entries of largest ``|flat|``.
 
-    The one place that selects; it will call the library's flat top-k once
-    ``functopk.sparsify`` offers one (indices from ``torch.topk`` until then).
+    The library's exact selection (:func:`functopk.topk_indices`): NaN ranks as
+    infinite, ties go to the lower index, values are the input's bits.
     """
-    mags = torch.nan_to_num_(flat.detach().abs(), nan=math.inf, posinf=math.inf)
-    idx = torch.topk(mags, k, sorted=False).indices
-    return idx, flat[idx]
+    sel = topk_indices(flat.detach(), k)
+    return sel.indices, sel.values
 
 
 def _reselect(total: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, residual: torch.Tensor, k: int):
