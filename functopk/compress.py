@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from functopk.base import EmptyState, GradientTransformation, Params, Updates
+from functopk.base import EmptyState, GradientTransformation, Params, Updates, stateless
 from functopk.sparsify import k_from_density, topk_sparsify
 from functopk.transforms import check_hyperparam, init_count
 from functopk.tree import PyTree, _path_str
@@ -319,20 +319,16 @@ def threshold(v: float | torch.Tensor) -> GradientTransformation:
     """
     v = check_hyperparam(v, "v", minimum=0.0)
 
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+    def fn(updates: Updates, params: Params | None) -> Updates:
         del params
         leaves, treedef = float_leaves(updates, "updates")
         out = []
         for leaf in leaves:
             thr = v.to(device=leaf.device, dtype=leaf.dtype) if isinstance(v, torch.Tensor) else v
             out.append(torch.where(leaf.abs() < thr, 0.0, leaf))
-        return optree.tree_unflatten(treedef, out), state
+        return optree.tree_unflatten(treedef, out)
 
-    return GradientTransformation(init, update)
+    return stateless(fn)
 
 
 # --------------------------------------------------------------------------- per-leaf top-k

@@ -37,13 +37,13 @@ import optree
 import torch
 
 from functopk.base import (
-    EmptyState,
     GradientTransformation,
     OptState,
     Params,
     ScalarOrSchedule,
     Updates,
     check_transformation,
+    stateless,
 )
 from functopk.combine import chain
 from functopk.compress import _method_kwargs, float_leaves, layerwise_topk
@@ -275,18 +275,13 @@ def dgc_local_clipping(
     per_leaf = _check_bool(per_leaf, "per_leaf")
     scale = 1.0 / math.sqrt(num_workers)
 
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update(updates: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+    def fn(updates: Updates, params: Params | None) -> Updates:
         del params
         leaves, treedef = float_leaves(updates, "updates")
         if not leaves:
-            return updates, state
+            return updates
         thr = max_norm * scale
-        norm_dtype = _norm_dtype(leaves)
-        norms = list(torch._foreach_norm(leaves, 2, dtype=norm_dtype))
+        norms = list(torch._foreach_norm(leaves, 2, dtype=_norm_dtype(leaves)))
         if per_leaf:
             factors = torch._foreach_clamp_max(
                 torch._foreach_mul(torch._foreach_reciprocal(torch._foreach_add(norms, 1e-6)), thr), 1.0
@@ -296,9 +291,9 @@ def dgc_local_clipping(
             total = torch.linalg.vector_norm(torch.stack(norms))
             factor = torch.clamp_max(thr / (total + 1e-6), 1.0)
             out = torch._foreach_mul(leaves, factor)
-        return optree.tree_unflatten(treedef, keep_dtypes(out, leaves)), state
+        return optree.tree_unflatten(treedef, keep_dtypes(out, leaves))
 
-    return GradientTransformation(init, update)
+    return stateless(fn)
 
 
 def _norm_dtype(leaves: list[torch.Tensor]) -> torch.dtype:
