@@ -11,6 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+pytest.importorskip("torchvision")
+pytest.importorskip("sklearn")
 
 import train_resnet  # noqa: E402
 

@@ -6,6 +6,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 import functopk as ft
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +49,7 @@ def test_relative_links_resolve():
 
 def test_faq_examples_run():
     """Every python block of docs/faq.md runs, in order, in one namespace (the first asserts exactly k move)."""
+    pytest.importorskip("torchvision")
     text = (ROOT / "docs" / "faq.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) >= 4
@@ -60,6 +63,7 @@ def test_readme_example_trains_with_exactly_k_coordinates_on_the_first_step():
     """The README's example, run eagerly (the compile decorator is the one line left out: it is slow here)."""
     import torch
 
+    pytest.importorskip("torchvision")
     text = (ROOT / "README.md").read_text()
     (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert "@torch.compile(fullgraph=True)\n" in block
