@@ -112,5 +112,6 @@ def test_ddp_example_runs_under_torchrun_with_two_gloo_ranks():
          os.path.join(ROOT, "examples", "ddp_topk.py"), "--epochs", "1", "--warmup-iters", "2"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "replicas identical: True" in proc.stdout and "kB sent per rank" in proc.stdout
+    report = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, report
+    assert "replicas identical: True" in proc.stdout and "kB sent per rank" in proc.stdout, report
