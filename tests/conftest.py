@@ -57,3 +57,11 @@ def clone_tree(tree):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture()
+def fresh_dynamo():
+    """A clean torch._dynamo cache before and after the test (recompile checks count from zero)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -309,13 +309,6 @@ def test_layerwise_topk_errors():
 # --------------------------------------------------------------------------- compile
 
 
-@pytest.fixture()
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _check_compiled(tx, params, steps=3, backend="aot_eager"):
     state_e = state_c = tx.init(params)
     update_c = torch.compile(tx.update, fullgraph=True, backend=backend)

@@ -327,13 +327,6 @@ def test_dgc_with_inject_hyperparams_equals_plain():
     assert set(si.hyperparams) == {"learning_rate", "momentum", "weight_decay", "max_norm"}
 
 
-@pytest.fixture()
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def test_dgc_training_step_compiles_fullgraph_without_recompiling(fresh_dynamo):
     model_fn, params, buffers = ft.nn.functionalize(small_cnn())
     tx = ft.dgc(0.1, momentum=0.9, density=0.05, max_norm=1.0, weight_decay=1e-4, min_size=8, method="torch")

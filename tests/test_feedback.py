@@ -167,13 +167,6 @@ def test_errors():
         bad.update({"w": torch.zeros(3)}, bad.init({"w": torch.zeros(3)}))
 
 
-@pytest.fixture()
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     params = normal_tree(0)
     tx = ft.chain(ft.error_feedback(ft.topk(density=0.1, method="torch")), ft.sgd(0.1, momentum=0.9))

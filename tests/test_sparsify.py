@@ -533,13 +533,6 @@ def test_sparse_transform_ends_a_sgd_step():
 # --------------------------------------------------------------------------- compile
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 TREE = {"a": torch.randn(6, 5, generator=torch.Generator().manual_seed(0)), "b": torch.tensor([3.0, -0.1, 7.0]),
         "c": (torch.tensor([[-8.0, 0.2]], dtype=torch.float64), None)}
 

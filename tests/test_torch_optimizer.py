@@ -469,13 +469,6 @@ def test_bad_checkpoints_raise_clearly_and_change_nothing(tmp_path):
     assert_tree_bitwise_equal(target.transform_state, opt.transform_state)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.slow
 def test_compiled_step_equals_eager_and_does_not_recompile(fresh_dynamo):
     torch.manual_seed(0)

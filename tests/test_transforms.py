@@ -352,13 +352,6 @@ def test_inject_hyperparams_gives_the_same_updates(name, factory, kwargs, static
             torch.testing.assert_close(b, a, rtol=tol, atol=tol * float(a.abs().max()))
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def check_compiled(txs, backend, steps=3, params=MIXED, grads=mixed_grads):
     """One compiled function runs every transformation in ``txs`` side by side.
 
