@@ -19,29 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from functopk.distributed import TopKHookState, topk_hook
-
-
-def digits(seed: int):
-    """The 1,797 8x8 handwritten digits shipped with scikit-learn, split 80/20."""
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(data.target)
-    return train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-
-
-def make_model() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1, stride=2), nn.BatchNorm2d(64), nn.ReLU(),
-        nn.Flatten(), nn.Linear(64 * 4 * 4, 10),
-    )  # fmt: skip
+from quickstart import digits, make_model  # the same data and CNN as the single-process example
 
 
 def main() -> None:
