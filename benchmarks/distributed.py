@@ -88,7 +88,7 @@ def _worker(rank: int, store: str, numel: int, densities: list[float], reps: int
     rows.append(("dense allreduce", None, numel, 4 * numel, 4 * numel, times))
 
     for density in densities:
-        k = ft.k_from_density(density, numel)
+        k = ft.sparse.k_from_density(density, numel)
         idx = torch.topk(g.abs(), k, sorted=False).indices
         vals = g[idx]
         times = _timed(lambda: sparse_allreduce(idx, vals, numel, average=True, capacity=k), reps)

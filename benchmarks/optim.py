@@ -191,7 +191,7 @@ def run(model: str, rounds: int, warmup: int, opts: list[str], compile_: bool) -
     malloc = "tuned" if all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items()) else "default"
     print(f"# {model}: {len(params)} tensors, {numel / 1e6:.1f}M parameters; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, glibc malloc {malloc}, "
-          f"TorchOpt {'%s' % torchopt.__version__ if torchopt else 'not installed'}",
+          f"TorchOpt {torchopt.__version__ if torchopt else 'not installed'}",
           flush=True)
     rows = []
     for opt in opts:

@@ -92,7 +92,9 @@ def describe(package: types.ModuleType, name: str) -> tuple[str, str, str]:
     return module, f"`{name}` (type alias or constant)", doc
 
 
-SECTION_HEADS = {"Args:", "Arguments:", "Returns:", "Raises:", "Yields:", "Attributes:", "Example:", "Examples:", "Note:"}
+SECTION_HEADS = {
+    "Args:", "Arguments:", "Returns:", "Raises:", "Yields:", "Attributes:", "Example:", "Examples:", "Note:"
+}
 
 
 def to_markdown(doc: str) -> str:

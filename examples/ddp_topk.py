@@ -19,11 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from quickstart import digits, make_model  # the same data and CNN as the single-process example
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from functopk.distributed import TopKHookState, topk_hook
-from quickstart import digits, make_model  # the same data and CNN as the single-process example
 
 
 def main() -> None:

@@ -192,7 +192,7 @@ def make_model(in_channels: int, num_classes: int, seed: int) -> nn.Module:
 # --------------------------------------------------------------------------- the methods
 
 
-def make_tx(method: str, lr: ft.ScalarOrSchedule, momentum: float, k: int, density_warmup: ft.Schedule
+def make_tx(method: str, lr: ft.base.ScalarOrSchedule, momentum: float, k: int, density_warmup: ft.base.Schedule
             ) -> ft.GradientTransformation:  # fmt: skip
     """The update rule of ``method``; ``k`` coordinates per step for the sparse ones."""
     if method == "dense":
@@ -226,7 +226,7 @@ def train(method: str, args: argparse.Namespace, data: tuple, progress: bool) ->
     if args.steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, args.steps_per_epoch)
     total_steps = steps_per_epoch * args.epochs
-    k = args.k if args.k is not None else ft.k_from_density(args.density, numel)
+    k = args.k if args.k is not None else ft.sparse.k_from_density(args.density, numel)
     k = min(k, numel)
     density = k / numel
     # DGC's warm-up: 4 stages, each a quarter of --warmup-epochs, density falling exponentially to k / numel
@@ -290,10 +290,10 @@ def train(method: str, args: argparse.Namespace, data: tuple, progress: bool) ->
     return hist
 
 
-def _sent_at(method: str, t: int, k: int, warmup: ft.Schedule, numel: int) -> int:
+def _sent_at(method: str, t: int, k: int, warmup: ft.base.Schedule, numel: int) -> int:
     """Coordinates a sparse method sends at step ``t`` (DGC: its warm-up density's k)."""
     if method == "dgc":
-        return int(ft.k_from_density(float(warmup(t)), numel))
+        return int(ft.sparse.k_from_density(float(warmup(t)), numel))
     return k
 
 
@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None, *, defaults: dict[str, Any] | None =
         parser.error(f"--batch-size {args.batch_size} exceeds the {len(data[1])} training images")
 
     numel = sum(p.numel() for p in make_model(data[0].shape[1], 10, args.seed).parameters())
-    k = args.k if args.k is not None else ft.k_from_density(args.density, numel)
+    k = args.k if args.k is not None else ft.sparse.k_from_density(args.density, numel)
     if k > numel:
         parser.error(f"--k {k} exceeds the model's {numel:,} coordinates")
     header = (

@@ -30,7 +30,7 @@ from typing import IO, Any, Union
 import optree
 import torch
 
-from functopk.tree import PyTree
+from functopk.tree.maths import PyTree
 
 __all__ = ["CheckpointError", "load_state", "read_state_dict", "save_state", "state_from_dict", "state_to_dict"]
 

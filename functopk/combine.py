@@ -15,11 +15,42 @@ from typing import Any, NamedTuple, Union
 import optree
 import torch
 
+from functopk._checks import path_str
 from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
-from functopk.transforms import MaskOrFn, resolve_mask
-from functopk.tree import PyTree
+from functopk.tree.maths import PyTree
 
-__all__ = ["MaskedState", "chain", "masked", "named_chain", "partition"]
+__all__ = ["MaskOrFn", "MaskedState", "chain", "masked", "named_chain", "partition", "resolve_mask"]
+
+MaskOrFn = Union[PyTree, Callable[[PyTree], PyTree]]
+"""A tree of Python bools shaped like the parameters, or a function ``params -> such a tree``."""
+
+
+def resolve_mask(mask: MaskOrFn, tree: PyTree, *, name: str = "mask") -> list[bool]:
+    """The mask's Python bools in the flat order of ``tree``'s leaves.
+
+    Args:
+        mask: A tree of bools with ``tree``'s structure, or a function ``tree -> such a tree``.
+        tree: The parameters (or updates) the mask refers to.
+        name: The argument name for error messages.
+
+    Raises:
+        ValueError: if the mask's structure differs from the tree's.
+        TypeError: if a mask leaf is not a Python bool.
+    """
+    if callable(mask):
+        mask = mask(tree)
+    treedef = optree.tree_structure(tree)
+    try:
+        flags = treedef.flatten_up_to(mask)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"{name} must have the structure of the parameters {treedef}, got {optree.tree_structure(mask)}"
+        ) from err
+    for path, flag in zip(treedef.paths(), flags):
+        if not isinstance(flag, bool):
+            where = path_str(path)
+            raise TypeError(f"{name} leaf at {where} must be a Python bool, got {type(flag).__name__} {flag!r}")
+    return flags
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -187,7 +218,7 @@ def _resolve_labels(labels: LabelsOrFn, tree: PyTree, known: Mapping[Hashable, A
         ) from err
     for path, label in zip(treedef.paths(), flat):
         if label is None or not isinstance(label, Hashable) or label not in known:
-            where = "".join(f"[{p!r}]" for p in path) or "<root>"
+            where = path_str(path)
             raise ValueError(
                 f"param_labels leaf at {where} is {label!r}, which is not a key of transforms "
                 f"{sorted(map(repr, known))}"

@@ -154,7 +154,7 @@ def load_into_module_(module: nn.Module, params: Tree | None = None, buffers: Tr
         >>> import torch, functopk as ft
         >>> net = torch.nn.Linear(2, 1)
         >>> model_fn, params, buffers = ft.nn.functionalize(net)
-        >>> params = ft.tree_map(torch.zeros_like, params)
+        >>> params = ft.tree.map(torch.zeros_like, params)
         >>> ft.nn.load_into_module_(net, params).weight
         Parameter containing:
         tensor([[0., 0.]], requires_grad=True)

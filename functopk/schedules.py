@@ -195,7 +195,9 @@ def exponential_decay(
     return schedule
 
 
-def piecewise_constant_schedule(init_value: float, boundaries_and_scales: Mapping[int, float] | None = None) -> Schedule:
+def piecewise_constant_schedule(
+    init_value: float, boundaries_and_scales: Mapping[int, float] | None = None
+) -> Schedule:
     """Start at ``init_value``; at each boundary step ``b``, multiply by its scale.
 
     ``torch.optim.lr_scheduler.MultiStepLR(milestones, gamma)`` is

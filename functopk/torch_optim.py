@@ -21,8 +21,8 @@ import torch
 
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
-from functopk.inject import inject_hyperparams
-from functopk.tree import PyTree
+from functopk.optim.inject import inject_hyperparams
+from functopk.tree.maths import PyTree
 
 __all__ = ["TorchOptimizer"]
 

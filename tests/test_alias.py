@@ -19,8 +19,6 @@ hyperparameter half-way, on both sides.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -258,7 +256,7 @@ def test_adamw_mask_decays_only_masked_leaves():
         groups = [{"params": decay, "weight_decay": 0.3}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=0.01, foreach=True)
 
-    tx = ft.adamw(0.01, weight_decay=0.3, mask=lambda p: ft.tree_map(lambda x: x.dim() > 1, p))
+    tx = ft.adamw(0.01, weight_decay=0.3, mask=lambda p: ft.tree.map(lambda x: x.dim() > 1, p))
     run_parity(make_opt, tx, steps=10)
 
 

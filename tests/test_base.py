@@ -21,7 +21,7 @@ def test_identity():
 
 
 def test_stateless_receives_params():
-    tx = ft.stateless(lambda u, p: ft.tree_add(u, p))
+    tx = ft.stateless(lambda u, p: ft.tree.add(u, p))
     updates, _ = tx.update(GRADS, tx.init(PARAMS), PARAMS)
     assert torch.equal(updates["w"], torch.tensor([1.5, 2.0, 2.0]))
     with pytest.raises(TypeError, match="fn must be callable"):

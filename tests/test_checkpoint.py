@@ -32,7 +32,7 @@ def trained_state(steps=3):
     state = tx.init(PARAMS)
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        grads = ft.tree_map(lambda p: torch.randn(p.shape, generator=g).to(p.dtype), PARAMS)
+        grads = ft.tree.map(lambda p: torch.randn(p.shape, generator=g).to(p.dtype), PARAMS)
         _, state = tx.update(grads, state, PARAMS)
     return tx, state
 
@@ -50,7 +50,7 @@ def test_roundtrip_through_torch_save_weights_only_is_bitwise():
     # plain containers only: what weights_only=True can rebuild
     assert type(sd) is dict and type(sd["leaves"]) is dict
     assert all(isinstance(v, torch.Tensor) for v in sd["leaves"].values())
-    assert len(sd["leaves"]) == len(ft.tree_leaves(state))
+    assert len(sd["leaves"]) == len(ft.tree.leaves(state))
     for path in [
         "['opt'].count",
         "['opt'].hyperparams['learning_rate']",
@@ -64,14 +64,14 @@ def test_roundtrip_through_torch_save_weights_only_is_bitwise():
     assert "'frozen': None" in sd["structure"]
     restored = ft.state_from_dict(tx.init(PARAMS), roundtrip(sd))
     assert_tree_bitwise_equal(restored, state)
-    assert type(restored["opt"]) is ft.InjectHyperparamsState
+    assert type(restored["opt"]) is ft.optim.InjectHyperparamsState
     assert int(restored["opt"].count) == 3
 
 
 def test_restored_state_continues_identically():
     tx, state = trained_state()
     restored = ft.state_from_dict(tx.init(PARAMS), roundtrip(ft.state_to_dict(state)))
-    grads = ft.tree_map(lambda p: torch.ones_like(p), PARAMS)
+    grads = ft.tree.map(lambda p: torch.ones_like(p), PARAMS)
     u1, s1 = tx.update(grads, state, PARAMS)
     u2, s2 = tx.update(grads, restored, PARAMS)
     assert_tree_bitwise_equal(u1, u2)

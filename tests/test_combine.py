@@ -27,16 +27,16 @@ def _one_thread():
 
 def grads_at(i, like=PARAMS):
     g = torch.Generator().manual_seed(i)
-    return ft.tree_map(lambda p: torch.randn(p.shape, generator=g), like)
+    return ft.tree.map(lambda p: torch.randn(p.shape, generator=g), like)
 
 
 def is_matrix(tree):
-    return ft.tree_map(lambda x: x.dim() > 1, tree)
+    return ft.tree.map(lambda x: x.dim() > 1, tree)
 
 
 def sub(tree, keep):
     """The tree with the leaves where ``keep`` is False replaced by None (what an inner transform sees)."""
-    return ft.tree_map(lambda x, k: x if k else None, tree, keep)
+    return ft.tree.map(lambda x, k: x if k else None, tree, keep)
 
 
 # ---------------------------------------------------------------- masked
@@ -49,7 +49,7 @@ def test_masked_equals_inner_on_selected_leaves_and_leaves_the_rest(mask):
     keep = is_matrix(PARAMS)
     state, ref_state = tx.init(PARAMS), inner.init(sub(PARAMS, keep))
     # the inner state holds tensors for the selected leaves only
-    assert len(ft.tree_leaves(state.inner_state.mu)) == 2
+    assert len(ft.tree.leaves(state.inner_state.mu)) == 2
     for i in range(3):
         g = grads_at(i)
         g0, s0 = clone_tree(g), clone_tree(state)
@@ -79,12 +79,12 @@ def test_masked_errors():
 
 def test_partition_sends_each_group_to_its_transform():
     """Like torch.optim parameter groups: matrices get AdamW, vectors SGD with momentum."""
-    labels = ft.tree_map(lambda x: "decay" if x.dim() > 1 else "plain", PARAMS)
+    labels = ft.tree.map(lambda x: "decay" if x.dim() > 1 else "plain", PARAMS)
     txs = {"decay": ft.adamw(0.01, weight_decay=0.1), "plain": ft.sgd(0.1, momentum=0.9)}
-    tx = ft.partition(txs, lambda p: ft.tree_map(lambda x: "decay" if x.dim() > 1 else "plain", p))
+    tx = ft.partition(txs, lambda p: ft.tree.map(lambda x: "decay" if x.dim() > 1 else "plain", p))
     state = tx.init(PARAMS)
     assert set(state) == {"decay", "plain"}
-    keep = {name: ft.tree_map(lambda lab: lab == name, labels) for name in txs}
+    keep = {name: ft.tree.map(lambda lab: lab == name, labels) for name in txs}
     refs = {name: t.init(sub(PARAMS, keep[name])) for name, t in txs.items()}
     for i in range(3):
         g = grads_at(i)
@@ -94,7 +94,7 @@ def test_partition_sends_each_group_to_its_transform():
         state = new_state
         for name, t in txs.items():
             ref_u, refs[name] = t.update(sub(g, keep[name]), refs[name], sub(PARAMS, keep[name]))
-            for u, r, k in zip(ft.tree_leaves(updates), _full_leaves(ref_u, keep[name]), ft.tree_leaves(keep[name])):
+            for u, r, k in zip(ft.tree.leaves(updates), _full_leaves(ref_u, keep[name]), ft.tree.leaves(keep[name])):
                 if k:
                     assert torch.equal(u, r)
     for name in txs:
@@ -109,10 +109,10 @@ def _full_leaves(sub_tree, keep):
 def test_partition_errors():
     with pytest.raises(TypeError, match="non-empty dict"):
         ft.partition({}, {})
-    tx = ft.partition({"a": ft.sgd(0.1)}, ft.tree_map(lambda x: "b", PARAMS))
+    tx = ft.partition({"a": ft.sgd(0.1)}, ft.tree.map(lambda x: "b", PARAMS))
     with pytest.raises(ValueError, match=r"param_labels leaf at \['conv'\]\['bias'\] is 'b', which is not a key"):
         tx.init(PARAMS)
-    tx = ft.partition({"a": ft.sgd(0.1)}, ft.tree_map(lambda x: "a", PARAMS))
+    tx = ft.partition({"a": ft.sgd(0.1)}, ft.tree.map(lambda x: "a", PARAMS))
     state = tx.init(PARAMS)
     with pytest.raises(ValueError, match="state must be a dict with keys"):
         tx.update(PARAMS, {"b": state["a"]}, PARAMS)
@@ -147,15 +147,15 @@ def test_clip_by_global_norm_bound_and_identity_below(values, max_norm):
 
 def test_clip_by_global_norm_matches_torch_clip_grad_norm():
     grads = grads_at(0)
-    tensors = [torch.zeros_like(g, requires_grad=True) for g in ft.tree_leaves(grads)]
-    for t, g in zip(tensors, ft.tree_leaves(grads)):
+    tensors = [torch.zeros_like(g, requires_grad=True) for g in ft.tree.leaves(grads)]
+    for t, g in zip(tensors, ft.tree.leaves(grads)):
         t.grad = g.clone()
     total = torch.nn.utils.clip_grad_norm_(tensors, 0.5, foreach=True)
     tensors = [t.grad for t in tensors]
     tx = ft.clip_by_global_norm(0.5)
     out, _ = tx.update(grads, tx.init(None))
-    torch.testing.assert_close(ft.global_norm(grads), total, rtol=1e-6, atol=0)
-    for a, b in zip(ft.tree_leaves(out), tensors):
+    torch.testing.assert_close(ft.tree.norm(grads), total, rtol=1e-6, atol=0)
+    for a, b in zip(ft.tree.leaves(out), tensors):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
     # below the bound: returned unchanged
     loose = ft.clip_by_global_norm(10.0)
@@ -165,8 +165,8 @@ def test_clip_by_global_norm_matches_torch_clip_grad_norm():
 def test_global_norm_half_precision_does_not_overflow():
     tree = {"h": torch.full((4,), 60000.0, dtype=torch.float16), "b": torch.full((2,), 3e4, dtype=torch.bfloat16)}
     expected = math.sqrt(4 * 60000.0**2 + 2 * 3e4**2)
-    assert float(ft.global_norm(tree)) == pytest.approx(expected, rel=1e-2)
-    assert ft.global_norm(tree).dtype == torch.float32
+    assert float(ft.tree.norm(tree)) == pytest.approx(expected, rel=1e-2)
+    assert ft.tree.norm(tree).dtype == torch.float32
 
 
 @given(
@@ -191,14 +191,14 @@ def test_clip_and_zero_nans_non_finite():
 
 
 def test_all_finite():
-    assert bool(ft.all_finite(PARAMS))
+    assert bool(ft.tree.all_finite(PARAMS))
     for bad in (math.nan, math.inf, -math.inf):
         tree = clone_tree(PARAMS)
         tree["fc"][1][2] = bad
-        assert not bool(ft.all_finite(tree))
+        assert not bool(ft.tree.all_finite(tree))
     # finite float16 values at the top of the range are finite (no overflow in the check)
-    assert bool(ft.all_finite({"h": torch.full((3,), 65504.0, dtype=torch.float16)}))
-    assert bool(ft.all_finite({}))
+    assert bool(ft.tree.all_finite({"h": torch.full((3,), 65504.0, dtype=torch.float16)}))
+    assert bool(ft.tree.all_finite({}))
 
 
 # ---------------------------------------------------------------- apply_if_finite
@@ -221,7 +221,7 @@ def test_apply_if_finite_skips_nan_steps_and_keeps_inner_state():
         updates, state_new = tx.update(with_nan(g) if bad else g, state, PARAMS)
         assert_tree_bitwise_equal(state, s0)
         if bad:
-            assert all(torch.equal(u, torch.zeros_like(u)) for u in ft.tree_leaves(updates))
+            assert all(torch.equal(u, torch.zeros_like(u)) for u in ft.tree.leaves(updates))
             assert_tree_bitwise_equal(state_new.inner_state, state.inner_state)
         else:
             ref_u, ref = inner.update(g, ref, PARAMS)
@@ -265,16 +265,16 @@ def test_multi_steps_equals_inner_on_mean_gradients(k):
             updates, new_state = tx.update(g, state, params)
             assert_tree_bitwise_equal(state, s0)
             if j < k - 1:
-                assert all(not u.any() for u in ft.tree_leaves(updates))
+                assert all(not u.any() for u in ft.tree.leaves(updates))
                 assert_tree_bitwise_equal(new_state.inner_state, state.inner_state)
             state = new_state
             params = ft.apply_updates(params, updates)
-        mean = ft.tree_map(lambda *xs: sum(xs) / k, *gs)
+        mean = ft.tree.map(lambda *xs: sum(xs) / k, *gs)
         ref_u, ref = inner.update(mean, ref, ref_params)
         ref_params = ft.apply_updates(ref_params, ref_u)
         assert_tree_close(params, ref_params, rtol=1e-6, atol=1e-7)
         assert int(state.mini_step) == 0 and int(state.gradient_step) == big + 1
-        assert all(not a.any() for a in ft.tree_leaves(state.acc_grads))
+        assert all(not a.any() for a in ft.tree.leaves(state.acc_grads))
 
 
 def test_multi_steps_errors():

@@ -26,7 +26,7 @@ def test_compiled_update_equals_eager_and_does_not_recompile():
     state_e = state_c = tx.init(params)
     update_c = torch.compile(tx.update, fullgraph=True)
     for i in range(3):
-        grads = ft.tree_map(lambda p: torch.randn_like(p), params)
+        grads = ft.tree.map(lambda p: torch.randn_like(p), params)
         u_e, state_e = tx.update(grads, state_e, params)
         if i == 0:
             u_c, state_c = update_c(grads, state_c, params)
@@ -36,8 +36,8 @@ def test_compiled_update_equals_eager_and_does_not_recompile():
         assert_tree_close(u_c, u_e, rtol=1e-6, atol=1e-7)
         assert_tree_close(state_c, state_e, rtol=1e-6, atol=1e-7)
         # exactly the same coordinates are selected
-        nz_e = [x != 0 for x in ft.tree_leaves(u_e)]
-        nz_c = [x != 0 for x in ft.tree_leaves(u_c)]
+        nz_e = [x != 0 for x in ft.tree.leaves(u_e)]
+        nz_c = [x != 0 for x in ft.tree.leaves(u_c)]
         assert all(torch.equal(a, b) for a, b in zip(nz_e, nz_c))
     assert int(state_c[1][1].count) == 3
 

@@ -15,7 +15,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from functopk.compress import _fmix32, _mul32, randk_keys
+from functopk.compress.sparsifiers import _fmix32, _mul32, randk_keys
 from tests.conftest import assert_tree_bitwise_equal, bits, clone_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,28 +74,28 @@ def test_keys_are_distinct_32_bit_values():
 
 def test_randk_mask_is_a_function_of_seed_step_and_layout():
     tree = tree_of((7, 5), (3,), (2, 2, 3))
-    other_values = ft.tree_map(lambda x: x * 100 + 1, tree)
-    m = flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=3))
+    other_values = ft.tree.map(lambda x: x * 100 + 1, tree)
+    m = flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=3))
     assert len(m) == 6
-    assert flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=3)) == m
-    assert flat_true_indices(ft.randk_mask(other_values, 6, seed=11, step=3)) == m  # values are not read
-    assert flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=torch.tensor(3))) == m
-    assert flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=4)) != m
-    assert flat_true_indices(ft.randk_mask(tree, 6, seed=12, step=3)) != m
+    assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=3)) == m
+    assert flat_true_indices(ft.compress.randk_mask(other_values, 6, seed=11, step=3)) == m  # values are not read
+    assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=torch.tensor(3))) == m
+    assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=4)) != m
+    assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=12, step=3)) != m
     # steps beyond 2**32 use the high word too
-    assert flat_true_indices(ft.randk_mask(tree, 6, seed=11, step=3 + 2**32)) != m
+    assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=3 + 2**32)) != m
 
 
 def test_randk_same_indices_in_a_separate_process():
     tree = tree_of((40, 25), (17,), (3, 3, 3))
-    expected = {step: flat_true_indices(ft.randk_mask(tree, 20, seed=2024, step=step)) for step in (0, 1, 77)}
+    expected = {step: flat_true_indices(ft.compress.randk_mask(tree, 20, seed=2024, step=step)) for step in (0, 1, 77)}
     code = textwrap.dedent(
         """
         import torch, functopk as ft
         tree = {"p0": torch.zeros(40, 25), "p1": torch.zeros(17), "p2": torch.zeros(3, 3, 3)}
         for step in (0, 1, 77):
-            m = ft.randk_mask(tree, 20, seed=2024, step=torch.tensor(step))
-            flat = torch.cat([x.reshape(-1) for x in ft.tree_leaves(m)])
+            m = ft.compress.randk_mask(tree, 20, seed=2024, step=torch.tensor(step))
+            flat = torch.cat([x.reshape(-1) for x in ft.tree.leaves(m)])
             print(step, flat.nonzero().reshape(-1).tolist())
         """
     )
@@ -118,14 +118,14 @@ def test_randk_transform_equals_mask_and_counts_steps():
     params = tree_of((6, 5), (4,))
     tx = ft.randk(density=0.25, seed=9)
     state = tx.init(params)
-    k = ft.k_from_density(0.25, 34)
+    k = ft.sparse.k_from_density(0.25, 34)
     for step in range(4):
         grads = tree_of((6, 5), (4,), seed=step + 1)
         before = clone_tree(grads)
         out, new_state = tx.update(grads, state, params)
         assert_tree_bitwise_equal(grads, before)  # pure
-        mask = ft.randk_mask(grads, k, seed=9, step=step)
-        assert_tree_bitwise_equal(out, ft.tree_map(lambda g, m: torch.where(m, g, 0.0), grads, mask))
+        mask = ft.compress.randk_mask(grads, k, seed=9, step=step)
+        assert_tree_bitwise_equal(out, ft.tree.map(lambda g, m: torch.where(m, g, 0.0), grads, mask))
         assert int(state.count) == step and int(new_state.count) == step + 1
         state = new_state
 
@@ -138,7 +138,7 @@ def test_randk_selection_frequencies_are_uniform():
     overlap = 0
     prev = None
     for t in range(steps):
-        m = ft.randk_mask(tree, k, seed=1, step=t)["w"]
+        m = ft.compress.randk_mask(tree, k, seed=1, step=t)["w"]
         counts += m
         if prev is not None:
             overlap += int((m & prev).sum())
@@ -157,17 +157,17 @@ def test_randk_unbiased_scales_by_n_over_k_and_averages_to_the_input():
     n, k = 8, 2
     tx = ft.randk(k, seed=3, unbiased=True)
     state = tx.init(x)
-    total = ft.tree_zeros_like(x)
+    total = ft.tree.zeros_like(x)
     steps = 2000
     for t in range(steps):
         out, state = tx.update(x, state)
         if t < 5:
-            mask = ft.randk_mask(x, k, seed=3, step=t)
-            assert_tree_bitwise_equal(out, ft.tree_map(lambda v, m: torch.where(m, v * (n / k), 0.0), x, mask))
-        total = ft.tree_add(total, out)
-    mean = ft.tree_scale(total, 1.0 / steps)
+            mask = ft.compress.randk_mask(x, k, seed=3, step=t)
+            assert_tree_bitwise_equal(out, ft.tree.map(lambda v, m: torch.where(m, v * (n / k), 0.0), x, mask))
+        total = ft.tree.add(total, out)
+    mean = ft.tree.scale(total, 1.0 / steps)
     # each coordinate: mean of (n/k) * Bernoulli(k/n) * x, sd = |x| sqrt((n/k - 1) / steps) ~ 0.039 |x|
-    for m, v in zip(ft.tree_leaves(mean), ft.tree_leaves(x)):
+    for m, v in zip(ft.tree.leaves(mean), ft.tree.leaves(x)):
         assert torch.all((m - v).abs() <= 0.2 * v.abs()), (m, v)
 
 
@@ -189,11 +189,11 @@ def test_randk_errors():
     with pytest.raises(ValueError, match="k=5 exceeds"):
         ft.randk(5).init({"w": torch.zeros(4)})
     with pytest.raises(ValueError, match="k=5 exceeds"):
-        ft.randk_mask({"w": torch.zeros(4)}, 5, seed=0, step=0)
+        ft.compress.randk_mask({"w": torch.zeros(4)}, 5, seed=0, step=0)
     with pytest.raises(TypeError, match="step must be an int or a 0-d integer tensor"):
-        ft.randk_mask({"w": torch.zeros(4)}, 1, seed=0, step=torch.tensor(1.0))
+        ft.compress.randk_mask({"w": torch.zeros(4)}, 1, seed=0, step=torch.tensor(1.0))
     with pytest.raises(TypeError, match="floating-point"):
-        ft.randk_mask({"w": torch.zeros(4, dtype=torch.int64)}, 1, seed=0, step=0)
+        ft.compress.randk_mask({"w": torch.zeros(4, dtype=torch.int64)}, 1, seed=0, step=0)
     tx = ft.randk(1)
     with pytest.raises(ValueError, match="RandKState"):
         tx.update({"w": torch.zeros(4)}, ft.EmptyState())
@@ -217,7 +217,7 @@ def test_threshold_matches_reference_and_keeps_nan_and_inf():
         vals = [v if (math.isnan(v) or abs(v) >= 1.0) else 0.0 for v in leaf.reshape(-1).tolist()]
         return torch.tensor(vals, dtype=leaf.dtype).reshape(leaf.shape)
 
-    assert_tree_bitwise_equal(out, ft.tree_map(ref, x))
+    assert_tree_bitwise_equal(out, ft.tree.map(ref, x))
 
 
 def test_threshold_zero_keeps_everything_and_tensor_v_equals_number():
@@ -279,7 +279,7 @@ def test_layerwise_topk_density_keeps_k_from_density_per_leaf(density):
         if n < 10:
             assert torch.equal(out[name], leaf)
         else:
-            k = ft.k_from_density(density, n)
+            k = ft.sparse.k_from_density(density, n)
             assert torch.equal(out[name] != 0, ref_leaf_topk_mask(leaf, k)), name
 
 

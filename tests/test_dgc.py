@@ -80,8 +80,8 @@ def test_masking_zeroes_velocity_and_residual_exactly_at_sent_coordinates():
     state = tx.init(params)
     for t in range(8):
         g = normal_tree(t + 1)
-        u_expected = ft.tree_add_scaled(g, m, state.velocity)  # g + m * u, before masking
-        v_expected = ft.tree_add(state.residual, u_expected)
+        u_expected = ft.tree.add_scaled(g, m, state.velocity)  # g + m * u, before masking
+        v_expected = ft.tree.add(state.residual, u_expected)
         sent, state = tx.update(g, state, params)
         sent_count = 0
         for name in SHAPES:
@@ -91,7 +91,7 @@ def test_masking_zeroes_velocity_and_residual_exactly_at_sent_coordinates():
             torch.testing.assert_close(state.velocity[name][~mask], u_expected[name][~mask], rtol=1e-6, atol=0)
             torch.testing.assert_close(state.residual[name][~mask], v_expected[name][~mask], rtol=1e-6, atol=0)
             assert torch.equal(sent[name][mask], v_expected[name][mask])
-        assert sent_count == ft.k_from_density(0.1, 20 + 24 + 3)
+        assert sent_count == ft.sparse.k_from_density(0.1, 20 + 24 + 3)
 
 
 def test_everything_sent_without_masking_is_torch_sgd_with_weight_decay():
@@ -123,7 +123,7 @@ def test_everything_sent_with_masking_is_plain_sgd():
         p = ft.apply_updates(p, u)
         u, sp = plain.update(g, sp, pp)
         pp = ft.apply_updates(pp, u)
-        assert all(bool((x == 0).all()) for x in ft.tree_leaves(s[0].velocity))
+        assert all(bool((x == 0).all()) for x in ft.tree.leaves(s[0].velocity))
     assert_tree_close(p, pp, rtol=1e-6, atol=1e-7)
 
 
@@ -141,7 +141,7 @@ def test_min_size_leaves_get_plain_momentum_and_the_rest_is_compressed():
         assert torch.equal(state.velocity["bias"], tstate.trace["bias"])
         assert torch.equal(state.residual["bias"], torch.zeros(3))
         # the density applies to the compressed leaves only: 25% of 44
-        assert int((sent["conv"] != 0).sum() + (sent["fc"] != 0).sum()) == ft.k_from_density(0.25, 44)
+        assert int((sent["conv"] != 0).sum() + (sent["fc"] != 0).sum()) == ft.sparse.k_from_density(0.25, 44)
 
 
 def test_nan_is_sent_and_cleared_from_the_memory():
@@ -203,7 +203,7 @@ def test_global_clipping_bounds_the_tree_norm():
     g = {"a": torch.randn(30) * 3, "b": torch.randn(4, 4) * 3}
     tx = ft.dgc_local_clipping(5.0, per_leaf=False)
     out, _ = tx.update(g, ft.EmptyState())
-    total = math.sqrt(sum(float(x.double().square().sum()) for x in ft.tree_leaves(out)))
+    total = math.sqrt(sum(float(x.double().square().sum()) for x in ft.tree.leaves(out)))
     assert 4.99 < total <= 5.0
     ratio = [out[n] / g[n] for n in g]
     torch.testing.assert_close(ratio[0], torch.full_like(ratio[0], float(ratio[0][0])))  # one factor for all
@@ -276,10 +276,10 @@ def test_dgc_with_density_warmup_sends_the_scheduled_number_of_coordinates():
     state = tx.init(params)
     for t in range(10):
         updates, state = tx.update(normal_tree(t + 1), state, params)
-        expected = int(ft.k_from_density(schedule(torch.tensor(t)), n))
-        sent = sum(int((x != 0).sum()) for x in ft.tree_leaves(updates))
+        expected = int(ft.sparse.k_from_density(schedule(torch.tensor(t)), n))
+        sent = sum(int((x != 0).sum()) for x in ft.tree.leaves(updates))
         assert sent == expected, (t, sent, expected)
-    assert ft.k_from_density(float(schedule(0)), n) > 4 * ft.k_from_density(float(schedule(6)), n)
+    assert ft.sparse.k_from_density(float(schedule(0)), n) > 4 * ft.sparse.k_from_density(float(schedule(6)), n)
 
 
 # --------------------------------------------------------------------------- the alias, compile, inject
@@ -300,7 +300,7 @@ def test_dgc_alias_is_the_documented_chain():
         assert_tree_bitwise_equal(s[1], sm[1])
         # updates = -lr * (sent + trace(wd * params))
         decay = s[2].trace
-        expected = ft.tree_scale(ft.tree_add(sent, decay), -0.05)
+        expected = ft.tree.scale(ft.tree.add(sent, decay), -0.05)
         assert_tree_close(u, expected, rtol=1e-6, atol=1e-9)
 
 
@@ -309,7 +309,7 @@ def test_dgc_layerwise_uses_per_leaf_selection():
     tx = ft.dgc(1.0, momentum=0.0, density=0.25, layerwise=True)
     u, _ = tx.update(normal_tree(1), tx.init(params), params)
     for name, shape in SHAPES.items():
-        assert int((u[name] != 0).sum()) == ft.k_from_density(0.25, math.prod(shape)), name
+        assert int((u[name] != 0).sum()) == ft.sparse.k_from_density(0.25, math.prod(shape)), name
 
 
 def test_dgc_with_inject_hyperparams_equals_plain():
@@ -359,5 +359,5 @@ def test_dgc_density_warmup_compiles_once_across_density_changes(fresh_dynamo):
             u_c, state_c = update(grads, state_c, params)
         u_e, state_e = tx.update(grads, state_e, params)
         assert_tree_close(u_c, u_e, rtol=0, atol=0)
-        counts.append(sum(int((x != 0).sum()) for x in ft.tree_leaves(u_c)))
+        counts.append(sum(int((x != 0).sum()) for x in ft.tree.leaves(u_c)))
     assert counts[0] > counts[2] > counts[4] >= 1, counts

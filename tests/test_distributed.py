@@ -187,7 +187,9 @@ def _hook_phase(rank: int, groups: dict):
             for b in range(len(HOOK_BUCKETS)):
                 bucket = FakeBucket(b, hook_grads(rank, 0, b), params[b], last=b == len(HOOK_BUCKETS) - 1)
                 topk_hook(state, bucket).wait()
-            out[(gname, reselect)] = {"iters": its, "residuals": residuals, "entries_after_rebuild": len(state.residuals)}
+            out[(gname, reselect)] = {
+                "iters": its, "residuals": residuals, "entries_after_rebuild": len(state.residuals)
+            }
     return out
 
 
@@ -480,19 +482,19 @@ def test_topk_hook_on_buckets_matches_reference(run, gname, reselect):
             if it == 0:  # warm-up: plain averaging
                 expected = sum(g.double() for g in grads) / size
             else:
-                k = ft.k_from_density(HOOK_DENSITY, n)
+                k = ft.sparse.k_from_density(HOOK_DENSITY, n)
                 expected, residuals[b] = reference_ef_topk(grads, residuals[b], k, reselect)
             for r in members(gname):
                 out = got[r]["iters"][it]["buckets"][b]
                 torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
                 assert torch.equal(bits(out), bits(got[0]["iters"][it]["buckets"][b]))
-        sent = [n * 4 if it == 0 else ft.k_from_density(HOOK_DENSITY, n) * 8 for n in HOOK_BUCKETS]
+        sent = [n * 4 if it == 0 else ft.sparse.k_from_density(HOOK_DENSITY, n) * 8 for n in HOOK_BUCKETS]
         stats = got[0]["iters"][it]["last_step"]
         assert stats == HookStats(
             bytes_sent=sum(sent),
             bytes_gathered=sum(s if it == 0 else s * size for s in sent),
             bytes_dense=4 * sum(HOOK_BUCKETS),
-            coords_sent=sum(n if it == 0 else ft.k_from_density(HOOK_DENSITY, n) for n in HOOK_BUCKETS),
+            coords_sent=sum(n if it == 0 else ft.sparse.k_from_density(HOOK_DENSITY, n) for n in HOOK_BUCKETS),
             coords=sum(HOOK_BUCKETS),
         )
         assert got[0]["iters"][it]["iter"] == it + 1
@@ -519,7 +521,7 @@ def test_ddp_hook_trains_keeps_replicas_identical_and_counts_bytes(run):
             assert sum(c[1] for c in reduces) == rec["last_step"].bytes_sent == 4 * sum(sizes)
             continue
         assert len(sizes) >= 2, f"expected several DDP buckets, got sizes {sizes}"
-        ks = [ft.k_from_density(DDP_DENSITY, n) for n in sizes]
+        ks = [ft.sparse.k_from_density(DDP_DENSITY, n) for n in sizes]
         wire = [size * k * (4 + 4) for k in ks]  # P * k * (int32 index + fp32 value) per bucket
         assert reduces == []
         assert [c[2] for c in gathers] == wire  # measured on the collectives themselves

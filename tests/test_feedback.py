@@ -41,38 +41,38 @@ def test_mass_is_conserved_exactly_in_fp64(inner):
     params = dyadic_tree(0)
     tx = ft.error_feedback(INNERS[inner]())
     state = tx.init(params)
-    total_in = ft.tree_zeros_like(params)
-    total_sent = ft.tree_zeros_like(params)
+    total_in = ft.tree.zeros_like(params)
+    total_sent = ft.tree.zeros_like(params)
     sent_counts = []
     for t in range(120):
         g = dyadic_tree(t + 1)
         sent, state = tx.update(g, state, params)
-        total_in = ft.tree_add(total_in, g)
-        total_sent = ft.tree_add(total_sent, sent)
-        sent_counts.append(sum(int((x != 0).sum()) for x in ft.tree_leaves(sent)))
-    assert_tree_bitwise_equal(ft.tree_add(total_sent, state.residual), total_in)
+        total_in = ft.tree.add(total_in, g)
+        total_sent = ft.tree.add(total_sent, sent)
+        sent_counts.append(sum(int((x != 0).sum()) for x in ft.tree.leaves(sent)))
+    assert_tree_bitwise_equal(ft.tree.add(total_sent, state.residual), total_in)
     n = sum(math.prod(s) for s in SHAPES)
     assert 0 < sum(sent_counts) < 120 * n  # something was held back and something was sent
-    assert any(bool((r != 0).any()) for r in ft.tree_leaves(state.residual))
+    assert any(bool((r != 0).any()) for r in ft.tree.leaves(state.residual))
 
 
 def test_mass_is_conserved_in_fp32_to_rounding():
     params = normal_tree(0)
     tx = ft.error_feedback(ft.topk(density=0.05))
     state = tx.init(params)
-    total_in = ft.tree_zeros_like(params, dtype=torch.float64)
-    total_sent = ft.tree_zeros_like(params, dtype=torch.float64)
+    total_in = ft.tree.zeros_like(params, dtype=torch.float64)
+    total_sent = ft.tree.zeros_like(params, dtype=torch.float64)
     steps = 300
     for t in range(steps):
         g = normal_tree(t + 1)
         sent, state = tx.update(g, state, params)
-        total_in = ft.tree_map(lambda a, b: a + b.double(), total_in, g)
-        total_sent = ft.tree_map(lambda a, b: a + b.double(), total_sent, sent)
-    max_residual = max(float(r.abs().max()) for r in ft.tree_leaves(state.residual))
+        total_in = ft.tree.map(lambda a, b: a + b.double(), total_in, g)
+        total_sent = ft.tree.map(lambda a, b: a + b.double(), total_sent, sent)
+    max_residual = max(float(r.abs().max()) for r in ft.tree.leaves(state.residual))
     assert max_residual > 1.0  # the residual really carried mass across steps
     # each step rounds corrected = g + residual once: |error| <= steps * eps32 * max|corrected|
     tol = steps * 2.0**-24 * (max_residual + 5.0)
-    for s, r, i in zip(ft.tree_leaves(total_sent), ft.tree_leaves(state.residual), ft.tree_leaves(total_in)):
+    for s, r, i in zip(ft.tree.leaves(total_sent), ft.tree.leaves(state.residual), ft.tree.leaves(total_in)):
         assert float((s + r.double() - i).abs().max()) <= tol
 
 
@@ -81,7 +81,7 @@ def test_equals_brute_force_reference():
     k = 4
     tx = ft.error_feedback(ft.topk(k))
     state = tx.init(params)
-    residual = ft.tree_zeros_like(params)
+    residual = ft.tree.zeros_like(params)
     names = sorted(params)
     for t in range(10):
         g = normal_tree(t + 1)
@@ -115,14 +115,14 @@ def test_parameter_unit_residual_tracks_sgd_exactly_under_a_schedule():
         p_first = ft.apply_updates(p_first, u)
         u, s_last = lr_last.update(g, s_last, p_last)
         p_last = ft.apply_updates(p_last, u)
-        p_sgd = ft.tree_add_scaled(p_sgd, -float(lr(t)), g)
+        p_sgd = ft.tree.add_scaled(p_sgd, -float(lr(t)), g)
     # parameter units: p + (-residual) ... the residual holds -lr * g not yet applied
-    assert_tree_bitwise_equal(ft.tree_add(p_first, s_first[1].residual), p_sgd)
+    assert_tree_bitwise_equal(ft.tree.add(p_first, s_first[1].residual), p_sgd)
     # gradient units: the held-back gradient is applied at a later (smaller) learning rate, so the same
     # identity with the final learning rate does not hold
     lr_end = float(lr(10))
-    gap = ft.tree_add_scaled(p_last, -lr_end, s_last[0].residual)
-    assert any(not torch.equal(a, b) for a, b in zip(ft.tree_leaves(gap), ft.tree_leaves(p_sgd)))
+    gap = ft.tree.add_scaled(p_last, -lr_end, s_last[0].residual)
+    assert any(not torch.equal(a, b) for a, b in zip(ft.tree.leaves(gap), ft.tree.leaves(p_sgd)))
 
 
 def test_non_finite_input_stays_visible_in_the_residual():

@@ -14,7 +14,7 @@ PARAMS = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
 
 def grads_at(i):
     g = torch.Generator().manual_seed(i)
-    return ft.tree_map(lambda p: torch.randn(p.shape, generator=g), PARAMS)
+    return ft.tree.map(lambda p: torch.randn(p.shape, generator=g), PARAMS)
 
 
 def test_equals_plain_transformation():
@@ -60,9 +60,10 @@ def test_changed_hyperparameter_is_used_and_compiled_step_does_not_recompile():
 
 
 def test_static_args_and_passthrough():
-    tx = ft.inject_hyperparams(lambda k, learning_rate: ft.chain(ft.topk(k), ft.sgd(learning_rate)), static_args=("k",))(
-        k=1, learning_rate=1.0
-    )
+    def factory(k, learning_rate):
+        return ft.chain(ft.topk(k), ft.sgd(learning_rate))
+
+    tx = ft.inject_hyperparams(factory, static_args=("k",))(k=1, learning_rate=1.0)
     state = tx.init(PARAMS)
     assert set(state.hyperparams) == {"learning_rate"}
     u, _ = tx.update(PARAMS, state, PARAMS)

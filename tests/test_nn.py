@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch._dynamo
+import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import functopk as ft
@@ -98,7 +98,7 @@ def test_params_share_storage_but_pure_updates_leave_module_alone():
     _, params, _ = ft.nn.functionalize(model)
     assert not any(p.requires_grad for p in params.values())
     assert params["0.weight"].data_ptr() == model[0].weight.data_ptr()
-    new = ft.apply_updates(params, ft.tree_map(torch.ones_like, params))
+    new = ft.apply_updates(params, ft.tree.map(torch.ones_like, params))
     assert not torch.equal(new["0.weight"], model[0].weight.detach())
 
 

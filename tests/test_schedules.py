@@ -28,10 +28,12 @@ def ours(schedule, steps):
 @pytest.mark.parametrize(
     "schedule, make_scheduler",
     [
-        (ft.cosine_decay_schedule(0.1, 10, alpha=0.1), lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=0.01)),
+        (ft.cosine_decay_schedule(0.1, 10, alpha=0.1),
+         lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=0.01)),
         (ft.exponential_decay(0.1, 3, 0.5, staircase=True), lambda o: torch.optim.lr_scheduler.StepLR(o, 3, gamma=0.5)),
         (ft.exponential_decay(0.1, 1, 0.9), lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)),
-        (ft.piecewise_constant_schedule(0.1, {4: 0.1, 7: 0.1}), lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [4, 7], 0.1)),
+        (ft.piecewise_constant_schedule(0.1, {4: 0.1, 7: 0.1}),
+         lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [4, 7], 0.1)),
         (ft.linear_schedule(0.05, 0.1, 5), lambda o: torch.optim.lr_scheduler.LinearLR(o, 0.5, 1.0, total_iters=5)),
         (ft.constant_schedule(0.1), lambda o: torch.optim.lr_scheduler.ConstantLR(o, factor=1.0)),
     ],

@@ -1,4 +1,4 @@
-"""The selection kernels of functopk.select, each against an independent reference."""
+"""The selection kernels of functopk.sparse.select, each against an independent reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopk as ft
-from functopk import select
+from functopk.sparse import select
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
@@ -179,12 +179,12 @@ def test_sample_threshold_int_and_tensor_k_agree_on_exactly_representable_cases(
 def test_gaussian_threshold_on_gaussian_data():
     g = {"a": torch.randn(400_000, generator=torch.Generator().manual_seed(5)) * 0.01}
     for density in [0.001, 0.01, 0.1]:
-        t = ft.gaussian_threshold(g, density=density)
+        t = ft.sparse.gaussian_threshold(g, density=density)
         count = int((g["a"].abs() > t).sum())
         assert abs(count - density * 400_000) < 5 * math.sqrt(density * 400_000) + 5
-    k = ft.k_from_density(0.01, 400_000)
-    assert torch.equal(ft.gaussian_threshold(g, k), ft.gaussian_threshold(g, density=0.01))
+    k = ft.sparse.k_from_density(0.01, 400_000)
+    assert torch.equal(ft.sparse.gaussian_threshold(g, k), ft.sparse.gaussian_threshold(g, density=0.01))
     with pytest.raises(ValueError, match="exactly one of k or density"):
-        ft.gaussian_threshold(g)
+        ft.sparse.gaussian_threshold(g)
     g16 = {"a": (torch.randn(1000) * 300).half()}  # sum of squares overflows float16: accumulated in float32
-    assert torch.isfinite(ft.gaussian_threshold(g16, density=0.1))
+    assert torch.isfinite(ft.sparse.gaussian_threshold(g16, density=0.1))

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopk as ft
-from functopk import select
+from functopk.sparse import select
 from tests.conftest import assert_tree_bitwise_equal, assert_tree_close, bits, clone_tree
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -111,7 +111,7 @@ EXACT_IDS = ["torch", "exact-default"] + [f"exact-{name}" for name in EXACT_CONF
 
 @contextlib.contextmanager
 def kernel_config(name):
-    """Patch functopk.select's tuning constants for one configuration (None: production)."""
+    """Patch functopk.sparse.select's tuning constants for one configuration (None: production)."""
     with pytest.MonkeyPatch.context() as mp:
         for attr, value in (EXACT_CONFIGS[name] if name else {}).items():
             mp.setattr(select, attr, value)
@@ -265,9 +265,9 @@ def test_density_form():
     out, _ = tx.update(tree, tx.init(tree))
     assert int((out["w"] != 0).sum()) == 10
     assert torch.equal(out["w"][-10:], torch.arange(190.0, 200.0))
-    assert ft.k_from_density(0.01, 25600) == 256
-    assert ft.k_from_density(1.0, 7) == 7
-    assert ft.k_from_density(1e-12, 7) == 1
+    assert ft.sparse.k_from_density(0.01, 25600) == 256
+    assert ft.sparse.k_from_density(1.0, 7) == 7
+    assert ft.sparse.k_from_density(1e-12, 7) == 1
 
 
 def test_works_under_torch_func_grad():
@@ -322,7 +322,8 @@ def test_k_too_large_for_the_updates_at_update_time():
 
 @pytest.mark.parametrize(
     "density, exc",
-    [(0.0, ValueError), (1.5, ValueError), (-0.1, ValueError), (math.nan, ValueError), ("0.1", TypeError), (True, TypeError)],
+    [(0.0, ValueError), (1.5, ValueError), (-0.1, ValueError), (math.nan, ValueError), ("0.1", TypeError),
+     (True, TypeError)],
     ids=["zero", "above-one", "negative", "nan", "str", "bool"],
 )
 def test_bad_density(density, exc):
@@ -410,11 +411,12 @@ def test_k_schedule_keeps_a_count_and_follows_it(method):
     grads = {"a": torch.arange(1.0, 7.0).reshape(2, 3), "b": torch.tensor([-10.0, 0.5])}
     tx = ft.topk(lambda count: 1 + 2 * count, method=method)
     state = tx.init(grads)
-    assert isinstance(state, ft.TopKState) and state.count.dtype == torch.int64
+    assert isinstance(state, ft.compress.TopKState) and state.count.dtype == torch.int64
     for step in range(3):
         before = clone_tree(state)
         out, state = tx.update(grads, state)
-        assert_tree_bitwise_equal(before, ft.TopKState(count=torch.tensor(step)))  # the old state is not changed
+        # the old state is not changed
+        assert_tree_bitwise_equal(before, ft.compress.TopKState(count=torch.tensor(step)))
         if method != "approx":
             assert_tree_bitwise_equal(out, ft.topk_sparsify(grads, 1 + 2 * step))
         else:
@@ -464,7 +466,7 @@ def test_sparse_apply_equals_dense_apply(tree, data):
     params = optree.tree_map(lambda x: torch.linspace(-1.0, 1.0, x.numel()).to(x.dtype).reshape(x.shape), tree)
     p0, g0 = clone_tree(params), clone_tree(tree)
     sparse = ft.topk_indices(tree, k)
-    dense = ft.apply_updates(params, ft.tree_scale(ft.topk_sparsify(tree, k), -lr))
+    dense = ft.apply_updates(params, ft.tree.scale(ft.topk_sparsify(tree, k), -lr))
     new = ft.apply_sparse_updates(params, sparse, -lr)
     assert_tree_bitwise_equal(params, p0)  # pure
     assert_tree_bitwise_equal(tree, g0)
@@ -679,7 +681,7 @@ def test_approx_count_is_within_the_documented_band(data):
     tree = _mlp_gradient() if data == "mlp-gradient" else _multiscale_heavy_tailed()
     n = numel(tree)
     for density in [0.001, 0.01, 0.1]:
-        k = ft.k_from_density(density, n)
+        k = ft.sparse.k_from_density(density, n)
         count = sum(int(m.sum()) for m in optree.tree_leaves(ft.topk_mask(tree, k, method="approx")))
         assert 0.5 * k <= count <= 1.5 * k, (density, k, count)
 

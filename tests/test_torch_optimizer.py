@@ -87,7 +87,7 @@ def test_imperative_equals_functional_bit_for_bit_over_20_steps(config):
         opt = ft.TorchOptimizer(params, config["tx"]())
     else:
         opt = ft.TorchOptimizer(params, config["make"], lr=config["lr"])
-    for i, (ref_params, ref_buffers, ref_state) in enumerate(reference):
+    for i, (ref_params, ref_buffers, ref_state) in enumerate(reference):  # noqa: B007 (the last one is checked below)
         imperative_step(model, opt, i)
         for name, p in model.named_parameters():
             assert torch.equal(p.detach(), ref_params[name]), f"step {i}: {name} differs"
@@ -114,7 +114,7 @@ def test_one_line_topk_changes_exactly_k_coordinates_and_leaves_frozen_params_al
         for p, g in zip(model.parameters(), grads):  # gradients are only read
             assert (p.grad is None and g is None) or torch.equal(p.grad, g)
     assert all(torch.equal(p, f) for p, f in zip(model[0].parameters(), frozen))
-    assert ft.tree_leaves(opt.transform_state) == []  # top-k and plain sgd keep no state
+    assert ft.tree.leaves(opt.transform_state) == []  # top-k and plain sgd keep no state
 
 
 def test_changing_gradient_sets_match_torch_optim_sgd():
@@ -172,11 +172,11 @@ def flat_sum_tx():
     """A transformation whose state is sized by the whole parameter set (not per parameter)."""
 
     def init(params):
-        return FlatState(torch.zeros(sum(p.numel() for p in ft.tree_leaves(params))))
+        return FlatState(torch.zeros(sum(p.numel() for p in ft.tree.leaves(params))))
 
     def update(updates, state, params=None):
-        flat = torch.cat([u.reshape(-1) for u in ft.tree_leaves(updates)])
-        return ft.tree_scale(updates, -0.1), FlatState(state.total + flat)
+        flat = torch.cat([u.reshape(-1) for u in ft.tree.leaves(updates)])
+        return ft.tree.scale(updates, -0.1), FlatState(state.total + flat)
 
     return ft.GradientTransformation(init, update)
 

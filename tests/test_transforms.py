@@ -26,7 +26,7 @@ def run_pure(tx, params=PARAMS, grads=GRADS, steps=3):
         assert_tree_bitwise_equal(params, p0)
         assert_tree_bitwise_equal(grads, g0)
         assert_tree_bitwise_equal(state, s0)
-        assert ft.tree_map(lambda a: (a.shape, a.dtype), new_state) == ft.tree_map(lambda a: (a.shape, a.dtype), state)
+        assert ft.tree.map(lambda a: (a.shape, a.dtype), new_state) == ft.tree.map(lambda a: (a.shape, a.dtype), state)
         state = new_state
     return updates, state
 
@@ -93,7 +93,7 @@ def test_trace_rejects_structure_mismatch_without_changing_state():
     tx = ft.trace(0.9)
     state = tx.init(PARAMS)
     before = clone_tree(state)
-    with pytest.raises(ValueError, match="updates has tree structure .* the trace state"):
+    with pytest.raises(ValueError, match="updates does not have the tree structure of the trace state"):
         tx.update({"w": torch.ones(3)}, state)
     assert_tree_bitwise_equal(state, before)
 
@@ -136,7 +136,7 @@ def _one_thread():
 
 def grads_at(i, like=PARAMS):
     g = torch.Generator().manual_seed(100 + i)
-    return ft.tree_map(lambda p: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype), like)
+    return ft.tree.map(lambda p: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype), like)
 
 
 # ---------------------------------------------------------------- hand-computed references
@@ -229,7 +229,7 @@ def test_add_decayed_weights_masks():
     u, _ = full.update(g, full.init(params), params)
     assert torch.equal(u["w"], torch.full((2, 2), 0.5)) and torch.equal(u["b"], torch.full((2,), 0.5))
     assert u["frozen"] is None
-    for mask in ({"w": True, "b": False, "frozen": None}, lambda p: ft.tree_map(lambda x: x.dim() > 1, p)):
+    for mask in ({"w": True, "b": False, "frozen": None}, lambda p: ft.tree.map(lambda x: x.dim() > 1, p)):
         tx = ft.add_decayed_weights(0.5, mask=mask)
         u, _ = tx.update(g, tx.init(params), params)
         assert torch.equal(u["w"], torch.full((2, 2), 0.5))
@@ -275,7 +275,7 @@ MIXED = {
 
 def mixed_grads(i):
     g = torch.Generator().manual_seed(i)
-    return ft.tree_map(lambda p: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype), MIXED)
+    return ft.tree.map(lambda p: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype), MIXED)
 
 
 # (id, factory, keyword arguments, static_args for inject_hyperparams)
@@ -297,7 +297,7 @@ TRANSFORMS = [
      {"learning_rate": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "maximize": True}, ()),
     ("adam", ft.adam, {"learning_rate": 0.01, "weight_decay": 0.01, "amsgrad": True}, ()),
     ("adamw", ft.adamw,
-     {"learning_rate": 0.01, "weight_decay": 0.1, "mask": lambda p: ft.tree_map(lambda x: x.dim() > 1, p)}, ("mask",)),
+     {"learning_rate": 0.01, "weight_decay": 0.1, "mask": lambda p: ft.tree.map(lambda x: x.dim() > 1, p)}, ("mask",)),
     ("rmsprop", ft.rmsprop, {"learning_rate": 0.01, "momentum": 0.5, "centered": True, "weight_decay": 0.01}, ()),
     ("adagrad", ft.adagrad, {"learning_rate": 0.1, "lr_decay": 0.1, "initial_accumulator_value": 0.1}, ()),
     ("apply_if_finite", ft.apply_if_finite, {"inner": ft.adam(0.1), "max_consecutive_errors": 2}, ()),
@@ -310,7 +310,7 @@ IDS = [t[0] for t in TRANSFORMS]
 
 
 def shapes_dtypes(tree):
-    return ft.tree_map(lambda a: (a.shape, a.dtype, a.device), tree)
+    return ft.tree.map(lambda a: (a.shape, a.dtype, a.device), tree)
 
 
 @pytest.mark.parametrize("name, factory, kwargs, static", TRANSFORMS, ids=IDS)
@@ -344,7 +344,7 @@ def test_inject_hyperparams_gives_the_same_updates(name, factory, kwargs, static
         g = mixed_grads(i)
         u1, s1 = plain.update(g, s1, MIXED)
         u2, s2 = injected.update(g, s2, MIXED)
-        for a, b in zip(ft.tree_leaves(u1), ft.tree_leaves(u2)):
+        for a, b in zip(ft.tree.leaves(u1), ft.tree.leaves(u2)):
             assert a.dtype == b.dtype
             # float16 results that cancel down to a few ulps of their terms move by an ulp of the
             # terms when a hyperparameter is rounded differently: compare at the tensor's scale.
@@ -372,7 +372,7 @@ def check_compiled(txs, backend, steps=3, params=MIXED, grads=mixed_grads):
         u_e, s_e = run_all(g, s_e, params)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             u_c, s_c = compiled(g, s_c, params)
-        for a, b in zip(ft.tree_leaves((u_c, s_c)), ft.tree_leaves((u_e, s_e))):
+        for a, b in zip(ft.tree.leaves((u_c, s_c)), ft.tree.leaves((u_e, s_e))):
             assert a.dtype == b.dtype and a.shape == b.shape
             if a.is_floating_point():
                 tol = 2e-3 if a.dtype == torch.float16 else 1e-5
@@ -399,4 +399,4 @@ def test_optimizers_compile_with_inductor(fresh_dynamo):
         ft.apply_if_finite(ft.adamw(0.01, weight_decay=0.1, amsgrad=True)),
         ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.sgd(0.1, momentum=0.9, nesterov=True)), 2),
     ]
-    check_compiled(txs, "inductor", params=params, grads=lambda i: ft.tree_map(lambda p: torch.randn_like(p), params))
+    check_compiled(txs, "inductor", params=params, grads=lambda i: ft.tree.map(lambda p: torch.randn_like(p), params))

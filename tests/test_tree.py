@@ -8,14 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functopk as ft
+from functopk._checks import check_same_structure
 from tests.conftest import assert_tree_bitwise_equal, clone_tree
 from tests.test_sparsify import trees_st
 
 
 @given(trees_st())
 def test_ravel_unravel_roundtrip(tree):
-    layout = ft.FlatLayout.from_tree(tree)
-    leaves = ft.tree_leaves(tree)
+    layout = ft.tree.FlatLayout.from_tree(tree)
+    leaves = ft.tree.leaves(tree)
     assert layout.numel == sum(x.numel() for x in leaves)
     assert layout.num_leaves == len(leaves)
     assert layout.offsets[0] == 0 and layout.offsets[-1] == layout.numel
@@ -30,7 +31,7 @@ def test_ravel_unravel_roundtrip(tree):
 
 def test_layout_records_structure_shapes_dtypes():
     tree = {"w": torch.zeros(2, 3), "b": torch.zeros((), dtype=torch.float64), "frozen": None, "t": (torch.zeros(0),)}
-    layout = ft.FlatLayout.from_tree(tree)
+    layout = ft.tree.FlatLayout.from_tree(tree)
     assert layout.shapes == (torch.Size([]), torch.Size([0]), torch.Size([2, 3]))
     assert layout.numels == (1, 0, 6)  # sorted keys: b, t, w ("frozen" is None: no leaf)
     assert layout.offsets == (0, 1, 1, 7)
@@ -45,14 +46,14 @@ def test_layout_records_structure_shapes_dtypes():
 
 def test_unravel_views_without_copy_when_dtype_matches():
     tree = {"a": torch.zeros(2), "b": torch.zeros(3)}
-    layout = ft.FlatLayout.from_tree(tree)
+    layout = ft.tree.FlatLayout.from_tree(tree)
     flat = torch.arange(5.0)
     out = layout.unravel(flat)
     assert out["a"].data_ptr() == flat.data_ptr()
 
 
 def test_layout_rejects_mismatched_trees():
-    layout = ft.FlatLayout.from_tree({"a": torch.zeros(2)})
+    layout = ft.tree.FlatLayout.from_tree({"a": torch.zeros(2)})
     with pytest.raises(ValueError, match="tree structure"):
         layout.ravel({"b": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"has shape \(3,\), expected \(2,\)"):
@@ -60,20 +61,20 @@ def test_layout_rejects_mismatched_trees():
     with pytest.raises(ValueError, match="1-d tensor of 2 elements"):
         layout.unravel(torch.zeros(3))
     with pytest.raises(TypeError, match="expected a torch.Tensor"):
-        ft.FlatLayout.from_tree({"a": 1.0})
+        ft.tree.FlatLayout.from_tree({"a": 1.0})
     assert not layout.matches({"a": torch.zeros(2, dtype=torch.float64)})
     assert layout.matches({"a": torch.ones(2)})
 
 
 def test_layout_device_check():
-    layout = ft.FlatLayout.from_tree({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
+    layout = ft.tree.FlatLayout.from_tree({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
     with pytest.raises(ValueError, match="several devices"):
-        layout.device
+        _ = layout.device
 
 
 def test_ravel_pytree():
     tree = {"x": torch.tensor([1.0, 2.0]), "y": [torch.tensor([[3.0]])]}
-    flat, unravel = ft.ravel_pytree(tree)
+    flat, unravel = ft.tree.ravel(tree)
     assert torch.equal(flat, torch.tensor([1.0, 2.0, 3.0]))
     assert_tree_bitwise_equal(unravel(flat), tree)
 
@@ -97,23 +98,23 @@ def assert_rounded_from(actual, terms):
 @given(trees_st(), st.floats(-4, 4, allow_nan=False, width=32))
 def test_tree_maths_match_per_leaf_reference(tree, s):
     before = clone_tree(tree)
-    leaves = ft.tree_leaves(tree)
-    other = ft.tree_map(lambda x: torch.ones_like(x) * 0.5, tree)
-    others = ft.tree_leaves(other)
-    for out, x in zip(ft.tree_leaves(ft.tree_scale(tree, s)), leaves):
+    leaves = ft.tree.leaves(tree)
+    other = ft.tree.map(lambda x: torch.ones_like(x) * 0.5, tree)
+    others = ft.tree.leaves(other)
+    for out, x in zip(ft.tree.leaves(ft.tree.scale(tree, s)), leaves):
         torch.testing.assert_close(out, (x.double() * s).to(x.dtype), equal_nan=True)
-    for out, x, y in zip(ft.tree_leaves(ft.tree_add(tree, other)), leaves, others):
+    for out, x, y in zip(ft.tree.leaves(ft.tree.add(tree, other)), leaves, others):
         assert_rounded_from(out, [x, y])
     for scalar in (s, torch.tensor(s)):
-        for out, x, y in zip(ft.tree_leaves(ft.tree_add_scaled(tree, scalar, other)), leaves, others):
+        for out, x, y in zip(ft.tree.leaves(ft.tree.add_scaled(tree, scalar, other)), leaves, others):
             assert_rounded_from(out, [x, y.double() * s])
-    zeros = ft.tree_zeros_like(tree)
-    assert all(not z.any() and z.shape == x.shape for z, x in zip(ft.tree_leaves(zeros), leaves))
+    zeros = ft.tree.zeros_like(tree)
+    assert all(not z.any() and z.shape == x.shape for z, x in zip(ft.tree.leaves(zeros), leaves))
     assert_tree_bitwise_equal(tree, before)
 
 
 def test_tree_add_structure_mismatch():
     with pytest.raises(ValueError, match="tree structure"):
-        ft.tree_add({"a": torch.ones(1)}, {"b": torch.ones(1)})
-    with pytest.raises(ValueError, match="must match"):
-        ft.check_same_structure({"a": torch.ones(1)}, [torch.ones(1)], name="updates", expected_name="the state")
+        ft.tree.add({"a": torch.ones(1)}, {"b": torch.ones(1)})
+    with pytest.raises(ValueError, match="tree structure"):
+        check_same_structure({"a": torch.ones(1)}, [torch.ones(1)], name="updates", expected_name="the state")

@@ -39,7 +39,7 @@ def test_apply_updates_inplace_matches_pure():
 def test_apply_updates_inplace_on_module_parameters():
     lin = torch.nn.Linear(2, 1)
     params = dict(lin.named_parameters())
-    updates = ft.tree_map(torch.ones_like, params)
+    updates = ft.tree.map(torch.ones_like, params)
     before = lin.weight.detach().clone()
     ft.apply_updates_(params, updates)
     assert torch.equal(lin.weight.detach(), before + 1)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functopk.sparsify import topk_indices, topk_mask
+from functopk.sparse.api import topk_indices, topk_mask
 
 __all__ = ["sparse_allreduce"]
 

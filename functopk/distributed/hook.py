@@ -20,7 +20,7 @@ from functopk.distributed.exchange import (
     _wire_bytes,
 )
 from functopk.distributed.transform import _check_density
-from functopk.sparsify import k_from_density
+from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
 
@@ -56,7 +56,7 @@ class TopKHookState:
     Args:
         process_group: The group to reduce over (default: the world).
         density: Fraction of each bucket's coordinates sent per step, in ``(0, 1]``;
-            ``k = functopk.k_from_density(density, bucket size)``. A bucket for
+            ``k = functopk.sparse.k_from_density(density, bucket size)``. A bucket for
             which ``k`` pairs would be no smaller than the dense bucket is
             allreduced densely.
         warmup_iters: Iterations of plain (dense, averaged) allreduce before

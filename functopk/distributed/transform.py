@@ -20,8 +20,8 @@ from functopk.distributed.exchange import (
     _unpack,
     _wire_bytes,
 )
-from functopk.sparsify import k_from_density
-from functopk.tree import FlatLayout
+from functopk.sparse.api import k_from_density
+from functopk.tree.layout import FlatLayout
 
 __all__ = ["DistributedTopKState", "distributed_topk"]
 
@@ -51,7 +51,7 @@ class DistributedTopKState(NamedTuple):
 
     Attributes:
         residual: This rank's error-feedback memory: a 1-d tensor over the flat
-            layout of the parameters (``functopk.FlatLayout`` order), in their
+            layout of the parameters (``functopk.tree.FlatLayout`` order), in their
             promoted dtype, in the unit of the transform's input.
         count: Steps taken (int64, 0-d).
         bytes_sent: Bytes this rank put on the wire in the last step (int64, 0-d):
@@ -117,7 +117,7 @@ def distributed_topk(
     Args:
         k: Coordinates each rank sends per step.
         density: Instead of ``k``: the fraction of all coordinates sent per step
-            (``k = functopk.k_from_density(density, n)``).
+            (``k = functopk.sparse.k_from_density(density, n)``).
         group: The process group (default: the world), looked up at each update.
         reselect: Keep only the global top ``k`` of the sum (gTop-k).
 

@@ -2,7 +2,7 @@
 
 These functions work on the list of a tree's leaves, each flattened to 1-d in
 flat order (see :mod:`functopk.tree`), and never change them. The public
-entry points are in :mod:`functopk.sparsify`; this module holds the
+entry points are in :mod:`functopk.sparse.api`; this module holds the
 algorithms (see ``docs/topk.md`` for the measurements behind them):
 
 * :func:`mask_static`: the exact top-k as a boolean mask over the

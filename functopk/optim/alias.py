@@ -15,22 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from functopk.adaptive import adam_transform, scale_by_rms, scale_by_rss
+from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule
-from functopk.combine import chain
-from functopk.transforms import (
-    MaskOrFn,
-    add_decayed_weights,
-    check_bool,
-    check_hyperparam,
-    check_scalar_or_schedule,
-    is_zero,
-    scalar_dtype,
-    scale,
-    scale_by_learning_rate,
-    scale_by_schedule,
-    trace,
-)
+from functopk.combine import MaskOrFn, chain
+from functopk.optim.adaptive import adam_transform, scale_by_rms, scale_by_rss
+from functopk.optim.elementary import add_decayed_weights, scale, scale_by_learning_rate, scale_by_schedule, trace
+from functopk.tree.foreach import scalar_dtype
 
 __all__ = ["adagrad", "adam", "adamw", "rmsprop", "sgd"]
 

@@ -19,24 +19,20 @@ from typing import NamedTuple
 import optree
 import torch
 
-from functopk.base import GradientTransformation, Params, ScalarOrSchedule, Updates
-from functopk.transforms import (
-    MaskOrFn,
-    add_scaled,
+from functopk._checks import (
     check_bool,
     check_hyperparam,
     check_same_structure,
     check_scalar_or_schedule,
-    for_leaves,
-    full_like_leaves,
-    init_count,
     is_zero,
-    mul,
     require_params,
-    resolve_mask,
-    scalar_dtype,
 )
-from functopk.tree import PyTree, keep_dtypes, tree_zeros_like
+from functopk.base import GradientTransformation, Params, ScalarOrSchedule, Updates, init_count
+from functopk.combine import MaskOrFn, resolve_mask
+from functopk.tree.foreach import add_scaled, for_leaves, keep_dtypes, mul, scalar_dtype
+from functopk.tree.foreach import full_like as full_like_leaves
+from functopk.tree.maths import PyTree
+from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = [
     "ScaleByAdamState",

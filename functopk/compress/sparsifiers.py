@@ -28,10 +28,11 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from functopk._checks import path_str as _path_str
 from functopk.base import EmptyState, GradientTransformation, Params, Updates, stateless
-from functopk.sparsify import k_from_density, topk_sparsify
-from functopk.transforms import check_hyperparam, init_count
-from functopk.tree import PyTree, _path_str
+from functopk.optim.elementary import check_hyperparam, init_count
+from functopk.sparse.api import k_from_density, topk_sparsify
+from functopk.tree.maths import PyTree
 
 __all__ = ["RandKState", "layerwise_topk", "randk", "randk_mask", "threshold"]
 
@@ -190,11 +191,11 @@ def randk_mask(tree: PyTree, k: int, *, seed: int, step: torch.Tensor | int) -> 
     Example:
         >>> import torch, functopk as ft
         >>> tree = {"a": torch.zeros(3), "b": torch.zeros(2, 2)}
-        >>> m0 = ft.randk_mask(tree, 2, seed=7, step=0)
-        >>> sum(int(m.sum()) for m in ft.tree_leaves(m0))
+        >>> m0 = ft.compress.randk_mask(tree, 2, seed=7, step=0)
+        >>> sum(int(m.sum()) for m in ft.tree.leaves(m0))
         2
-        >>> m1 = ft.randk_mask(tree, 2, seed=7, step=0)
-        >>> all(torch.equal(a, b) for a, b in zip(ft.tree_leaves(m0), ft.tree_leaves(m1)))
+        >>> m1 = ft.compress.randk_mask(tree, 2, seed=7, step=0)
+        >>> all(torch.equal(a, b) for a, b in zip(ft.tree.leaves(m0), ft.tree.leaves(m1)))
         True
     """
     leaves, treedef = float_leaves(tree, "tree")

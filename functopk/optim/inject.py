@@ -16,8 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk.base import GradientTransformation, OptState, Params, Updates
-from functopk.transforms import init_count, tree_device
+from functopk.base import GradientTransformation, OptState, Params, Updates, init_count
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
@@ -102,7 +101,7 @@ def inject_hyperparams(
             return values
 
         def init(params: Params) -> InjectHyperparamsState:
-            device = tree_device(params)
+            device = init_count(params).device
             count = init_count(params)
             hyperparams = {name: _as_tensor(v, device) for name, v in injected.items()}
             hyperparams = hyperparams_at(count, hyperparams)

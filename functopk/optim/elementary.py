@@ -12,18 +12,36 @@ guards in :mod:`functopk.clipping`; gradient accumulation in
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Union
+from typing import NamedTuple
 
 import optree
 import torch
 
-from functopk.base import EmptyState, GradientTransformation, Params, ScalarOrSchedule, Schedule, Updates, stateless
-from functopk.tree import PyTree, check_same_structure, keep_dtypes, tree_scale, tree_zeros_like
+from functopk._checks import (
+    check_bool,
+    check_hyperparam,
+    check_same_structure,
+    check_scalar_or_schedule,
+    is_zero,
+    require_params,
+)
+from functopk.base import (
+    EmptyState,
+    GradientTransformation,
+    Params,
+    ScalarOrSchedule,
+    Schedule,
+    Updates,
+    init_count,
+    stateless,
+)
+from functopk.combine import MaskOrFn, resolve_mask
+from functopk.tree.foreach import add_scaled, for_leaves, keep_dtypes, mul, scalar_dtype
+from functopk.tree.maths import PyTree
+from functopk.tree.maths import scale as tree_scale
+from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = [
-    "MaskOrFn",
     "ScaleByScheduleState",
     "TraceState",
     "add_decayed_weights",
@@ -32,147 +50,6 @@ __all__ = [
     "scale_by_schedule",
     "trace",
 ]
-
-MaskOrFn = Union[PyTree, Callable[[PyTree], PyTree]]
-"""A tree of Python bools shaped like the parameters, or a function ``params -> such a tree``."""
-
-
-def check_number(value: Any, name: str, *, minimum: float | None = None, below: float | None = None) -> float:
-    """Return ``value`` as a float after checking its type and range, else raise naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if value != value:
-        raise ValueError(f"{name} must not be NaN")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if below is not None and value >= below:
-        raise ValueError(f"{name} must be < {below}, got {value}")
-    return value
-
-
-def check_hyperparam(
-    value: Any, name: str, *, minimum: float | None = None, below: float | None = None
-) -> float | torch.Tensor:
-    """A hyperparameter: a real number (type- and range-checked) or a 0-d float tensor.
-
-    Tensors come from :func:`functopk.inject_hyperparams`; their value is not
-    range-checked, since reading it would be a host sync.
-    """
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or not value.is_floating_point():
-            raise TypeError(f"{name} must be a real number or a 0-d float tensor, got a tensor of shape "
-                            f"{tuple(value.shape)} and dtype {value.dtype}")
-        return value
-    return check_number(value, name, minimum=minimum, below=below)
-
-
-def check_bool(value: Any, name: str) -> bool:
-    """``value`` if it is a bool, else ``TypeError`` naming ``name``."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def check_scalar_or_schedule(value: Any, name: str) -> ScalarOrSchedule:
-    """``value`` if it is a real number, a 0-d float tensor or a schedule, else ``TypeError`` naming ``name``."""
-    if callable(value):
-        return value
-    return check_hyperparam(value, name)
-
-
-def is_zero(value: float | torch.Tensor) -> bool:
-    """True for the Python number 0; a tensor is never taken as zero (that would need its value)."""
-    return not isinstance(value, torch.Tensor) and value == 0.0
-
-
-def tree_device(tree: PyTree) -> torch.device:
-    """The device of the first leaf of ``tree`` (CPU for an empty tree or ``None``)."""
-    leaves = optree.tree_leaves(tree)
-    return leaves[0].device if leaves else torch.device("cpu")
-
-
-def init_count(params: Params) -> torch.Tensor:
-    """A fresh step counter: an int64 0-d tensor on the parameters' device."""
-    return torch.zeros((), dtype=torch.int64, device=tree_device(params))
-
-
-def scalar_dtype(device: torch.device) -> torch.dtype:
-    """The dtype for scalar maths on ``device``: float64, except where a backend lacks it (MPS)."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
-def for_leaves(scalar: float | torch.Tensor, leaves: Sequence[torch.Tensor]) -> float | torch.Tensor:
-    """A float64 tensor scalar cast to float32 unless some leaf is float64.
-
-    Scalars (bias corrections, step sizes) are computed in float64, as torch.optim
-    computes them in Python floats; its kernels then use them in float32 for
-    float32 (and lower) tensors, and so does this. Keeping them float64 would make
-    ``torch.compile`` do the whole update in float64 (twice as slow on CPU).
-    """
-    if isinstance(scalar, torch.Tensor) and scalar.dtype == torch.float64:
-        if not any(x.dtype == torch.float64 for x in leaves):
-            return scalar.to(torch.float32)
-    return scalar
-
-
-def require_params(params: Params | None, name: str) -> Params:
-    """``params`` if given, else ``ValueError`` saying that transformation ``name`` needs them."""
-    if params is None:
-        raise ValueError(f"{name} needs the parameters: call update(updates, state, params) with params")
-    return params
-
-
-def mul(xs: Sequence[torch.Tensor], scalar: float | torch.Tensor) -> list[torch.Tensor]:
-    """``scalar * x`` for each ``x`` (one foreach kernel), dtypes kept."""
-    return keep_dtypes(torch._foreach_mul(list(xs), scalar), xs)
-
-
-def add_scaled(
-    a: Sequence[torch.Tensor], scalar: float | torch.Tensor, b: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """``a + scalar * b`` over lists of tensors (one fused kernel for a Python scalar), dtypes of ``a`` kept."""
-    if isinstance(scalar, torch.Tensor):
-        return keep_dtypes(torch._foreach_add(list(a), torch._foreach_mul(list(b), scalar)), a)
-    return list(torch._foreach_add(list(a), list(b), alpha=scalar))
-
-
-def select_leaves(cond: torch.Tensor, new: Sequence[torch.Tensor], old: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``new`` where the 0-d bool ``cond`` holds, else ``old``, leaf by leaf, without a host sync.
-
-    There is no foreach ``where`` kernel, so this is one ``torch.where`` per leaf
-    (``torch.compile`` fuses them); it is the price of a branch-free step.
-    """
-    return [torch.where(cond, n, o) for n, o in zip(new, old)]
-
-
-def resolve_mask(mask: MaskOrFn, tree: PyTree, *, name: str = "mask") -> list[bool]:
-    """The mask's Python bools in the flat order of ``tree``'s leaves.
-
-    Args:
-        mask: A tree of bools with ``tree``'s structure, or a function ``tree -> such a tree``.
-        tree: The parameters (or updates) the mask refers to.
-        name: The argument name for error messages.
-
-    Raises:
-        ValueError: if the mask's structure differs from the tree's.
-        TypeError: if a mask leaf is not a Python bool.
-    """
-    if callable(mask):
-        mask = mask(tree)
-    treedef = optree.tree_structure(tree)
-    try:
-        flags = treedef.flatten_up_to(mask)
-    except (ValueError, TypeError) as err:
-        raise ValueError(
-            f"{name} must have the structure of the parameters {treedef}, got {optree.tree_structure(mask)}"
-        ) from err
-    for path, flag in zip(treedef.paths(), flags):
-        if not isinstance(flag, bool):
-            where = "".join(f"[{p!r}]" for p in path) or "<root>"
-            raise TypeError(f"{name} leaf at {where} must be a Python bool, got {type(flag).__name__} {flag!r}")
-    return flags
-
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     """Multiply updates by a constant ``step_size``.
@@ -335,7 +212,7 @@ def add_decayed_weights(
         mask: Which leaves to decay: a tree of Python bools with the parameters'
             structure, or a function ``params -> such a tree`` (evaluated at every
             update, on the structure and shapes only, e.g.
-            ``lambda p: ft.tree_map(lambda x: x.dim() > 1, p)``). ``None`` decays all.
+            ``lambda p: ft.tree.map(lambda x: x.dim() > 1, p)``). ``None`` decays all.
             Leaves masked out pass through unchanged.
 
     Raises:
@@ -374,10 +251,3 @@ def add_decayed_weights(
         return optree.tree_unflatten(treedef, out), state
 
     return GradientTransformation(init, update)
-
-
-def full_like_leaves(leaves: Sequence[torch.Tensor], value: float | torch.Tensor) -> list[torch.Tensor]:
-    """New tensors shaped like ``leaves`` filled with ``value`` (a number or a 0-d tensor; no host sync)."""
-    if isinstance(value, torch.Tensor):
-        return [torch.zeros_like(x).add_(value) for x in leaves]
-    return [torch.full_like(x, value) for x in leaves]

@@ -17,9 +17,12 @@ from typing import NamedTuple
 import optree
 import torch
 
-from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
-from functopk.transforms import check_same_structure, init_count, select_leaves
-from functopk.tree import PyTree, keep_dtypes, tree_zeros_like
+from functopk._checks import check_same_structure
+from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, init_count
+from functopk.tree.foreach import keep_dtypes
+from functopk.tree.foreach import where as select_leaves
+from functopk.tree.maths import PyTree
+from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = ["MultiStepsState", "multi_steps"]
 

@@ -1,14 +1,13 @@
-"""Pytrees of tensors: the flat layout and foreach-backed tree maths.
-
-Every tree in functopk (parameters, gradients, updates, optimizer state) is an
-`optree <https://github.com/metaopt/optree>`_ pytree whose leaves are tensors.
-``None`` is a node, not a leaf, so a frozen parameter written as ``None``
-stays ``None`` through every function here.
+"""The flat layout of a tree: where each leaf lives in one flat vector.
 
 *Flat order.* Wherever functopk speaks of a "flat index", it means a position
 in the concatenation of ``optree.tree_leaves(tree)``, each leaf flattened in
 row-major order. optree visits dict keys in sorted order, so the flat order of a
-model's parameter dict is the sorted order of its names.
+model's parameter dict is the sorted order of its names. ``None`` is a node,
+not a leaf: a frozen parameter written as ``None`` takes no flat positions.
+
+:class:`FlatLayout` is the one place that knows leaf offsets: every mapping
+between flat indices and leaves (``locate``, ``bounds``) goes through it.
 """
 
 from __future__ import annotations
@@ -20,110 +19,19 @@ from typing import Any
 import optree
 import torch
 
-__all__ = [
-    "FlatLayout",
-    "PyTree",
-    "check_same_structure",
-    "ravel_pytree",
-    "tree_add",
-    "tree_add_scaled",
-    "tree_leaves",
-    "tree_map",
-    "tree_scale",
-    "tree_zeros_like",
-]
+from functopk._checks import check_leaves, first_difference, path_str
+
+__all__ = ["FlatLayout", "ravel_pytree"]
 
 PyTree = Any
-"""A pytree of tensors: nested dicts, lists, tuples and NamedTuples."""
 
 
-def tree_leaves(tree: PyTree) -> list[torch.Tensor]:
-    """The tensor leaves of ``tree`` in flat order (``None`` nodes skipped)."""
-    return optree.tree_leaves(tree)
-
-
-def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
-    """Apply ``fn`` leaf-wise over trees of one structure (``None`` stays ``None``)."""
-    return optree.tree_map(fn, tree, *rest)
-
-
-def check_same_structure(expected: PyTree, actual: PyTree, *, name: str, expected_name: str) -> None:
-    """Raise ``ValueError`` when two trees differ in structure.
-
-    Args:
-        expected: The reference tree (its structure is what ``actual`` must have).
-        actual: The tree being checked.
-        name: The argument name of ``actual``, used in the message.
-        expected_name: What ``expected`` is, used in the message.
-
-    Raises:
-        ValueError: naming both structures.
-    """
-    expected_def = optree.tree_structure(expected)
-    actual_def = optree.tree_structure(actual)
-    if expected_def != actual_def:
-        raise ValueError(
-            f"{name} has tree structure {actual_def}, but {expected_name} has structure "
-            f"{expected_def}; they must match"
-        )
-
-
-def _flatten_checked(tree: PyTree, treedef: optree.PyTreeSpec, name: str) -> list[torch.Tensor]:
-    leaves, actual = optree.tree_flatten(tree)
-    if actual != treedef:
-        raise ValueError(f"{name} has tree structure {actual}, expected {treedef}")
-    return leaves
-
-
-def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
-    """A tree of zeros with the structure, shapes and devices of ``tree``."""
-    leaves, treedef = optree.tree_flatten(tree)
-    return optree.tree_unflatten(treedef, [torch.zeros_like(x, dtype=dtype) for x in leaves])
-
-
-def keep_dtypes(results: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Cast each result back to the dtype of its input where a foreach op promoted it.
-
-    A 0-d leaf combined with a 0-d tensor scalar follows tensor-tensor type
-    promotion (an fp16 scalar leaf times an fp32 learning rate gives fp32), unlike
-    larger leaves; this undoes that so a leaf's dtype never changes.
-    """
-    return [r if r.dtype == x.dtype else r.to(x.dtype) for r, x in zip(results, like)]
-
-
-def tree_scale(tree: PyTree, scalar: float | torch.Tensor) -> PyTree:
-    """``scalar * tree`` leaf-wise, through one ``torch._foreach_mul`` call.
-
-    ``scalar`` may be a Python number or a 0-d tensor (no host sync either way).
-    Leaves keep their dtypes.
-    """
-    leaves, treedef = optree.tree_flatten(tree)
-    if not leaves:
-        return tree
-    return optree.tree_unflatten(treedef, keep_dtypes(torch._foreach_mul(leaves, scalar), leaves))
-
-
-def tree_add(a: PyTree, b: PyTree) -> PyTree:
-    """``a + b`` leaf-wise for two trees of one structure, through ``torch._foreach_add``."""
-    leaves_a, treedef = optree.tree_flatten(a)
-    leaves_b = _flatten_checked(b, treedef, "b")
-    if not leaves_a:
-        return a
-    return optree.tree_unflatten(treedef, keep_dtypes(torch._foreach_add(leaves_a, leaves_b), leaves_a))
-
-
-def tree_add_scaled(a: PyTree, scalar: float | torch.Tensor, b: PyTree) -> PyTree:
-    """``a + scalar * b`` leaf-wise for two trees of one structure, with foreach kernels."""
-    leaves_a, treedef = optree.tree_flatten(a)
-    leaves_b = _flatten_checked(b, treedef, "b")
-    if not leaves_a:
-        return a
-    if isinstance(scalar, torch.Tensor):
-        # The foreach ``alpha`` argument must be a Python number; a tensor scalar goes
-        # through a multiply so that no host sync is needed.
-        scaled = torch._foreach_mul(leaves_b, scalar)
-        return optree.tree_unflatten(treedef, keep_dtypes(torch._foreach_add(leaves_a, scaled), leaves_a))
-    return optree.tree_unflatten(treedef, list(torch._foreach_add(leaves_a, leaves_b, alpha=scalar)))
+def offsets_of(numels: Sequence[int]) -> tuple[int, ...]:
+    """Start of each leaf in the flat vector, plus the total at the end."""
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    return tuple(offsets)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -138,7 +46,7 @@ class FlatLayout:
     Example:
         >>> import torch, functopk as ft
         >>> tree = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([10.0])}
-        >>> layout = ft.FlatLayout.from_tree(tree)
+        >>> layout = ft.tree.FlatLayout.from_tree(tree)
         >>> layout.numel, layout.offsets    # "b" comes first: dict keys are sorted
         (7, (0, 1, 7))
         >>> flat = layout.ravel(tree)
@@ -160,23 +68,15 @@ class FlatLayout:
     @classmethod
     def from_tree(cls, tree: PyTree) -> FlatLayout:
         """Record the layout of ``tree`` (its values are not read)."""
-        leaves, treedef = optree.tree_flatten(tree)
-        for path, leaf in zip(treedef.paths(), leaves):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"tree leaf at {_path_str(path)} is a {type(leaf).__name__}; expected a torch.Tensor"
-                )
+        leaves, treedef = check_leaves(tree, "tree")
         numels = tuple(x.numel() for x in leaves)
-        offsets = [0]
-        for n in numels:
-            offsets.append(offsets[-1] + n)
         return cls(
             treedef=treedef,
             shapes=tuple(x.shape for x in leaves),
             dtypes=tuple(x.dtype for x in leaves),
             devices=tuple(x.device for x in leaves),
             numels=numels,
-            offsets=tuple(offsets),
+            offsets=offsets_of(numels),
         )
 
     @property
@@ -220,11 +120,12 @@ class FlatLayout:
         """The leaves of ``tree`` after checking its structure and shapes against the layout."""
         leaves, treedef = optree.tree_flatten(tree)
         if treedef != self.treedef:
-            raise ValueError(f"{name} has tree structure {treedef}, expected {self.treedef}")
+            raise ValueError(f"{name} does not have the layout's tree structure: "
+                             f"{first_difference(self.treedef, treedef)}")
         for path, leaf, shape in zip(treedef.paths(), leaves, self.shapes):
             if leaf.shape != shape:
                 raise ValueError(
-                    f"{name} leaf at {_path_str(path)} has shape {tuple(leaf.shape)}, expected {tuple(shape)}"
+                    f"{name} leaf at {path_str(path)} has shape {tuple(leaf.shape)}, expected {tuple(shape)}"
                 )
         return leaves
 
@@ -274,7 +175,7 @@ class FlatLayout:
 
         Example:
             >>> import torch, functopk as ft
-            >>> layout = ft.FlatLayout.from_tree({"a": torch.zeros(2, 2), "b": torch.zeros(3)})
+            >>> layout = ft.tree.FlatLayout.from_tree({"a": torch.zeros(2, 2), "b": torch.zeros(3)})
             >>> layout.locate(torch.tensor([0, 3, 4, 6]))
             (tensor([0, 0, 1, 1]), tensor([0, 3, 0, 2]))
         """
@@ -283,9 +184,22 @@ class FlatLayout:
         leaf_ids = torch.searchsorted(starts, indices, right=True) - 1
         return leaf_ids, indices - starts[leaf_ids.clamp_min(0)]
 
+    def bounds(self, indices: torch.Tensor, *, name: str = "indices") -> list[tuple[int, int, int]]:
+        """``(offset, lo, hi)`` per leaf: ``indices[lo:hi]`` are the sorted flat indices inside that leaf.
+
+        ``indices`` must be 1-d and ascending (as every functopk selection
+        returns them). Reads ``num_leaves + 1`` integers back to the host (one
+        small transfer); ``ValueError`` when an index lies outside ``[0, numel)``.
+        """
+        starts = torch.tensor(self.offsets, dtype=torch.int64, device=indices.device)
+        cuts = torch.searchsorted(indices, starts).tolist()
+        if cuts[0] != 0 or cuts[-1] != indices.numel():
+            raise ValueError(f"{name} must lie in [0, {self.numel}) (the coordinates of the tree)")
+        return list(zip(self.offsets[:-1], cuts[:-1], cuts[1:]))
+
     def leaf_paths(self) -> list[str]:
         """Readable paths of the leaves in flat order, e.g. ``"['layer1.0.conv1.weight']"``."""
-        return [_path_str(p) for p in self.treedef.paths()]
+        return [path_str(p) for p in self.treedef.paths()]
 
 
 def ravel_pytree(tree: PyTree) -> tuple[torch.Tensor, Callable[[torch.Tensor], PyTree]]:
@@ -293,7 +207,7 @@ def ravel_pytree(tree: PyTree) -> tuple[torch.Tensor, Callable[[torch.Tensor], P
 
     Example:
         >>> import torch, functopk as ft
-        >>> flat, unravel = ft.ravel_pytree({"a": torch.ones(2), "b": torch.zeros(())})
+        >>> flat, unravel = ft.tree.ravel({"a": torch.ones(2), "b": torch.zeros(())})
         >>> flat
         tensor([1., 1., 0.])
         >>> unravel(flat * 2)["a"]
@@ -302,6 +216,3 @@ def ravel_pytree(tree: PyTree) -> tuple[torch.Tensor, Callable[[torch.Tensor], P
     layout = FlatLayout.from_tree(tree)
     return layout.ravel(tree), layout.unravel
 
-
-def _path_str(path: Sequence[Any]) -> str:
-    return "".join(f"[{p!r}]" for p in path) if path else "<root>"

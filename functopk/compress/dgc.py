@@ -36,6 +36,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from functopk._checks import check_same_structure
+from functopk._checks import path_str as _path_str
 from functopk.base import (
     GradientTransformation,
     OptState,
@@ -46,10 +48,12 @@ from functopk.base import (
     stateless,
 )
 from functopk.combine import chain
-from functopk.compress import _method_kwargs, float_leaves, layerwise_topk
-from functopk.sparsify import topk
-from functopk.transforms import check_hyperparam, scale_by_learning_rate
-from functopk.tree import PyTree, _path_str, check_same_structure, keep_dtypes, tree_zeros_like
+from functopk.compress.sparsifiers import _method_kwargs, float_leaves, layerwise_topk
+from functopk.compress.topk import topk
+from functopk.optim.elementary import check_hyperparam, scale_by_learning_rate
+from functopk.tree.foreach import keep_dtypes
+from functopk.tree.maths import PyTree
+from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = ["LocalWeightDecayState", "MomentumCorrectionState", "dgc", "dgc_local_clipping", "momentum_correction"]
 

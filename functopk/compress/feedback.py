@@ -55,8 +55,12 @@ from typing import NamedTuple
 import optree
 import torch
 
+from functopk._checks import check_same_structure
+from functopk._checks import path_str as _path_str
 from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
-from functopk.tree import PyTree, _path_str, check_same_structure, keep_dtypes, tree_zeros_like
+from functopk.tree.foreach import keep_dtypes
+from functopk.tree.maths import PyTree
+from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = ["ErrorFeedbackState", "error_feedback"]
 

@@ -13,9 +13,19 @@ from typing import NamedTuple
 import optree
 import torch
 
-from functopk.base import EmptyState, GradientTransformation, OptState, Params, Updates, check_transformation, stateless
-from functopk.transforms import check_hyperparam, init_count, select_leaves
-from functopk.tree import PyTree, keep_dtypes
+from functopk._checks import check_hyperparam
+from functopk.base import (
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    check_transformation,
+    init_count,
+    stateless,
+)
+from functopk.tree.foreach import keep_dtypes
+from functopk.tree.foreach import where as select_leaves
+from functopk.tree.maths import PyTree
 
 __all__ = [
     "ApplyIfFiniteState",
@@ -45,7 +55,7 @@ def global_norm(tree: PyTree) -> torch.Tensor:
 
     Example:
         >>> import torch, functopk as ft
-        >>> ft.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])})
+        >>> ft.tree.norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])})
         tensor(5.)
     """
     leaves = optree.tree_leaves(tree)
@@ -71,7 +81,7 @@ def all_finite(tree: PyTree) -> torch.Tensor:
 
     Example:
         >>> import torch, functopk as ft
-        >>> ft.all_finite({"a": torch.ones(2), "b": torch.tensor([1.0, float("nan")])})
+        >>> ft.tree.all_finite({"a": torch.ones(2), "b": torch.tensor([1.0, float("nan")])})
         tensor(False)
     """
     leaves = optree.tree_leaves(tree)

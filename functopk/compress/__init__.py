@@ -1,0 +1,39 @@
+"""Gradient compressors as transformations with dense outputs (``ft.compress``).
+
+Each returns a tree like its input, zero except at the coordinates it keeps
+("sends"), so they compose with each other and with the optimizers:
+
+* :mod:`~functopk.compress.topk`: global ``topk`` (the selection is :mod:`functopk.sparse`);
+* :mod:`~functopk.compress.sparsifiers`: ``randk``, ``threshold``, ``layerwise_topk``;
+* :mod:`~functopk.compress.feedback`: ``error_feedback``;
+* :mod:`~functopk.compress.dgc`: Deep Gradient Compression: ``momentum_correction``,
+  ``dgc_local_clipping``, ``dgc``.
+"""
+
+from functopk.compress.dgc import (
+    LocalWeightDecayState,
+    MomentumCorrectionState,
+    dgc,
+    dgc_local_clipping,
+    momentum_correction,
+)
+from functopk.compress.feedback import ErrorFeedbackState, error_feedback
+from functopk.compress.sparsifiers import RandKState, layerwise_topk, randk, randk_mask, threshold
+from functopk.compress.topk import TopKState, topk
+
+__all__ = [
+    "ErrorFeedbackState",
+    "LocalWeightDecayState",
+    "MomentumCorrectionState",
+    "RandKState",
+    "TopKState",
+    "dgc",
+    "dgc_local_clipping",
+    "error_feedback",
+    "layerwise_topk",
+    "momentum_correction",
+    "randk",
+    "randk_mask",
+    "threshold",
+    "topk",
+]

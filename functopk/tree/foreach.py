@@ -1,0 +1,211 @@
+"""Maths over lists of tensors (a tree's leaves), one ``torch._foreach_*`` kernel per operation.
+
+These are what transformations are written with (see :func:`functopk.leafwise`):
+every function takes and returns plain lists, never changes its inputs, keeps
+each result in the dtype of the corresponding input (undoing the promotion a
+0-d tensor scalar can cause), accepts a Python number or a 0-d tensor as the
+scalar without reading it back to the host, and returns ``[]`` for ``[]``
+(the foreach kernels themselves reject empty lists).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+Leaves = Sequence[torch.Tensor]
+Scalar = float | torch.Tensor
+
+
+def keep_dtypes(results: Leaves, like: Leaves) -> list[torch.Tensor]:
+    """Cast each result to the dtype of its counterpart in ``like`` where an op promoted it."""
+    return [r if r.dtype == x.dtype else r.to(x.dtype) for r, x in zip(results, like)]
+
+
+def scalar_dtype(device: torch.device) -> torch.dtype:
+    """The dtype for scalar maths (bias corrections, step sizes) on ``device``: float64, float32 on MPS."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def for_leaves(scalar: Scalar, leaves: Leaves) -> Scalar:
+    """A float64 tensor scalar cast to float32 unless some leaf is float64.
+
+    Scalars are computed in float64, as torch.optim computes them in Python
+    floats; its kernels then use them in float32 for float32 (and narrower)
+    tensors, and so does this. Keeping them float64 would make ``torch.compile``
+    run the whole update in float64 (twice as slow on CPU).
+    """
+    if isinstance(scalar, torch.Tensor) and scalar.dtype == torch.float64:
+        if not any(x.dtype == torch.float64 for x in leaves):
+            return scalar.to(torch.float32)
+    return scalar
+
+
+def mul(xs: Leaves, scalar: Scalar) -> list[torch.Tensor]:
+    """``scalar * x`` for each ``x``."""
+    return keep_dtypes(torch._foreach_mul(list(xs), scalar), xs) if xs else []
+
+
+def mul_list(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
+    """``x * y`` leaf by leaf (``ys`` may hold 0-d tensors, one per leaf)."""
+    return keep_dtypes(torch._foreach_mul(list(xs), list(ys)), xs) if xs else []
+
+
+def add(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
+    """``x + y`` leaf by leaf."""
+    return keep_dtypes(torch._foreach_add(list(xs), list(ys)), xs) if xs else []
+
+
+def add_scalar(xs: Leaves, scalar: Scalar) -> list[torch.Tensor]:
+    """``x + scalar`` for each ``x``."""
+    return keep_dtypes(torch._foreach_add(list(xs), scalar), xs) if xs else []
+
+
+def sub(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
+    """``x - y`` leaf by leaf."""
+    return keep_dtypes(torch._foreach_sub(list(xs), list(ys)), xs) if xs else []
+
+
+def add_scaled(xs: Leaves, scalar: Scalar, ys: Leaves) -> list[torch.Tensor]:
+    """``x + scalar * y`` leaf by leaf: one fused kernel for a Python scalar, two for a tensor."""
+    if not xs:
+        return []
+    if isinstance(scalar, torch.Tensor):  # the foreach ``alpha`` must be a Python number
+        return keep_dtypes(torch._foreach_add(list(xs), torch._foreach_mul(list(ys), scalar)), xs)
+    return keep_dtypes(torch._foreach_add(list(xs), list(ys), alpha=scalar), xs)
+
+
+def axpby(a: Scalar, xs: Leaves, b: Scalar, ys: Leaves) -> list[torch.Tensor]:
+    """``a * x + b * y`` leaf by leaf, in the dtypes of ``xs``."""
+    return add_scaled(mul(xs, a), b, ys)
+
+
+def lerp(xs: Leaves, ys: Leaves, weight: Scalar) -> list[torch.Tensor]:
+    """``x + weight * (y - x)`` with one ``lerp`` kernel, as torch.optim computes running means."""
+    if not xs:
+        return []
+    if isinstance(weight, torch.Tensor):  # no foreach overload takes one tensor weight: a list of them
+        return keep_dtypes(torch._foreach_lerp(list(xs), list(ys), [weight] * len(xs)), xs)
+    return list(torch._foreach_lerp(list(xs), list(ys), weight))
+
+
+def addcmul(xs: Leaves, ys: Leaves, zs: Leaves, value: float = 1.0) -> list[torch.Tensor]:
+    """``x + value * y * z`` leaf by leaf."""
+    return keep_dtypes(torch._foreach_addcmul(list(xs), list(ys), list(zs), value=value), xs) if xs else []
+
+
+def div(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
+    """``x / y`` leaf by leaf."""
+    return keep_dtypes(torch._foreach_div(list(xs), list(ys)), xs) if xs else []
+
+
+def div_into(xs: Leaves, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``x / b`` written into ``buffers`` (fresh tensors the caller owns) and returned.
+
+    Saves allocating a tree per step: on CPU a fresh tree costs page faults as
+    well as memory, since glibc hands large freed blocks back to the system.
+    """
+    if xs:
+        torch.ops.aten._foreach_div.List_out(list(xs), buffers, out=buffers)
+    return buffers
+
+
+def sqrt(xs: Leaves) -> list[torch.Tensor]:
+    """``sqrt(x)`` for each ``x``."""
+    return list(torch._foreach_sqrt(list(xs))) if xs else []
+
+
+def maximum(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
+    """Elementwise ``max(x, y)`` leaf by leaf."""
+    return list(torch._foreach_maximum(list(xs), list(ys))) if xs else []
+
+
+def neg(xs: Leaves) -> list[torch.Tensor]:
+    """``-x`` for each ``x``."""
+    return list(torch._foreach_neg(list(xs))) if xs else []
+
+
+def clamp(xs: Leaves, low: Scalar, high: Scalar) -> list[torch.Tensor]:
+    """``x`` clamped to ``[low, high]`` (NaN stays NaN)."""
+    if not xs:
+        return []
+    if isinstance(low, torch.Tensor) or isinstance(high, torch.Tensor):  # no foreach clamp takes tensor bounds
+        return keep_dtypes([torch.clamp(x, low, high) for x in xs], xs)
+    return keep_dtypes(torch._foreach_clamp_max(torch._foreach_clamp_min(list(xs), low), high), xs)
+
+
+def where(cond: torch.Tensor, xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
+    """``x`` where the 0-d bool ``cond`` holds, else ``y``, leaf by leaf, without a host sync.
+
+    There is no foreach ``where`` kernel: one ``torch.where`` per leaf, which
+    ``torch.compile`` fuses.
+    """
+    return [torch.where(cond, x, y) for x, y in zip(xs, ys)]
+
+
+def where_zero(cond: torch.Tensor, xs: Leaves) -> list[torch.Tensor]:
+    """``x`` where the 0-d bool ``cond`` holds, else zeros."""
+    return [torch.where(cond, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in xs]
+
+
+def zeros_like(xs: Leaves, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Fresh zeros shaped like each ``x``."""
+    return [torch.zeros_like(x, dtype=dtype, memory_format=torch.contiguous_format) for x in xs]
+
+
+def full_like(xs: Leaves, value: Scalar) -> list[torch.Tensor]:
+    """Fresh tensors shaped like each ``x`` filled with ``value`` (a number or a 0-d tensor)."""
+    if isinstance(value, torch.Tensor):
+        return [torch.zeros_like(x, memory_format=torch.contiguous_format).add_(value) for x in xs]
+    return [torch.full_like(x, value, memory_format=torch.contiguous_format) for x in xs]
+
+
+def cast(xs: Leaves, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Each ``x`` in ``dtype`` (``None``: unchanged); floating leaves only are cast."""
+    if dtype is None:
+        return list(xs)
+    return [x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x for x in xs]
+
+
+def norm_dtype(xs: Leaves) -> torch.dtype:
+    """The dtype norms of ``xs`` are accumulated in: their promoted dtype, float32 at least."""
+    dtype = torch.float32
+    for x in xs:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
+
+
+def norms(xs: Leaves, ord: float = 2.0) -> list[torch.Tensor]:
+    """The ``ord``-norm of each leaf as 0-d tensors, accumulated in float32 at least (no overflow in fp16).
+
+    Grouped by (device, dtype) as ``torch.nn.utils.clip_grad_norm_`` does; the
+    norms come back in the leaves' order, each in ``norm_dtype(xs)``.
+    """
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault((x.device, x.dtype), []).append(i)
+    dtype = norm_dtype(xs)
+    for (_, group_dtype), idx in groups.items():
+        acc = torch.promote_types(group_dtype, torch.float32)
+        for i, n in zip(idx, torch._foreach_norm([xs[i] for i in idx], ord, dtype=acc)):
+            out[i] = n.to(dtype)
+    return out  # type: ignore[return-value]
+
+
+def global_norm(xs: Leaves) -> torch.Tensor:
+    """The L2 norm of all leaves together (a 0-d tensor; float32 zero for no leaves)."""
+    if not xs:
+        return torch.zeros(())
+    device = xs[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms(xs)]))
+
+
+def all_finite(xs: Leaves) -> torch.Tensor:
+    """A 0-d bool tensor: no NaN and no infinity in any leaf (the inf-norm of each, never an overflow)."""
+    if not xs:
+        return torch.ones((), dtype=torch.bool)
+    device = xs[0].device
+    return torch.stack([n.to(device) for n in norms(xs, math.inf)]).isfinite().all()
