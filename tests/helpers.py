@@ -1,13 +1,58 @@
-"""Small models and drivers shared by several test modules."""
+"""What several test modules share: assertions, small models, drivers, and the compile check.
+
+Everything a test compares against lives here or in the test itself: bit
+patterns, tolerances, the canonical functional step, and
+:func:`assert_compiles_like_eager`.
+"""
 
 from __future__ import annotations
 
+import math
+
+import optree
 import torch
+import torch._dynamo
 import torch.nn.functional as F
+from hypothesis import strategies as st
 from torch import nn
 from torch.func import grad
 
 import functopk as ft
+
+_INT_VIEW = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of a float tensor (so NaN == NaN and -0.0 != 0.0)."""
+    return x.contiguous().view(_INT_VIEW[x.dtype]) if x.dtype in _INT_VIEW else x
+
+
+def assert_tree_bitwise_equal(a, b) -> None:
+    """Same structure, shapes, dtypes, devices and bit patterns."""
+    la, da = optree.tree_flatten(a)
+    lb, db = optree.tree_flatten(b)
+    assert da == db, f"structures differ: {da} vs {db}"
+    for x, y in zip(la, lb):
+        assert x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+        assert torch.equal(bits(x), bits(y)), f"values differ:\n{x}\n{y}"
+
+
+def assert_tree_close(a, b, rtol: float = 1e-6, atol: float = 0.0) -> None:
+    la, da = optree.tree_flatten(a)
+    lb, db = optree.tree_flatten(b)
+    assert da == db, f"structures differ: {da} vs {db}"
+    for x, y in zip(la, lb):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+def clone_tree(tree):
+    return optree.tree_map(lambda x: x.clone(), tree)
 
 
 def small_cnn(num_classes: int = 3) -> nn.Module:
@@ -42,3 +87,115 @@ def make_step(model_fn, tx):
         return ft.apply_updates(params, updates), buffers, opt_state
 
     return step
+
+
+def assert_compiles_like_eager(fn, calls, *, rtol: float = 1e-6, atol: float = 1e-7, bitwise: bool = False):
+    """Compile ``fn`` with ``fullgraph=True`` and check it against eager over a sequence of calls.
+
+    ``calls`` is a list of argument tuples. Each call's output must equal the
+    eager output (bit for bit with ``bitwise``, else to ``rtol``/``atol``); the
+    calls after the first must not recompile (``error_on_recompile``). Returns
+    the compiled outputs. Callers reset dynamo first (the ``fresh_dynamo`` fixture).
+    """
+    compiled = torch.compile(fn, fullgraph=True)
+    outs = []
+    for i, args in enumerate(calls):
+        expected = fn(*args)
+        if i == 0:
+            got = compiled(*args)
+        else:
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                got = compiled(*args)
+        if bitwise:
+            assert_tree_bitwise_equal(got, expected)
+        else:
+            assert_tree_close(got, expected, rtol=rtol, atol=atol)
+        outs.append(got)
+    return outs
+
+
+# --------------------------------------------------------------------------- references and strategies
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+SHAPES = [(), (0,), (1,), (5,), (2, 3), (3, 1, 2), (4, 0), (7,), (2, 2, 2), (9, 5), (33,)]
+TIE_VALUES = [0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0, 3.0]
+
+
+
+
+def reference_mask(tree, k):
+    """Brute force: rank every coordinate by (-|x| with NaN as inf, flat index) with a Python sort."""
+    leaves, treedef = optree.tree_flatten(tree)
+    mags = []
+    for leaf in leaves:
+        for v in leaf.reshape(-1).double().tolist():
+            mags.append(math.inf if math.isnan(v) else abs(v))
+    order = sorted(range(len(mags)), key=lambda i: (-mags[i], i))
+    keep = torch.zeros(len(mags), dtype=torch.bool)
+    keep[order[:k]] = True
+    out, start = [], 0
+    for leaf in leaves:
+        out.append(keep[start : start + leaf.numel()].reshape(leaf.shape))
+        start += leaf.numel()
+    return optree.tree_unflatten(treedef, out)
+
+
+def reference_sparsify(tree, k):
+    mask = reference_mask(tree, k)
+
+    def keep(x, m):
+        y = x.clone()
+        y[~m] = 0.0
+        return y
+
+    return optree.tree_map(keep, tree, mask)
+
+
+
+
+@st.composite
+def leaves_st(draw, dtype):
+    shape = draw(st.sampled_from(SHAPES))
+    n = math.prod(shape)
+    values = draw(
+        st.one_of(
+            st.lists(st.sampled_from(TIE_VALUES), min_size=n, max_size=n),
+            st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=16), min_size=n, max_size=n),
+            st.lists(st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False), min_size=n, max_size=n),
+        )
+    )
+    return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(shape)
+
+
+@st.composite
+def trees_st(draw, allow_nonfinite=False):
+    """Random trees: 1-20 leaves, odd shapes, one or mixed dtypes, nesting and None nodes."""
+    num_leaves = draw(st.integers(1, 20))
+    mixed = draw(st.booleans())
+    base_dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    tree = {}
+    for i in range(num_leaves):
+        dtype = draw(st.sampled_from(FLOAT_DTYPES)) if mixed else base_dtype
+        leaf = draw(leaves_st(dtype))
+        if allow_nonfinite and leaf.numel() and draw(st.booleans()):
+            pos = draw(st.integers(0, leaf.numel() - 1))
+            leaf.view(-1)[pos] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+        kind = draw(st.integers(0, 2))
+        tree[f"p{i:02d}"] = leaf if kind == 0 else (leaf,) if kind == 1 else {"w": leaf, "frozen": None}
+    if draw(st.booleans()):  # all-zero gradients
+        tree = optree.tree_map(torch.zeros_like, tree)
+    return tree
+
+
+def numel(tree):
+    return sum(x.numel() for x in optree.tree_leaves(tree))
+
+
+def ref_leaf_topk_mask(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Brute force for one leaf: sort by (-|x| with NaN as inf, index)."""
+    vals = x.reshape(-1).double().tolist()
+    mags = [math.inf if math.isnan(v) else abs(v) for v in vals]
+    order = sorted(range(len(mags)), key=lambda i: (-mags[i], i))
+    keep = torch.zeros(len(mags), dtype=torch.bool)
+    keep[order[:k]] = True
+    return keep.reshape(x.shape)

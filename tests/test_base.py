@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import functopk as ft
-from tests.conftest import assert_tree_bitwise_equal
+from tests.helpers import assert_tree_bitwise_equal
 
 PARAMS = {"w": torch.tensor([1.0, -2.0, 3.0])}
 GRADS = {"w": torch.tensor([0.5, 4.0, -1.0])}

@@ -10,7 +10,7 @@ import torch
 
 import functopk as ft
 from functopk.checkpoint import CheckpointError
-from tests.conftest import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, small_cnn
 
 PARAMS = {
     "conv": torch.randn(4, 3, generator=torch.Generator().manual_seed(1)),
@@ -158,7 +158,6 @@ def test_truncated_and_garbage_files_raise_clearly(tmp_path):
 
 def test_whole_functional_training_state():
     """Any tree of tensors works: params, buffers and optimizer state together."""
-    from tests.helpers import small_cnn
 
     model_fn, params, buffers = ft.nn.functionalize(small_cnn())
     tx = ft.chain(ft.topk(10), ft.sgd(0.1, momentum=0.9))

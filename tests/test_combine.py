@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functopk as ft
-from tests.conftest import assert_tree_bitwise_equal, assert_tree_close, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, assert_tree_close, clone_tree
 
 PARAMS = {"conv": {"weight": torch.randn(3, 2, 2), "bias": torch.randn(3)}, "fc": (torch.randn(4, 3), torch.randn(4))}
 

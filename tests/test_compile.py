@@ -7,8 +7,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from tests.conftest import assert_tree_close
-from tests.helpers import batch, make_step, small_cnn
+from tests.helpers import assert_tree_close, batch, make_step, small_cnn
 
 pytestmark = pytest.mark.slow
 

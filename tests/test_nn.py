@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import functopk as ft
-from tests.conftest import assert_tree_bitwise_equal, clone_tree
-from tests.helpers import batch, make_step, small_cnn
+from tests.helpers import assert_tree_bitwise_equal, batch, clone_tree, make_step, small_cnn
 
 
 def test_forward_matches_module_and_buffers_come_out():

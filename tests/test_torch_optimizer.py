@@ -16,8 +16,7 @@ from torch.func import grad
 
 import functopk as ft
 from functopk.checkpoint import CheckpointError
-from tests.conftest import assert_tree_bitwise_equal, clone_tree
-from tests.helpers import batch, small_cnn
+from tests.helpers import assert_tree_bitwise_equal, batch, clone_tree, small_cnn
 
 K = 30
 

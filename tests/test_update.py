@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import functopk as ft
-from tests.conftest import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree
 
 
 def make():

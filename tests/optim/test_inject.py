@@ -7,7 +7,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from tests.conftest import assert_tree_bitwise_equal, assert_tree_close, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, assert_tree_close, clone_tree
 
 PARAMS = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
 

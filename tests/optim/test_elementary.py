@@ -11,7 +11,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from tests.conftest import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree
 
 PARAMS = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor(0.5, dtype=torch.float64)}
 GRADS = {"w": torch.tensor([0.5, 0.25, -1.0]), "b": torch.tensor(2.0, dtype=torch.float64)}

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 import functopk as ft
 from functopk._checks import check_same_structure
-from tests.conftest import assert_tree_bitwise_equal, clone_tree
-from tests.test_sparsify import trees_st
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, trees_st
 
 
 @given(trees_st())

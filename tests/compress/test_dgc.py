@@ -9,9 +9,15 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from tests.conftest import assert_tree_bitwise_equal, assert_tree_close, clone_tree
-from tests.helpers import batch, make_step, small_cnn
-from tests.test_compress import ref_leaf_topk_mask
+from tests.helpers import (
+    assert_tree_bitwise_equal,
+    assert_tree_close,
+    batch,
+    clone_tree,
+    make_step,
+    ref_leaf_topk_mask,
+    small_cnn,
+)
 
 SHAPES = {"conv": (4, 3, 2), "fc": (5, 4), "bias": (3,)}
 

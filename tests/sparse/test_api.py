@@ -13,84 +13,16 @@ from hypothesis import strategies as st
 
 import functopk as ft
 from functopk.sparse import select
-from tests.conftest import assert_tree_bitwise_equal, assert_tree_close, bits, clone_tree
-
-FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-SHAPES = [(), (0,), (1,), (5,), (2, 3), (3, 1, 2), (4, 0), (7,), (2, 2, 2), (9, 5), (33,)]
-TIE_VALUES = [0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0, 3.0]
-
-
-# --------------------------------------------------------------------------- reference
-
-
-def reference_mask(tree, k):
-    """Brute force: rank every coordinate by (-|x| with NaN as inf, flat index) with a Python sort."""
-    leaves, treedef = optree.tree_flatten(tree)
-    mags = []
-    for leaf in leaves:
-        for v in leaf.reshape(-1).double().tolist():
-            mags.append(math.inf if math.isnan(v) else abs(v))
-    order = sorted(range(len(mags)), key=lambda i: (-mags[i], i))
-    keep = torch.zeros(len(mags), dtype=torch.bool)
-    keep[order[:k]] = True
-    out, start = [], 0
-    for leaf in leaves:
-        out.append(keep[start : start + leaf.numel()].reshape(leaf.shape))
-        start += leaf.numel()
-    return optree.tree_unflatten(treedef, out)
-
-
-def reference_sparsify(tree, k):
-    mask = reference_mask(tree, k)
-
-    def keep(x, m):
-        y = x.clone()
-        y[~m] = 0.0
-        return y
-
-    return optree.tree_map(keep, tree, mask)
-
-
-# --------------------------------------------------------------------------- strategies
-
-
-@st.composite
-def leaves_st(draw, dtype):
-    shape = draw(st.sampled_from(SHAPES))
-    n = math.prod(shape)
-    values = draw(
-        st.one_of(
-            st.lists(st.sampled_from(TIE_VALUES), min_size=n, max_size=n),
-            st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=16), min_size=n, max_size=n),
-            st.lists(st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False), min_size=n, max_size=n),
-        )
-    )
-    return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(shape)
-
-
-@st.composite
-def trees_st(draw, allow_nonfinite=False):
-    """Random trees: 1-20 leaves, odd shapes, one or mixed dtypes, nesting and None nodes."""
-    num_leaves = draw(st.integers(1, 20))
-    mixed = draw(st.booleans())
-    base_dtype = draw(st.sampled_from(FLOAT_DTYPES))
-    tree = {}
-    for i in range(num_leaves):
-        dtype = draw(st.sampled_from(FLOAT_DTYPES)) if mixed else base_dtype
-        leaf = draw(leaves_st(dtype))
-        if allow_nonfinite and leaf.numel() and draw(st.booleans()):
-            pos = draw(st.integers(0, leaf.numel() - 1))
-            leaf.view(-1)[pos] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
-        kind = draw(st.integers(0, 2))
-        tree[f"p{i:02d}"] = leaf if kind == 0 else (leaf,) if kind == 1 else {"w": leaf, "frozen": None}
-    if draw(st.booleans()):  # all-zero gradients
-        tree = optree.tree_map(torch.zeros_like, tree)
-    return tree
-
-
-def numel(tree):
-    return sum(x.numel() for x in optree.tree_leaves(tree))
-
+from tests.helpers import (
+    assert_tree_bitwise_equal,
+    assert_tree_close,
+    bits,
+    clone_tree,
+    numel,
+    reference_mask,
+    reference_sparsify,
+    trees_st,
+)
 
 # --------------------------------------------------------------------------- kernel configurations
 

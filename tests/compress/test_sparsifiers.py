@@ -16,9 +16,9 @@ import torch._dynamo
 
 import functopk as ft
 from functopk.compress.sparsifiers import _fmix32, _mul32, randk_keys
-from tests.conftest import assert_tree_bitwise_equal, bits, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, bits, clone_tree, ref_leaf_topk_mask
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tree_of(*shapes, dtype=torch.float32, seed=0):
@@ -28,16 +28,6 @@ def tree_of(*shapes, dtype=torch.float32, seed=0):
 
 def flat_true_indices(mask_tree) -> list[int]:
     return torch.cat([m.reshape(-1) for m in optree.tree_leaves(mask_tree)]).nonzero().reshape(-1).tolist()
-
-
-def ref_leaf_topk_mask(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Brute force for one leaf: sort by (-|x| with NaN as inf, index)."""
-    vals = x.reshape(-1).double().tolist()
-    mags = [math.inf if math.isnan(v) else abs(v) for v in vals]
-    order = sorted(range(len(mags)), key=lambda i: (-mags[i], i))
-    keep = torch.zeros(len(mags), dtype=torch.bool)
-    keep[order[:k]] = True
-    return keep.reshape(x.shape)
 
 
 # --------------------------------------------------------------------------- the hash

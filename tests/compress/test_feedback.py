@@ -10,8 +10,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from tests.conftest import assert_tree_bitwise_equal, clone_tree
-from tests.test_compress import ref_leaf_topk_mask
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, ref_leaf_topk_mask
 
 SHAPES = [(6, 5), (7,), (2, 2, 3)]
 

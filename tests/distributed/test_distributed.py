@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 import functopk as ft
 from functopk.distributed import HookStats, TopKHookState, distributed_topk, sparse_allreduce, topk_hook
-from tests.conftest import assert_tree_bitwise_equal, bits, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, batch, bits, clone_tree, small_cnn
 
 WORLD = 3
 PG_TIMEOUT_S = 20.0
@@ -216,7 +216,6 @@ def _ddp_phase(rank: int, pair):
     """DDP with topk_hook on the 2-rank group (constructing DDP imports torch._dynamo: slow, so 2 ranks only)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tests.helpers import batch, small_cnn
 
     log: list = []
     _record_collectives(log)
@@ -275,7 +274,6 @@ def _death_of_rank1(rank: int, pair):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tests.helpers import batch, small_cnn
 
     torch.manual_seed(0)
     # No buffer broadcast in forward, so that the first collective to meet the dead rank is the hook's.
