@@ -59,6 +59,7 @@ from functopk.tree.maths import PyTree
 
 __all__ = [
     "gaussian_threshold",
+    "resolve_k",
     "k_from_density",
     "topk_indices",
     "topk_mask",
@@ -134,6 +135,28 @@ def k_from_density(density: float | torch.Tensor, numel: int) -> KLike:
     if isinstance(density, torch.Tensor):
         return torch.floor(density.to(torch.float64) * numel + 0.5).to(torch.int64).clamp(1, numel)
     return min(numel, max(1, math.floor(density * numel + 0.5)))
+
+
+def resolve_k(k: Any, density: Any, numel: int, *, name: str = "updates") -> KLike:
+    """The count to keep from exactly one of ``k`` and ``density`` (already type-checked), for a tree of ``numel``.
+
+    An int ``k`` must be at most ``numel``; a tensor ``k`` is clamped to
+    ``[1, numel]`` on device; a density becomes :func:`k_from_density`. A tree
+    with no coordinates (for example all-``None`` gradients) is a ``ValueError``
+    that says so.
+    """
+    if numel < 1:
+        raise ValueError(
+            f"{name} has no coordinates: every leaf is empty or None (were all gradients None? "
+            "check that the loss depends on the parameters and that they require grad)"
+        )
+    if k is None:
+        return k_from_density(density, numel)
+    if isinstance(k, torch.Tensor):
+        return _check_k(k, numel)
+    if k > numel:
+        raise ValueError(f"k={k} exceeds the number of coordinates in {name} ({numel})")
+    return k
 
 
 def _float_leaves(tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
