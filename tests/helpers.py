@@ -89,15 +89,19 @@ def make_step(model_fn, tx):
     return step
 
 
-def assert_compiles_like_eager(fn, calls, *, rtol: float = 1e-6, atol: float = 1e-7, bitwise: bool = False):
+def assert_compiles_like_eager(
+    fn, calls, *, rtol: float = 1e-6, atol: float = 1e-7, bitwise: bool = False, backend: str = "inductor"
+):
     """Compile ``fn`` with ``fullgraph=True`` and check it against eager over a sequence of calls.
 
     ``calls`` is a list of argument tuples. Each call's output must equal the
     eager output (bit for bit with ``bitwise``, else to ``rtol``/``atol``); the
     calls after the first must not recompile (``error_on_recompile``). Returns
     the compiled outputs. Callers reset dynamo first (the ``fresh_dynamo`` fixture).
+    ``backend="aot_eager"`` checks the graph capture (no break, no recompile)
+    without inductor's code generation, at a fraction of the compile time.
     """
-    compiled = torch.compile(fn, fullgraph=True)
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
     outs = []
     for i, args in enumerate(calls):
         expected = fn(*args)

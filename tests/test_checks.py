@@ -1,0 +1,129 @@
+"""functopk._checks: the one validator layer and its exception policy (TypeError for types, ValueError for values)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import optree
+import pytest
+import torch
+
+from functopk import _checks as C
+
+
+def test_numbers_bools_ints():
+    assert C.check_number(2, "x") == 2.0
+    with pytest.raises(TypeError, match=r"lr must be a real number, got bool True"):
+        C.check_number(True, "lr")
+    with pytest.raises(TypeError, match="lr must be a real number, got str"):
+        C.check_number("0.1", "lr")
+    with pytest.raises(ValueError, match="lr must not be NaN"):
+        C.check_number(math.nan, "lr")
+    with pytest.raises(ValueError, match=r"b1 must be < 1.0, got 1.0"):
+        C.check_number(1.0, "b1", minimum=0.0, below=1.0)
+    with pytest.raises(ValueError, match=r"eps must be >= 0.0, got -1.0"):
+        C.check_number(-1, "eps", minimum=0.0)
+    assert C.check_int(3, "n", minimum=1) == 3
+    with pytest.raises(TypeError, match="n must be an int, got float 3.0"):
+        C.check_int(3.0, "n")
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        C.check_int(0, "n", minimum=1)
+    with pytest.raises(TypeError, match="flag must be a bool, got int 1"):
+        C.check_bool(1, "flag")
+
+
+def test_hyperparams_accept_0d_float_tensors_unread():
+    t = torch.tensor(-5.0)  # out of range, but reading it would be a host sync: accepted as it is
+    assert C.check_hyperparam(t, "lr", minimum=0.0) is t
+    expected = r"lr must be a real number or a 0-d float tensor, got a tensor of shape \(2,\)"
+    with pytest.raises(TypeError, match=expected):
+        C.check_hyperparam(torch.ones(2), "lr")
+    with pytest.raises(TypeError, match="0-d float tensor"):
+        C.check_hyperparam(torch.tensor(1), "lr")
+    sched = C.check_scalar_or_schedule(lambda c: 0.1, "lr")
+    assert callable(sched)
+
+
+@pytest.mark.parametrize(
+    "k, density, exc, match",
+    [
+        (None, None, ValueError, "exactly one of k or density"),
+        (3, 0.5, ValueError, "exactly one of k or density"),
+        (0, None, ValueError, "k must be >= 1, got 0"),
+        (2.0, None, TypeError, "k must be an int or a 0-d tensor, got float"),
+        (True, None, TypeError, "k must be an int"),
+        (None, 0.0, ValueError, r"density must be in \(0, 1\], got 0.0"),
+        (None, math.nan, ValueError, r"density must be in \(0, 1\], got nan"),
+        (None, "0.1", TypeError, "density must be a number"),
+        (torch.ones(2), None, TypeError, "k must be an int or a 0-d real tensor"),
+        (None, torch.tensor(1), TypeError, "density must be a number in \\(0, 1\\] or a 0-d float tensor"),
+    ],
+)
+def test_k_or_density(k, density, exc, match):
+    with pytest.raises(exc, match=match):
+        C.check_k_or_density(k, density)
+
+
+def test_k_or_density_accepts_tensors_and_schedules_where_allowed():
+    assert C.check_k_or_density(5, None) == (5, None)
+    assert C.check_k_or_density(None, 1) == (None, 1.0)
+    t = torch.tensor(7)
+    assert C.check_k_or_density(t, None)[0] is t
+    with pytest.raises(TypeError, match="k must be an int, got a tensor"):
+        C.check_k_or_density(t, None, allow_tensor=False)
+    fn = lambda c: 3  # noqa: E731
+    assert C.check_k_or_density(fn, None, allow_schedule=True)[0] is fn
+    with pytest.raises(TypeError):
+        C.check_k_or_density(fn, None)
+
+
+def test_iterators_are_refused_with_the_named_parameters_hint():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"params must be a pytree.*dict\(model.named_parameters\(\)\)"):
+        C.check_tree(model.parameters(), "params")
+    with pytest.raises(TypeError, match="iterator"):
+        C.check_leaves((x for x in [torch.ones(1)]), "updates")
+
+
+def test_structure_errors_name_the_first_differing_path_only():
+    big = {f"layer{i:02d}.weight": torch.zeros(1) for i in range(60)}
+    other = dict(big)
+    other["layer37.wieght"] = other.pop("layer37.weight")
+    with pytest.raises(ValueError) as info:
+        C.check_same_structure(big, other, name="updates", expected_name="params")
+    msg = str(info.value)
+    assert "layer37" in msg and len(msg) < 300, msg
+    fewer = dict(big)
+    del fewer["layer59.weight"]
+    with pytest.raises(ValueError, match=r"59 leaves where 60 were expected; first missing: \['layer59.weight'\]"):
+        C.check_same_structure(big, fewer, name="updates", expected_name="params")
+
+
+def test_leaf_checks_name_the_path():
+    with pytest.raises(TypeError, match=r"updates leaf at \['b'\]\[0\] is int 3; expected a torch.Tensor"):
+        C.check_leaves({"a": torch.ones(1), "b": [3]}, "updates")
+    with pytest.raises(TypeError, match=r"updates leaf at \['i'\] has dtype torch.int64; expected a floating-point"):
+        C.check_leaves({"i": torch.ones(1, dtype=torch.int64)}, "updates", floating=True)
+    leaves, treedef = C.check_leaves({"a": torch.ones(2, 3)}, "updates")
+    expected = r"updates leaf at \['a'\] has shape \(1, 3\), but the trace has shape \(2, 3\)"
+    with pytest.raises(ValueError, match=expected):
+        C.check_shapes(treedef, [torch.ones(1, 3)], leaves, name="updates", expected_name="the trace")
+    with pytest.raises(ValueError, match="several devices"):
+        C.one_device([torch.ones(1), torch.ones(1, device="meta")], "tree")
+
+
+def test_state_type_errors_say_whose_state_was_expected():
+    class TraceState(NamedTuple):
+        trace: object
+
+    with pytest.raises(TypeError, match=r"state must be a TraceState \(the state trace's init returns\), got tuple"):
+        C.check_state((1, 2), TraceState, "trace")
+    with pytest.raises(ValueError, match="needs the parameters"):
+        C.require_params(None, "adamw")
+
+
+def test_first_difference_for_node_type_changes():
+    a = optree.tree_structure({"x": (torch.ones(1),)})
+    b = optree.tree_structure({"x": [torch.ones(1)]})
+    assert "node types differ" in C.first_difference(a, b)

@@ -1,0 +1,107 @@
+"""functopk.tree.foreach: list maths against per-leaf torch references, dtypes kept, empty lists accepted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from functopk.tree import foreach
+from tests.helpers import bits
+
+LEAVES = [
+    torch.tensor([1.0, -2.0, 3.0]),
+    torch.tensor([[0.5, -0.25]], dtype=torch.float64),
+    torch.tensor(1.5, dtype=torch.float16),
+    torch.tensor([2.0, -4.0], dtype=torch.bfloat16),
+]
+OTHERS = [x * 0.5 + 1.0 for x in LEAVES]
+
+
+def same(out, expected):
+    assert len(out) == len(expected)
+    for a, b in zip(out, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(bits(a), bits(b.to(a.dtype))), (a, b)
+
+
+SCALARS = [0.25, torch.tensor(0.25), torch.tensor(0.25, dtype=torch.float64)]
+
+
+@pytest.mark.parametrize("s", SCALARS, ids=["float", "t32", "t64"])
+def test_scalar_ops_match_per_leaf_maths_and_keep_dtypes(s):
+    same(foreach.mul(LEAVES, s), [(x * s).to(x.dtype) for x in LEAVES])
+    same(foreach.add_scaled(LEAVES, s, OTHERS), [(x + s * y).to(x.dtype) for x, y in zip(LEAVES, OTHERS)])
+    same(foreach.add_scalar(LEAVES, s), [(x + s).to(x.dtype) for x in LEAVES])
+    same(foreach.lerp(LEAVES, OTHERS, s), [torch.lerp(x, y, torch.as_tensor(s, dtype=x.dtype)) for x, y in
+                                           zip(LEAVES, OTHERS)])
+
+
+def test_binary_and_unary_ops():
+    same(foreach.add(LEAVES, OTHERS), [x + y for x, y in zip(LEAVES, OTHERS)])
+    same(foreach.sub(LEAVES, OTHERS), [x - y for x, y in zip(LEAVES, OTHERS)])
+    same(foreach.div(LEAVES, OTHERS), [x / y for x, y in zip(LEAVES, OTHERS)])
+    same(foreach.mul_list(LEAVES, OTHERS), [x * y for x, y in zip(LEAVES, OTHERS)])
+    same(foreach.addcmul(LEAVES, OTHERS, OTHERS, 0.5), [x + 0.5 * y * y for x, y in zip(LEAVES, OTHERS)])
+    same(foreach.sqrt(OTHERS), [y.sqrt() for y in OTHERS])
+    same(foreach.neg(LEAVES), [-x for x in LEAVES])
+    same(foreach.maximum(LEAVES, OTHERS), [torch.maximum(x, y) for x, y in zip(LEAVES, OTHERS)])
+    same(foreach.clamp(LEAVES, -1.0, 1.0), [x.clamp(-1.0, 1.0) for x in LEAVES])
+    same(foreach.clamp(LEAVES, torch.tensor(-1.0), torch.tensor(1.0)), [x.clamp(-1.0, 1.0) for x in LEAVES])
+    same(foreach.axpby(2.0, LEAVES, -1.0, OTHERS), [2.0 * x - y for x, y in zip(LEAVES, OTHERS)])
+
+
+def test_inputs_are_not_changed_and_div_into_writes_only_its_buffers():
+    before = [x.clone() for x in LEAVES]
+    foreach.add_scaled(LEAVES, 2.0, OTHERS)
+    bufs = [y.clone() for y in OTHERS]
+    out = foreach.div_into(LEAVES, bufs)
+    assert out is bufs
+    same(out, [x / y for x, y in zip(LEAVES, OTHERS)])
+    same(LEAVES, before)
+
+
+def test_where_zeros_full_cast():
+    same(foreach.where(torch.tensor(True), LEAVES, OTHERS), LEAVES)
+    same(foreach.where(torch.tensor(False), LEAVES, OTHERS), OTHERS)
+    same(foreach.where_zero(torch.tensor(False), LEAVES), [torch.zeros_like(x) for x in LEAVES])
+    same(foreach.zeros_like(LEAVES), [torch.zeros_like(x) for x in LEAVES])
+    same(foreach.full_like(LEAVES, torch.tensor(0.5)), [torch.full_like(x, 0.5) for x in LEAVES])
+    same(foreach.cast(LEAVES, torch.float64), [x.double() for x in LEAVES])
+    ints = [torch.tensor([1, 2])]
+    assert foreach.cast(ints, torch.float64)[0].dtype == torch.int64  # only floating leaves are cast
+
+
+def test_every_op_accepts_the_empty_list():
+    for out in (foreach.mul([], 2.0), foreach.add([], []), foreach.sub([], []), foreach.add_scaled([], 1.0, []),
+                foreach.lerp([], [], 0.5), foreach.addcmul([], [], []), foreach.div([], []), foreach.sqrt([]),
+                foreach.maximum([], []), foreach.neg([]), foreach.clamp([], 0.0, 1.0), foreach.zeros_like([]),
+                foreach.mul_list([], []), foreach.add_scalar([], 1.0), foreach.div_into([], [])):
+        assert out == []
+    assert foreach.global_norm([]).item() == 0.0
+    assert bool(foreach.all_finite([]))
+
+
+def test_norms_accumulate_half_precision_in_float32_and_match_float64():
+    big = [torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([3.0, 4.0], dtype=torch.float64)]
+    norms = foreach.norms(big)
+    assert all(n.dtype == torch.float64 for n in norms)
+    assert norms[0].item() == pytest.approx(120000.0) and norms[1].item() == 5.0  # no fp16 overflow
+    expected = math.sqrt(4 * 60000.0**2 + 25.0)
+    assert foreach.global_norm(big).item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_all_finite_sees_nan_and_inf_in_any_dtype():
+    assert bool(foreach.all_finite(LEAVES))
+    for bad in (math.nan, math.inf, -math.inf):
+        leaves = [x.clone() for x in LEAVES]
+        leaves[2] = torch.tensor(bad, dtype=torch.float16)
+        assert not bool(foreach.all_finite(leaves))
+
+
+def test_for_leaves_keeps_float64_only_when_a_leaf_needs_it():
+    s = torch.tensor(0.1, dtype=torch.float64)
+    assert foreach.for_leaves(s, [torch.zeros(1)]).dtype == torch.float32
+    assert foreach.for_leaves(s, [torch.zeros(1), torch.zeros(1, dtype=torch.float64)]).dtype == torch.float64
+    assert foreach.for_leaves(0.5, [torch.zeros(1)]) == 0.5
