@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Union
 import optree
 import torch
 
-from functopk._checks import check_state, check_tree, first_difference, path_str
+from functopk._checks import check_state, check_tree, describe, first_difference, path_str
 from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
 from functopk.tree.maths import PyTree, flatten_like
 
@@ -40,7 +40,7 @@ def resolve_mask(mask: MaskOrFn, tree: PyTree, *, name: str = "mask") -> list[bo
     treedef, flags = _per_leaf(mask, tree, name)
     for path, flag in zip(treedef.paths(), flags):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name} leaf at {path_str(path)} must be a Python bool, got {type(flag).__name__} {flag!r}")
+            raise TypeError(f"{name} leaf at {path_str(path)} must be a Python bool, got {describe(flag)}")
     return flags
 
 

@@ -124,7 +124,7 @@ def test_partition_errors():
         tx.update(PARAMS, {"b": state["a"]}, PARAMS)
     with pytest.raises(TypeError, match="state must be a dict with keys .* got tuple"):
         tx.update(PARAMS, (state["a"],), PARAMS)
-    with pytest.raises(ValueError, match=r"param_labels must have the structure of the parameters: leaf 0 is at \['conv'\] "):
+    with pytest.raises(ValueError, match=r"param_labels must have the structure .*: leaf 0 is at \['conv'\]"):
         ft.partition({"a": ft.sgd(0.1)}, {"conv": "a", "fc": "a"}).init(PARAMS)
     with pytest.raises(ValueError, match=r"params does not have the tree structure of updates: .*\['fc'\]"):
         tx.update(PARAMS, state, {"conv": PARAMS["conv"]})
