@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from functopk._checks import check_bool, check_int, describe
 from functopk.sparse.api import topk_indices, topk_mask
 
 __all__ = ["sparse_allreduce"]
@@ -41,6 +41,7 @@ def _resolve_group(group: dist.ProcessGroup | None, what: str) -> tuple[dist.Pro
         )
     if group is None:
         group = dist.group.WORLD
+        assert group is not None  # initialised above
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the given group")
@@ -190,24 +191,19 @@ def sparse_allreduce(
     """
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.is_floating_point() \
             or indices.is_complex() or indices.dtype == torch.bool:
-        raise TypeError(f"indices must be a 1-d integer tensor, got {_describe(indices)}")
+        raise TypeError(f"indices must be a 1-d integer tensor, got {describe(indices)}")
     if not isinstance(values, torch.Tensor) or values.dim() != 1 or not values.is_floating_point():
-        raise TypeError(f"values must be a 1-d floating-point tensor, got {_describe(values)}")
+        raise TypeError(f"values must be a 1-d floating-point tensor, got {describe(values)}")
     if indices.shape != values.shape:
         raise ValueError(f"indices and values must have the same length, got {indices.numel()} and {values.numel()}")
     if indices.device != values.device:
         raise ValueError(f"indices and values must be on one device, got {indices.device} and {values.device}")
-    if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 1:
-        raise ValueError(f"numel must be an int >= 1, got {numel!r}")
-    numel = int(numel)
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool, got {type(average).__name__}")
+    numel = check_int(numel, "numel", minimum=1)
+    check_bool(average, "average")
     if capacity is not None:
-        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
-            raise TypeError(f"capacity must be an int or None, got {type(capacity).__name__} {capacity!r}")
+        capacity = check_int(capacity, "capacity")
         if capacity < indices.numel():
             raise ValueError(f"capacity={capacity} is smaller than this rank's {indices.numel()} pairs")
-        capacity = int(capacity)
     _check_group_arg(group, "group")
     group, _, world = _resolve_group(group, "sparse_allreduce")
     if indices.numel():
@@ -228,12 +224,6 @@ def sparse_allreduce(
     out = torch.zeros(numel + 1, dtype=values.dtype, device=device)  # the last slot takes the padding
     _scatter_add_(out, _unpack(gathered, world, capacity, numel, values.dtype), 1.0 / world if average else 1.0)
     return out[:numel]
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"{type(x).__name__} {x!r}"
 
 
 def _exchange(idx: torch.Tensor, vals: torch.Tensor, numel: int, group: dist.ProcessGroup, world: int,
