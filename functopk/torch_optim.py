@@ -12,17 +12,18 @@ the whole model::
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Union
 
 import optree
 import torch
 
+from functopk._checks import check_hyperparam, describe
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
 from functopk.tree.maths import PyTree
+from functopk.update import _paired_leaves
 
 __all__ = ["TorchOptimizer"]
 
@@ -31,17 +32,7 @@ _STATE_KEY = "functopk"
 
 
 def _check_lr(lr: Any) -> float | torch.Tensor:
-    if isinstance(lr, torch.Tensor):
-        if lr.dim() != 0 or not lr.is_floating_point():
-            raise TypeError(f"lr must be a number or a 0-d float tensor, got a tensor of shape {tuple(lr.shape)} "
-                            f"and dtype {lr.dtype}")
-        return lr
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
-        raise TypeError(f"lr must be a real number or a 0-d float tensor, got {type(lr).__name__} {lr!r}")
-    lr = float(lr)
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    return lr
+    return check_hyperparam(lr, "lr", minimum=0.0)
 
 
 def _lr_key(lr: Any) -> Any:
@@ -205,10 +196,11 @@ class TorchOptimizer(torch.optim.Optimizer):
         if not all("param_names" in g for g in groups):
             return None
         names = [n for g in groups for n in g["param_names"]]
-        if len(set(names)) != len(names):
-            seen: set[str] = set()
-            dup = next(n for n in names if n in seen or seen.add(n))
-            raise ValueError(f"parameter name {dup!r} appears twice in the param groups; names must be unique")
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise ValueError(f"parameter name {name!r} appears twice in the param groups; names must be unique")
+            seen.add(name)
         return names
 
     @staticmethod
@@ -218,7 +210,7 @@ class TorchOptimizer(torch.optim.Optimizer):
     # -- the step ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Apply the transformation to the current gradients and update the parameters in place.
 
         Args:
@@ -306,22 +298,11 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     def _apply_updates(self, active: PyTree, updates: PyTree) -> None:
         """Add the updates into the parameters of ``active`` (``None`` where no gradient)."""
-        p_leaves, p_def = optree.tree_flatten(active, none_is_leaf=True)
-        u_leaves, u_def = optree.tree_flatten(updates, none_is_leaf=True)
-        if p_def != u_def:
-            raise ValueError(
-                f"the transformation returned updates with tree structure {u_def}, but the parameters with "
-                f"gradients have structure {p_def}"
-            )
-        ps, us = [], []
-        for p, u in zip(p_leaves, u_leaves):
-            if p is None or u is None:
-                continue
-            if u.shape != p.shape:
-                raise ValueError(f"the transformation returned an update of shape {tuple(u.shape)} for a "
-                                 f"parameter of shape {tuple(p.shape)}")
-            ps.append(p)
-            us.append(u if u.dtype == p.dtype else u.to(p.dtype))
+        try:
+            p_leaves, pairs, _ = _paired_leaves(active, updates, in_place=False)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"the transformation's updates do not fit the parameters with gradients: {err}") from err
+        ps, us = [p_leaves[i] for i, _ in pairs], [u for _, u in pairs]
         if not ps:
             return
         if self._injected or all(
@@ -364,11 +345,12 @@ class TorchOptimizer(torch.optim.Optimizer):
             "params_with_state": sorted(index[id(p)] for p in optree.tree_leaves(box["ptree"])),
         }
         # Placed in self.state for the duration of the call, so that state-dict hooks see it.
-        self.state[_STATE_KEY] = entry
+        state: dict[Any, Any] = self.state
+        state[_STATE_KEY] = entry
         try:
             return super().state_dict()
         finally:
-            del self.state[_STATE_KEY]
+            del state[_STATE_KEY]
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -487,7 +469,8 @@ def _remap(state: OptState, ptree: PyTree, target: PyTree, other: OptState | Non
         if not per_param:
             if other_parts is not None and not _same_kind(part, other_parts[i]):
                 raise ValueError(
-                    _CANNOT_RECUT + f" (a state leaf is {_kind(part)} but would need to be {_kind(other_parts[i])})"
+                    _CANNOT_RECUT
+                    + f" (a state leaf is {describe(part)} but would need to be {describe(other_parts[i])})"
                 )
             out.append(part)
             continue
@@ -496,7 +479,7 @@ def _remap(state: OptState, ptree: PyTree, target: PyTree, other: OptState | Non
             have_other = {id(p): v for p, v in zip(optree.tree_leaves(target), optree.tree_leaves(other_parts[i]))}
         else:
             have_other = {}
-        values = []
+        values: list[Any] = []
         for p in t_leaves:
             if p is None:
                 values.append(None)
@@ -513,12 +496,6 @@ _CANNOT_RECUT = (
     "parameter set, so its state cannot be carried over to the new set; give the same parameters a gradient at "
     "every step (e.g. zero_grad(set_to_none=False)) and freeze parameters (no gradient) from the first step"
 )
-
-
-def _kind(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"a {type(x).__name__}"
 
 
 def _same_kind(a: Any, b: Any) -> bool:

@@ -8,6 +8,7 @@ the write. A failed call changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -19,45 +20,51 @@ from functopk.base import Params, Updates
 __all__ = ["apply_updates", "apply_updates_"]
 
 
-def _check_pair(path: Any, p: Any, u: Any) -> None:
-    """The checks for one leaf that has an update: types, dtypes, shape, device."""
-    where = path_str(path)
+def _check_pair(p: Any, u: Any, where: Callable[[], str]) -> None:
+    """The checks for one leaf that has an update: types, dtypes, shape, device (``where()``: its path)."""
     if not isinstance(u, torch.Tensor):
-        raise TypeError(f"updates leaf at {where} is {describe(u)}; expected a torch.Tensor or None")
+        raise TypeError(f"updates leaf at {where()} is {describe(u)}; expected a torch.Tensor or None")
     if p is None:
-        raise ValueError(f"updates has a tensor at {where} where params has None")
+        raise ValueError(f"updates has a tensor at {where()} where params has None")
     if not isinstance(p, torch.Tensor):
-        raise TypeError(f"params leaf at {where} is {describe(p)}; expected a torch.Tensor")
+        raise TypeError(f"params leaf at {where()} is {describe(p)}; expected a torch.Tensor")
     if not p.is_floating_point():
         raise TypeError(
-            f"params leaf at {where} has dtype {p.dtype}; updates are added to floating-point parameters only "
+            f"params leaf at {where()} has dtype {p.dtype}; updates are added to floating-point parameters only "
             "(adding to an integer or bool tensor would silently truncate the update)"
         )
     if not u.is_floating_point():
-        raise TypeError(f"updates leaf at {where} has dtype {u.dtype}; expected a floating-point tensor")
+        raise TypeError(f"updates leaf at {where()} has dtype {u.dtype}; expected a floating-point tensor")
     if p.shape != u.shape:
         raise ValueError(
-            f"updates leaf at {where} has shape {tuple(u.shape)}, but the parameter has shape {tuple(p.shape)}"
+            f"updates leaf at {where()} has shape {tuple(u.shape)}, but the parameter has shape {tuple(p.shape)}"
         )
     if p.device != u.device:
-        raise ValueError(f"updates leaf at {where} is on {u.device}, but the parameter is on {p.device}")
+        raise ValueError(f"updates leaf at {where()} is on {u.device}, but the parameter is on {p.device}")
 
 
-def _paired_leaves(params: Params, updates: Updates, *, in_place: bool) -> tuple[list, list, optree.PyTreeSpec]:
-    """All leaves of params (``None`` kept as a leaf), and the pairs ``(i, update)`` to add, after every check."""
+def _paired_leaves(
+    params: Params, updates: Updates, *, in_place: bool
+) -> tuple[list[Any], list[tuple[int, torch.Tensor]], optree.PyTreeSpec]:
+    """Every check of :func:`apply_updates` (and, ``in_place``, writability), before anything is computed.
+
+    Returns all leaves of ``params`` (``None`` kept as a leaf), the pairs ``(leaf index, update cast to the
+    parameter's dtype)`` for the leaves with an update, and the structure. Leaf paths are built only for a
+    message, so the checks cost no more than a loop over the leaves.
+    """
     check_tree(params, "params")
     check_tree(updates, "updates")
     p_leaves, p_def = optree.tree_flatten(params, none_is_leaf=True)
     u_leaves, u_def = optree.tree_flatten(updates, none_is_leaf=True)
     if p_def != u_def:
         raise ValueError(f"updates does not have the tree structure of params: {first_difference(p_def, u_def)}")
-    paths = p_def.paths()
     pairs = []
-    for i, (path, p, u) in enumerate(zip(paths, p_leaves, u_leaves)):
+    for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
         if u is not None:
-            _check_pair(path, p, u)
+            _check_pair(p, u, lambda: path_str(p_def.paths()[i]))  # noqa: B023 - called at once or not at all
             pairs.append((i, u if u.dtype == p.dtype else u.to(p.dtype)))
     if in_place:
+        paths = p_def.paths()
         check_writable([p_leaves[i] for i, _ in pairs], [paths[i] for i, _ in pairs], "params")
     return p_leaves, pairs, p_def
 
