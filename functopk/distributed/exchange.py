@@ -239,3 +239,38 @@ def _exchange(idx: torch.Tensor, vals: torch.Tensor, numel: int, group: dist.Pro
 def _wire_bytes(k: int, numel: int, value_dtype: torch.dtype) -> int:
     """Bytes one rank sends for ``k`` pairs."""
     return k * (_itemsize(_index_dtype(numel)) + _itemsize(value_dtype))
+
+
+def _send(
+    acc: torch.Tensor, k: int, group: dist.ProcessGroup, world: int, what: str, *, async_op: bool
+) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor]:
+    """Send the top ``k`` of ``acc`` (grads + residual): ``(idx, vals, work, gathered)``.
+
+    ``acc`` is changed in place into the new residual (the sent entries
+    zeroed). A collective that fails at once raises :func:`_comm_error` naming ``what``.
+    """
+    idx, vals = _local_topk(acc, k)
+    acc.index_fill_(0, idx, 0)  # what was not sent
+    try:
+        work, gathered = _exchange(idx, vals, acc.numel(), group, world, async_op)
+    except RuntimeError as exc:
+        raise _comm_error(what, group, exc) from exc
+    return idx, vals, work, gathered
+
+
+def _receive(
+    out: torch.Tensor,
+    gathered: torch.Tensor,
+    sent: tuple[torch.Tensor, torch.Tensor],
+    residual: torch.Tensor,
+    world: int,
+    reselect: bool,
+) -> torch.Tensor:
+    """Add the mean of every rank's pairs into the zeroed ``out``; with ``reselect``, gTop-k (see :func:`_reselect`)."""
+    idx, vals = sent
+    k = idx.numel()
+    _scatter_add_(out, _unpack(gathered, world, k, out.numel(), out.dtype), 1.0 / world)
+    if reselect:
+        _reselect(out, idx, vals, residual, k)
+    return out
+

@@ -9,17 +9,7 @@ import torch
 import torch.distributed as dist
 
 from functopk._checks import check_bool, check_density, check_int
-from functopk.distributed.exchange import (
-    _check_group_arg,
-    _comm_error,
-    _exchange,
-    _local_topk,
-    _reselect,
-    _resolve_group,
-    _scatter_add_,
-    _unpack,
-    _wire_bytes,
-)
+from functopk.distributed.exchange import _check_group_arg, _comm_error, _receive, _resolve_group, _send, _wire_bytes
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
@@ -173,17 +163,12 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     residual = state.residuals.get(key)
     if residual is None:
         residual = state.residuals[key] = torch.zeros_like(buf)
-    acc = residual.add_(buf)  # the residual buffer now holds acc = grads + residual
-    idx, vals = _local_topk(acc, k)
-    acc.index_fill_(0, idx, 0)  # ... and now the new residual
+    residual.add_(buf)  # the residual buffer now holds acc = grads + residual, and after _send the new residual
     state._record(bucket, HookStats(sent, sent * world, n * vbytes, k, n), key)
-    work, gathered = _exchange(idx, vals, n, group, world, async_op=True)
+    idx, vals, work, gathered = _send(residual, k, group, world, "the sparse all-gather of topk_hook", async_op=True)
 
     def finish() -> torch.Tensor:
-        _scatter_add_(buf.zero_(), _unpack(gathered, world, k, n, buf.dtype), 1.0 / world)
-        if state.reselect:
-            _reselect(buf, idx, vals, residual, k)
-        return buf
+        return _receive(buf.zero_(), gathered, (idx, vals), residual, world, state.reselect)
 
     return work.get_future().then(_finisher(group, "the sparse all-gather of topk_hook", finish))
 

@@ -9,17 +9,7 @@ import torch.distributed as dist
 
 from functopk._checks import check_bool, check_k_or_density, check_leaves, check_state
 from functopk.base import GradientTransformation, Params, Updates
-from functopk.distributed.exchange import (
-    _check_group_arg,
-    _comm_error,
-    _exchange,
-    _local_topk,
-    _reselect,
-    _resolve_group,
-    _scatter_add_,
-    _unpack,
-    _wire_bytes,
-)
+from functopk.distributed.exchange import _check_group_arg, _receive, _resolve_group, _send, _wire_bytes
 from functopk.sparse.api import resolve_k
 from functopk.tree.layout import FlatLayout
 
@@ -143,8 +133,10 @@ def distributed_topk(
             )
         kk = _count(k, density, layout.numel)
         grp, _, world = _resolve_group(group, "distributed_topk")
-        acc = layout.ravel(updates, dtype=res.dtype).add_(res)  # a fresh buffer: ours to change
-        mean, residual = _exchange_step(acc, kk, grp, world, reselect)
+        residual = layout.ravel(updates, dtype=res.dtype).add_(res)  # a fresh buffer: ours to change
+        idx, vals, _, gathered = _send(residual, kk, grp, world, "the sparse all-gather of distributed_topk",
+                                       async_op=False)  # fmt: skip
+        mean = _receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, reselect)
         sent = _wire_bytes(kk, layout.numel, res.dtype)
         new_state = DistributedTopKState(
             residual=residual,
@@ -171,20 +163,3 @@ def _count(k: int | None, density: float | None, numel: int) -> int:
     count = resolve_k(k, density, numel, name="the tree")
     assert isinstance(count, int)  # k and density are Python numbers here
     return count
-
-
-def _exchange_step(
-    acc: torch.Tensor, k: int, group: dist.ProcessGroup, world: int, reselect: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send the top ``k`` of ``acc`` (changed in place into the residual); ``(mean over ranks, residual)``."""
-    numel = acc.numel()
-    idx, vals = _local_topk(acc, k)
-    residual = acc.index_fill_(0, idx, 0)  # what was not sent
-    try:
-        _, gathered = _exchange(idx, vals, numel, group, world, async_op=False)
-    except RuntimeError as exc:
-        raise _comm_error("the sparse all-gather of distributed_topk", group, exc) from exc
-    mean = _scatter_add_(torch.zeros_like(acc), _unpack(gathered, world, k, numel, acc.dtype), 1 / world)
-    if reselect:
-        mean, residual = _reselect(mean, idx, vals, residual, k)
-    return mean, residual
