@@ -31,10 +31,6 @@ Factory = Callable[[Any], GradientTransformation]
 _STATE_KEY = "functopk"
 
 
-def _check_lr(lr: Any) -> float | torch.Tensor:
-    return check_hyperparam(lr, "lr", minimum=0.0)
-
-
 def _lr_key(lr: Any) -> Any:
     """A hashable identity for a group's lr: its value for numbers, the object for tensors."""
     return ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else ("number", float(lr))
@@ -143,7 +139,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 return out
 
             self._injected = True
-            self._tx = inject_hyperparams(build)(learning_rate=_check_lr(lr))
+            self._tx = inject_hyperparams(build)(learning_rate=check_hyperparam(lr, "lr", minimum=0.0))
         else:
             raise TypeError(
                 f"tx must be a functopk.GradientTransformation or a factory lr -> GradientTransformation, "
@@ -153,7 +149,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         # torch.compile (dynamo) replays mutations of a dict, but silently drops attribute
         # assignments on torch.optim.Optimizer subclasses (torch 2.14; cf. pytorch/pytorch#171590).
         self._mutable: dict[str, Any] = {"state": None, "ptree": None, "layout": None, "lr": None}
-        super().__init__(params, {"lr": _check_lr(lr)})
+        super().__init__(params, {"lr": check_hyperparam(lr, "lr", minimum=0.0)})
 
     # -- the public view of the state ------------------------------------------------------------
 
@@ -184,7 +180,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             group = self.param_groups[-1]
-            group["lr"] = _check_lr(group["lr"])
+            group["lr"] = check_hyperparam(group["lr"], "lr", minimum=0.0)
             self._names(self.param_groups)
         except (TypeError, ValueError):
             self.param_groups.pop()
@@ -479,14 +475,7 @@ def _remap(state: OptState, ptree: PyTree, target: PyTree, other: OptState | Non
             have_other = {id(p): v for p, v in zip(optree.tree_leaves(target), optree.tree_leaves(other_parts[i]))}
         else:
             have_other = {}
-        values: list[Any] = []
-        for p in t_leaves:
-            if p is None:
-                values.append(None)
-            elif id(p) in have:
-                values.append(have[id(p)])
-            else:
-                values.append(have_other[id(p)])
+        values = [None if p is None else have[id(p)] if id(p) in have else have_other[id(p)] for p in t_leaves]
         out.append(optree.tree_unflatten(t_spec, values))
     return optree.tree_unflatten(skeleton, out)
 
