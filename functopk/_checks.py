@@ -299,36 +299,40 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return offsets.unique().numel() != t.numel()
 
 
-def check_writable(leaves: Sequence[torch.Tensor], paths: Sequence[Any], name: str) -> None:
+def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[int], str]) -> None:
     """``ValueError`` naming the first leaf that an in-place write would corrupt or that refuses one.
 
     Rejects inference tensors (outside ``torch.inference_mode``), leaves whose
     elements share memory (``torch.zeros(3).expand(2, 3)``: one add would land
     several times) and leaves whose memory ranges overlap (the same tensor
     twice; interleaved views of one buffer count as overlapping). Reads
-    strides only, never values.
+    strides only, never values. ``where(i)`` formats leaf ``i``'s path; it is
+    called only for a message, so the checks cost a few attribute reads a leaf.
     """
+    inference_ok = torch.is_inference_mode_enabled()
     ranges = []
-    for path, leaf in zip(paths, leaves):
-        where = path_str(path)
-        if leaf.is_inference() and not torch.is_inference_mode_enabled():
+    for i, leaf in enumerate(leaves):
+        if leaf.is_inference() and not inference_ok:
             raise ValueError(
-                f"{name} leaf at {where} is an inference tensor (made under torch.inference_mode) and cannot be "
+                f"{name} leaf at {where(i)} is an inference tensor (made under torch.inference_mode) and cannot be "
                 "written in place; clone it outside inference mode first"
             )
-        if _overlaps_itself(leaf):
+        contiguous = leaf.is_contiguous()
+        if not contiguous and _overlaps_itself(leaf):
             raise ValueError(
-                f"{name} leaf at {where} has elements that share memory (shape {tuple(leaf.shape)}, strides "
+                f"{name} leaf at {where(i)} has elements that share memory (shape {tuple(leaf.shape)}, strides "
                 f"{leaf.stride()}, e.g. made by expand), so an in-place add would write some of them several "
                 "times; give it its own storage (.clone()) first"
             )
-        if leaf.numel():
-            start = leaf.untyped_storage().data_ptr() + leaf.storage_offset() * leaf.element_size()
-            ranges.append((str(leaf.device), start, start + _span(leaf) * leaf.element_size(), path))
-    ranges.sort(key=lambda r: r[:3])
-    for (dev_a, _, end, a), (dev_b, start, _, b) in zip(ranges, ranges[1:]):
-        if dev_a == dev_b and start < end:
+        n = leaf.numel()
+        if n:
+            start, device = leaf.data_ptr(), leaf.device
+            end = start + (n if contiguous else _span(leaf)) * leaf.element_size()
+            ranges.append((device.type, device.index or 0, start, end, i))
+    ranges.sort()
+    for a, b in zip(ranges, ranges[1:]):
+        if a[:2] == b[:2] and b[2] < a[3]:
             raise ValueError(
-                f"{name} leaves at {path_str(a)} and {path_str(b)} share memory, so an in-place add would write "
+                f"{name} leaves at {where(a[4])} and {where(b[4])} share memory, so an in-place add would write "
                 "some elements twice; each leaf needs its own memory (the same tensor twice?)"
             )

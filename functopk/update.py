@@ -64,8 +64,7 @@ def _paired_leaves(
             _check_pair(p, u, lambda: path_str(p_def.paths()[i]))  # noqa: B023 - called at once or not at all
             pairs.append((i, u if u.dtype == p.dtype else u.to(p.dtype)))
     if in_place:
-        paths = p_def.paths()
-        check_writable([p_leaves[i] for i, _ in pairs], [paths[i] for i, _ in pairs], "params")
+        check_writable([p_leaves[i] for i, _ in pairs], "params", lambda j: path_str(p_def.paths()[pairs[j][0]]))
     return p_leaves, pairs, p_def
 
 
