@@ -30,6 +30,7 @@ from typing import IO, Any, Union
 import optree
 import torch
 
+from functopk._checks import describe
 from functopk.tree.maths import PyTree
 
 __all__ = ["CheckpointError", "load_state", "read_state_dict", "save_state", "state_from_dict", "state_to_dict"]
@@ -87,7 +88,7 @@ def state_to_dict(state: PyTree) -> dict[str, Any]:
             out[path] = leaf
         else:
             raise TypeError(
-                f"state leaf at {path} is a {type(leaf).__name__}; a checkpoint can hold tensors and "
+                f"state leaf at {path} is {describe(leaf)}; a checkpoint can hold tensors and "
                 "Python bool/int/float leaves only"
             )
     if len(out) != len(leaves):  # two leaves with one readable path: cannot happen for optree trees
@@ -104,10 +105,22 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:_MAX_LISTED]) + more
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    return f"a {type(value).__name__}"
+def _structure_mismatch(saved: list[str], paths: list[str], saved_structure: Any, treedef: optree.PyTreeSpec) -> str:
+    """Where the saved leaves first differ from the template's (not both structures in full)."""
+    first = next((i for i, (a, b) in enumerate(zip(saved, paths)) if a != b), min(len(saved), len(paths)))
+    if first < max(len(saved), len(paths)):
+        where = f"leaf {first} is {saved[first] if first < len(saved) else 'absent'} in the checkpoint"
+        detail = [f"{where} but {paths[first] if first < len(paths) else 'absent'} in the current state"]
+    else:
+        detail = [f"the leaf paths agree but the node types differ: saved {_short(str(saved_structure))}, "
+                  f"expected {_short(str(treedef))}"]
+    missing = [p for p in paths if p not in set(saved)]
+    unexpected = [p for p in saved if p not in set(paths)]
+    if missing:
+        detail.append(f"missing leaves: {_listed(missing)}")
+    if unexpected:
+        detail.append(f"unexpected leaves: {_listed(unexpected)}")
+    return "checkpoint structure does not match the current state: " + "; ".join(detail)
 
 
 def state_from_dict(template: PyTree, state_dict: dict[str, Any]) -> PyTree:
@@ -164,18 +177,7 @@ def state_from_dict(template: PyTree, state_dict: dict[str, Any]) -> PyTree:
     leaves, treedef = optree.tree_flatten(template)
     paths = _leaf_paths(treedef)
     if list(saved) != paths or state_dict["structure"] != str(treedef):
-        missing = [p for p in paths if p not in saved]
-        unexpected = [p for p in saved if p not in set(paths)]
-        detail = []
-        if missing:
-            detail.append(f"missing leaves: {_listed(missing)}")
-        if unexpected:
-            detail.append(f"unexpected leaves: {_listed(unexpected)}")
-        raise CheckpointError(
-            "checkpoint structure does not match the current state"
-            + (f" ({'; '.join(detail)})" if detail else "")
-            + f": saved {_short(str(state_dict['structure']))}, expected {_short(str(treedef))}"
-        )
+        raise CheckpointError(_structure_mismatch(list(saved), paths, state_dict["structure"], treedef))
     new_leaves = []
     for path, want in zip(paths, leaves):
         got = saved[path]
@@ -186,7 +188,7 @@ def state_from_dict(template: PyTree, state_dict: dict[str, Any]) -> PyTree:
         else:
             ok = type(got) is type(want)
         if not ok:
-            raise CheckpointError(f"checkpoint leaf {path} is {_describe(got)}, expected {_describe(want)}")
+            raise CheckpointError(f"checkpoint leaf {path} is {describe(got)}, expected {describe(want)}")
         new_leaves.append(got.to(want.device) if isinstance(got, torch.Tensor) else got)
     return optree.tree_unflatten(treedef, new_leaves)
 

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple, Union
 import optree
 import torch
 
-from functopk._checks import path_str
+from functopk._checks import check_state, check_tree, describe, first_difference, path_str
 from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
-from functopk.tree.maths import PyTree
+from functopk.tree.maths import PyTree, flatten_like
 
 __all__ = ["MaskOrFn", "MaskedState", "chain", "masked", "named_chain", "partition", "resolve_mask"]
 
@@ -37,20 +37,35 @@ def resolve_mask(mask: MaskOrFn, tree: PyTree, *, name: str = "mask") -> list[bo
         ValueError: if the mask's structure differs from the tree's.
         TypeError: if a mask leaf is not a Python bool.
     """
-    if callable(mask):
-        mask = mask(tree)
-    treedef = optree.tree_structure(tree)
-    try:
-        flags = treedef.flatten_up_to(mask)
-    except (ValueError, TypeError) as err:
-        raise ValueError(
-            f"{name} must have the structure of the parameters {treedef}, got {optree.tree_structure(mask)}"
-        ) from err
+    treedef, flags = _per_leaf(mask, tree, name)
     for path, flag in zip(treedef.paths(), flags):
         if not isinstance(flag, bool):
-            where = path_str(path)
-            raise TypeError(f"{name} leaf at {where} must be a Python bool, got {type(flag).__name__} {flag!r}")
+            raise TypeError(f"{name} leaf at {path_str(path)} must be a Python bool, got {describe(flag)}")
     return flags
+
+
+def _per_leaf(spec: PyTree, tree: PyTree, name: str) -> tuple[optree.PyTreeSpec, list[Any]]:
+    """``tree``'s structure and the values of ``spec`` (a tree, or a function of ``tree``) at its leaves.
+
+    ``ValueError`` naming the first differing leaf path when ``spec`` is not shaped like ``tree``.
+    """
+    if callable(spec):
+        spec = spec(tree)
+    treedef = optree.tree_structure(tree)
+    try:
+        return treedef, treedef.flatten_up_to(spec)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"{name} must have the structure of the parameters: "
+            f"{first_difference(treedef, optree.tree_structure(spec))}"
+        ) from err
+
+
+def _wrong_state(owner: str, expected: str, got: str) -> TypeError:
+    return TypeError(
+        f"state must be {expected} (the state {owner}'s init returns), got {got}; was it made by a different "
+        "transformation, or by a combinator with other members?"
+    )
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -71,16 +86,16 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         check_transformation(tx, f"transforms[{i}]")
 
     def init(params: Params) -> tuple[OptState, ...]:
+        check_tree(params, "params")
         return tuple(tx.init(params) for tx in transforms)
 
     def update(
         updates: Updates, state: tuple[OptState, ...], params: Params | None = None
     ) -> tuple[Updates, tuple[OptState, ...]]:
-        if not isinstance(state, tuple) or len(state) != len(transforms):
-            raise ValueError(
-                f"state must be a tuple of {len(transforms)} states (one per chained transformation), "
-                f"got {type(state).__name__}" + (f" of length {len(state)}" if isinstance(state, tuple) else "")
-            )
+        check_tree(updates, "updates")
+        if type(state) is not tuple or len(state) != len(transforms):
+            got = f"a tuple of {len(state)}" if type(state) is tuple else type(state).__name__
+            raise _wrong_state("chain", f"a tuple of {len(transforms)} states, one per chained transformation", got)
         new_state = []
         for tx, s in zip(transforms, state):
             updates, s = tx.update(updates, s, params)
@@ -114,14 +129,16 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         raise ValueError(f"named_chain names must be distinct, got {names}")
 
     def init(params: Params) -> dict[str, Any]:
+        check_tree(params, "params")
         return {name: tx.init(params) for name, tx in transforms}
 
     def update(
         updates: Updates, state: dict[str, Any], params: Params | None = None
     ) -> tuple[Updates, dict[str, Any]]:
+        check_tree(updates, "updates")
         if not isinstance(state, dict) or set(state) != set(names):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"state must be a dict with keys {sorted(names)}, got {got}")
+            got = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else type(state).__name__
+            raise _wrong_state("named_chain", f"a dict with keys {sorted(names)}", got)
         new_state = {}
         for name, tx in transforms:
             updates, new_state[name] = tx.update(updates, state[name], params)
@@ -145,6 +162,14 @@ def _sub_leaves(treedef: optree.PyTreeSpec, sub: PyTree, keep: list[bool], name:
         if k and not isinstance(leaf, torch.Tensor):
             raise ValueError(f"{name} returned {type(leaf).__name__} for a leaf it was given; expected a tensor")
     return leaves
+
+
+def _flatten_pair(updates: Updates, params: Params | None) -> tuple[list[Any], optree.PyTreeSpec, list[Any] | None]:
+    """The leaves of ``updates``, its structure, and the leaves of ``params`` (``None`` if not given), checked alike."""
+    leaves, treedef = optree.tree_flatten(check_tree(updates, "updates"))
+    if params is None:
+        return leaves, treedef, None
+    return leaves, treedef, flatten_like(check_tree(params, "params"), treedef, "params", "updates")
 
 
 class MaskedState(NamedTuple):
@@ -179,21 +204,15 @@ def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformat
         optree.tree_structure(mask)
 
     def init(params: Params) -> MaskedState:
-        leaves, treedef = optree.tree_flatten(params)
+        leaves, treedef = optree.tree_flatten(check_tree(params, "params"))
         keep = resolve_mask(mask, params)
         return MaskedState(inner.init(_subtree(treedef, leaves, keep)))
 
     def update(updates: Updates, state: MaskedState, params: Params | None = None) -> tuple[Updates, MaskedState]:
-        if not isinstance(state, MaskedState):
-            raise ValueError(f"state must be a MaskedState, got {type(state).__name__}")
-        leaves, treedef = optree.tree_flatten(updates)
+        check_state(state, MaskedState, "masked")
+        leaves, treedef, p_leaves = _flatten_pair(updates, params)
         keep = resolve_mask(mask, updates if params is None else params)
-        sub_params = None
-        if params is not None:
-            p_leaves, p_def = optree.tree_flatten(params)
-            if p_def != treedef:
-                raise ValueError(f"updates has tree structure {treedef}, but params has {p_def}; they must match")
-            sub_params = _subtree(treedef, p_leaves, keep)
+        sub_params = None if p_leaves is None else _subtree(treedef, p_leaves, keep)
         sub_updates, inner_state = inner.update(_subtree(treedef, leaves, keep), state.inner_state, sub_params)
         new = _sub_leaves(treedef, sub_updates, keep, "masked's inner transformation")
         out = [n if k else x for x, n, k in zip(leaves, new, keep)]
@@ -207,20 +226,11 @@ LabelsOrFn = Union[PyTree, Callable[[PyTree], PyTree]]
 
 
 def _resolve_labels(labels: LabelsOrFn, tree: PyTree, known: Mapping[Hashable, Any]) -> list[Hashable]:
-    if callable(labels):
-        labels = labels(tree)
-    treedef = optree.tree_structure(tree)
-    try:
-        flat = treedef.flatten_up_to(labels)
-    except (ValueError, TypeError) as err:
-        raise ValueError(
-            f"param_labels must have the structure of the parameters {treedef}, got {optree.tree_structure(labels)}"
-        ) from err
+    treedef, flat = _per_leaf(labels, tree, "param_labels")
     for path, label in zip(treedef.paths(), flat):
         if label is None or not isinstance(label, Hashable) or label not in known:
-            where = path_str(path)
             raise ValueError(
-                f"param_labels leaf at {where} is {label!r}, which is not a key of transforms "
+                f"param_labels leaf at {path_str(path)} is {label!r}, which is not a key of transforms "
                 f"{sorted(map(repr, known))}"
             )
     return flat
@@ -258,7 +268,7 @@ def partition(
         optree.tree_structure(param_labels)
 
     def init(params: Params) -> dict[Hashable, OptState]:
-        leaves, treedef = optree.tree_flatten(params)
+        leaves, treedef = optree.tree_flatten(check_tree(params, "params"))
         labels = _resolve_labels(param_labels, params, transforms)
         return {
             label: tx.init(_subtree(treedef, leaves, [lab == label for lab in labels]))
@@ -269,15 +279,10 @@ def partition(
         updates: Updates, state: dict[Hashable, OptState], params: Params | None = None
     ) -> tuple[Updates, dict[Hashable, OptState]]:
         if not isinstance(state, dict) or set(state) != set(transforms):
-            got = sorted(map(repr, state)) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"state must be a dict with keys {sorted(map(repr, transforms))}, got {got}")
-        leaves, treedef = optree.tree_flatten(updates)
+            got = f"a dict with keys {sorted(map(repr, state))}" if isinstance(state, dict) else type(state).__name__
+            raise _wrong_state("partition", f"a dict with keys {sorted(map(repr, transforms))}", got)
+        leaves, treedef, p_leaves = _flatten_pair(updates, params)
         labels = _resolve_labels(param_labels, updates if params is None else params, transforms)
-        p_leaves = None
-        if params is not None:
-            p_leaves, p_def = optree.tree_flatten(params)
-            if p_def != treedef:
-                raise ValueError(f"updates has tree structure {treedef}, but params has {p_def}; they must match")
         out = list(leaves)
         new_state = {}
         for label, tx in transforms.items():

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from functopk._checks import check_bool, describe, path_str
+
 __all__ = ["FunctionalModel", "functionalize", "load_into_module_"]
 
 Tree = dict[str, torch.Tensor]
@@ -55,21 +57,22 @@ class FunctionalModel:
             raise TypeError(
                 f"params and buffers must be dicts of tensors, got {type(params).__name__} and {type(buffers).__name__}"
             )
-        if train is not None and not isinstance(train, bool):
-            raise TypeError(f"train must be a bool or None, got {type(train).__name__}")
+        if train is not None:
+            check_bool(train, "train")
         # Fresh copies for the module to update in place (BatchNorm running stats):
         # the caller's buffers are never written, and inside torch.func.grad the
         # copies belong to the transformed function, so mutating them is allowed.
         new_buffers = {name: b.clone() for name, b in buffers.items()}
         module = self.module
-        switch = train is not None and train != module.training
+        was_training = module.training
+        switch = train is not None and train != was_training
         if switch:
-            module.train(train)
+            module.train(not was_training)
         try:
             out = functional_call(module, (params, new_buffers), args, kwargs, strict=True)
         finally:
             if switch:
-                module.train(not train)
+                module.train(was_training)
         return out, new_buffers
 
     def __repr__(self) -> str:
@@ -119,11 +122,12 @@ def _checked_pairs(named: dict[str, torch.Tensor], values: Tree, kind: str) -> l
     pairs = []
     for name, target in named.items():
         value = values[name]
+        where = kind + path_str((name,))
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{kind}[{name!r}] must be a tensor, got {type(value).__name__}")
+            raise TypeError(f"{where} must be a tensor, got {describe(value)}")
         if value.shape != target.shape or value.dtype != target.dtype:
             raise ValueError(
-                f"{kind}[{name!r}] has shape {tuple(value.shape)} and dtype {value.dtype}; the module's has "
+                f"{where} has shape {tuple(value.shape)} and dtype {value.dtype}; the module's has "
                 f"shape {tuple(target.shape)} and dtype {target.dtype}"
             )
         pairs.append((target, value))

@@ -12,12 +12,12 @@ Steps are counted from 0: ``schedule(0)`` is the value used for the first update
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from functopk._checks import check_bool, check_callable, check_density, check_int, check_number, describe
 from functopk.base import Schedule
 
 __all__ = [
@@ -36,27 +36,14 @@ def _count(step: Any) -> torch.Tensor:
     """The step as a float64 tensor (on its own device when it is a tensor)."""
     if isinstance(step, torch.Tensor):
         return step.to(torch.float64)
-    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
-        return torch.tensor(float(step), dtype=torch.float64)
-    raise TypeError(f"a schedule takes the step count (an integer or a 0-d tensor), got {type(step).__name__}")
+    try:
+        return torch.tensor(float(check_int(step, "step")), dtype=torch.float64)
+    except TypeError:
+        raise TypeError(f"a schedule takes the step count (an int or a 0-d tensor), got {describe(step)}") from None
 
 
 def _out(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
-
-
-def _real(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _steps(value: Any, name: str, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def constant_schedule(value: float) -> Schedule:
@@ -67,7 +54,7 @@ def constant_schedule(value: float) -> Schedule:
         >>> ft.constant_schedule(0.1)(7)
         tensor(0.1000)
     """
-    value = _real(value, "value")
+    value = check_number(value, "value")
 
     def schedule(step: Any) -> torch.Tensor:
         count = _count(step)
@@ -88,9 +75,9 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int, 
         >>> [round(float(s(i)), 2) for i in range(6)]
         [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
     """
-    init_value, end_value = _real(init_value, "init_value"), _real(end_value, "end_value")
-    transition_steps = _steps(transition_steps, "transition_steps", minimum=1)
-    transition_begin = _steps(transition_begin, "transition_begin")
+    init_value, end_value = check_number(init_value, "init_value"), check_number(end_value, "end_value")
+    transition_steps = check_int(transition_steps, "transition_steps", minimum=1)
+    transition_begin = check_int(transition_begin, "transition_begin", minimum=0)
 
     def schedule(step: Any) -> torch.Tensor:
         frac = ((_count(step) - transition_begin) / transition_steps).clamp(0.0, 1.0)
@@ -112,9 +99,9 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
         >>> [round(float(s(i)), 4) for i in (0, 2, 4, 9)]
         [1.0, 0.5, 0.0, 0.0]
     """
-    init_value = _real(init_value, "init_value")
-    decay_steps = _steps(decay_steps, "decay_steps", minimum=1)
-    alpha = _real(alpha, "alpha")
+    init_value = check_number(init_value, "init_value")
+    decay_steps = check_int(decay_steps, "decay_steps", minimum=1)
+    alpha = check_number(alpha, "alpha")
 
     def schedule(step: Any) -> torch.Tensor:
         t = _count(step).clamp(0.0, decay_steps)
@@ -138,10 +125,10 @@ def warmup_cosine_decay_schedule(
         >>> [round(float(s(i)), 3) for i in range(8)]
         [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0, 0.0]
     """
-    init_value, peak_value = _real(init_value, "init_value"), _real(peak_value, "peak_value")
-    end_value = _real(end_value, "end_value")
-    warmup_steps = _steps(warmup_steps, "warmup_steps")
-    decay_steps = _steps(decay_steps, "decay_steps", minimum=1)
+    init_value, peak_value = check_number(init_value, "init_value"), check_number(peak_value, "peak_value")
+    end_value = check_number(end_value, "end_value")
+    warmup_steps = check_int(warmup_steps, "warmup_steps", minimum=0)
+    decay_steps = check_int(decay_steps, "decay_steps", minimum=1)
     if warmup_steps >= decay_steps:
         raise ValueError(f"warmup_steps ({warmup_steps}) must be < decay_steps ({decay_steps})")
     cosine_steps = decay_steps - warmup_steps
@@ -173,15 +160,14 @@ def exponential_decay(
         >>> [float(s(i)) for i in range(5)]
         [1.0, 1.0, 0.5, 0.5, 0.25]
     """
-    init_value = _real(init_value, "init_value")
-    transition_steps = _steps(transition_steps, "transition_steps", minimum=1)
-    decay_rate = _real(decay_rate, "decay_rate")
+    init_value = check_number(init_value, "init_value")
+    transition_steps = check_int(transition_steps, "transition_steps", minimum=1)
+    decay_rate = check_number(decay_rate, "decay_rate")
     if decay_rate <= 0:
         raise ValueError(f"decay_rate must be > 0, got {decay_rate}")
-    transition_begin = _steps(transition_begin, "transition_begin")
-    if not isinstance(staircase, bool):
-        raise TypeError(f"staircase must be a bool, got {type(staircase).__name__}")
-    end = None if end_value is None else _real(end_value, "end_value")
+    transition_begin = check_int(transition_begin, "transition_begin", minimum=0)
+    check_bool(staircase, "staircase")
+    end = None if end_value is None else check_number(end_value, "end_value")
 
     def schedule(step: Any) -> torch.Tensor:
         exponent = (_count(step) - transition_begin).clamp_min(0.0) / transition_steps
@@ -209,11 +195,11 @@ def piecewise_constant_schedule(
         >>> [round(float(s(i)), 3) for i in range(6)]
         [1.0, 1.0, 0.1, 0.1, 0.05, 0.05]
     """
-    init_value = _real(init_value, "init_value")
+    init_value = check_number(init_value, "init_value")
     items = sorted((boundaries_and_scales or {}).items())
     for b, s in items:
-        _steps(b, "boundary")
-        _real(s, f"scale at boundary {b}")
+        check_int(b, "boundary", minimum=0)
+        check_number(s, f"scale at boundary {b}")
 
     def schedule(step: Any) -> torch.Tensor:
         count = _count(step)
@@ -242,15 +228,14 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
             f"join_schedules needs one more schedule than boundaries, got {len(schedules)} and {len(boundaries)}"
         )
     for i, s in enumerate(schedules):
-        if not callable(s):
-            raise TypeError(f"schedules[{i}] must be callable, got {type(s).__name__}")
+        check_callable(s, f"schedules[{i}]")
     for b in boundaries:
-        _steps(b, "boundary")
+        check_int(b, "boundary", minimum=0)
     if boundaries != sorted(boundaries):
         raise ValueError(f"boundaries must be increasing, got {boundaries}")
 
     def schedule(step: Any) -> torch.Tensor:
-        count = step if isinstance(step, torch.Tensor) else torch.tensor(_steps(step, "step"))
+        count = step if isinstance(step, torch.Tensor) else torch.tensor(check_int(step, "step", minimum=0))
         value = torch.as_tensor(schedules[0](count), dtype=torch.float32, device=count.device)
         for boundary, s in zip(boundaries, schedules[1:]):
             later = torch.as_tensor(s(count - boundary), dtype=torch.float32, device=count.device)
@@ -287,11 +272,9 @@ def dgc_density_warmup(final_density: float, steps_per_epoch: int, warmup_epochs
         >>> [round(float(s(i)), 6) for i in (0, 9, 10, 20, 30, 40, 1000)]
         [0.251189, 0.251189, 0.063096, 0.015849, 0.003981, 0.001, 0.001]
     """
-    final = _real(final_density, "final_density")
-    if not 0.0 < final <= 1.0:
-        raise ValueError(f"final_density must be in (0, 1], got {final}")
-    steps_per_epoch = _steps(steps_per_epoch, "steps_per_epoch", minimum=1)
-    warmup_epochs = _steps(warmup_epochs, "warmup_epochs")
+    final = float(check_density(final_density, "final_density", allow_tensor=False))
+    steps_per_epoch = check_int(steps_per_epoch, "steps_per_epoch", minimum=1)
+    warmup_epochs = check_int(warmup_epochs, "warmup_epochs", minimum=0)
 
     def schedule(step: Any) -> torch.Tensor:
         epoch = torch.floor(_count(step).clamp_min(0.0) / steps_per_epoch)

@@ -12,36 +12,23 @@ the whole model::
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Union
 
 import optree
 import torch
 
+from functopk._checks import check_hyperparam, describe
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
 from functopk.tree.maths import PyTree
+from functopk.update import _paired_leaves
 
 __all__ = ["TorchOptimizer"]
 
 Factory = Callable[[Any], GradientTransformation]
 _STATE_KEY = "functopk"
-
-
-def _check_lr(lr: Any) -> float | torch.Tensor:
-    if isinstance(lr, torch.Tensor):
-        if lr.dim() != 0 or not lr.is_floating_point():
-            raise TypeError(f"lr must be a number or a 0-d float tensor, got a tensor of shape {tuple(lr.shape)} "
-                            f"and dtype {lr.dtype}")
-        return lr
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
-        raise TypeError(f"lr must be a real number or a 0-d float tensor, got {type(lr).__name__} {lr!r}")
-    lr = float(lr)
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    return lr
 
 
 def _lr_key(lr: Any) -> Any:
@@ -152,7 +139,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 return out
 
             self._injected = True
-            self._tx = inject_hyperparams(build)(learning_rate=_check_lr(lr))
+            self._tx = inject_hyperparams(build)(learning_rate=check_hyperparam(lr, "lr", minimum=0.0))
         else:
             raise TypeError(
                 f"tx must be a functopk.GradientTransformation or a factory lr -> GradientTransformation, "
@@ -162,7 +149,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         # torch.compile (dynamo) replays mutations of a dict, but silently drops attribute
         # assignments on torch.optim.Optimizer subclasses (torch 2.14; cf. pytorch/pytorch#171590).
         self._mutable: dict[str, Any] = {"state": None, "ptree": None, "layout": None, "lr": None}
-        super().__init__(params, {"lr": _check_lr(lr)})
+        super().__init__(params, {"lr": check_hyperparam(lr, "lr", minimum=0.0)})
 
     # -- the public view of the state ------------------------------------------------------------
 
@@ -193,7 +180,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             group = self.param_groups[-1]
-            group["lr"] = _check_lr(group["lr"])
+            group["lr"] = check_hyperparam(group["lr"], "lr", minimum=0.0)
             self._names(self.param_groups)
         except (TypeError, ValueError):
             self.param_groups.pop()
@@ -205,10 +192,11 @@ class TorchOptimizer(torch.optim.Optimizer):
         if not all("param_names" in g for g in groups):
             return None
         names = [n for g in groups for n in g["param_names"]]
-        if len(set(names)) != len(names):
-            seen: set[str] = set()
-            dup = next(n for n in names if n in seen or seen.add(n))
-            raise ValueError(f"parameter name {dup!r} appears twice in the param groups; names must be unique")
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise ValueError(f"parameter name {name!r} appears twice in the param groups; names must be unique")
+            seen.add(name)
         return names
 
     @staticmethod
@@ -218,7 +206,7 @@ class TorchOptimizer(torch.optim.Optimizer):
     # -- the step ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Apply the transformation to the current gradients and update the parameters in place.
 
         Args:
@@ -306,22 +294,11 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     def _apply_updates(self, active: PyTree, updates: PyTree) -> None:
         """Add the updates into the parameters of ``active`` (``None`` where no gradient)."""
-        p_leaves, p_def = optree.tree_flatten(active, none_is_leaf=True)
-        u_leaves, u_def = optree.tree_flatten(updates, none_is_leaf=True)
-        if p_def != u_def:
-            raise ValueError(
-                f"the transformation returned updates with tree structure {u_def}, but the parameters with "
-                f"gradients have structure {p_def}"
-            )
-        ps, us = [], []
-        for p, u in zip(p_leaves, u_leaves):
-            if p is None or u is None:
-                continue
-            if u.shape != p.shape:
-                raise ValueError(f"the transformation returned an update of shape {tuple(u.shape)} for a "
-                                 f"parameter of shape {tuple(p.shape)}")
-            ps.append(p)
-            us.append(u if u.dtype == p.dtype else u.to(p.dtype))
+        try:
+            p_leaves, pairs, _ = _paired_leaves(active, updates, in_place=False)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"the transformation's updates do not fit the parameters with gradients: {err}") from err
+        ps, us = [p_leaves[i] for i, _ in pairs], [u for _, u in pairs]
         if not ps:
             return
         if self._injected or all(
@@ -364,11 +341,12 @@ class TorchOptimizer(torch.optim.Optimizer):
             "params_with_state": sorted(index[id(p)] for p in optree.tree_leaves(box["ptree"])),
         }
         # Placed in self.state for the duration of the call, so that state-dict hooks see it.
-        self.state[_STATE_KEY] = entry
+        state: dict[Any, Any] = self.state
+        state[_STATE_KEY] = entry
         try:
             return super().state_dict()
         finally:
-            del self.state[_STATE_KEY]
+            del state[_STATE_KEY]
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -487,7 +465,8 @@ def _remap(state: OptState, ptree: PyTree, target: PyTree, other: OptState | Non
         if not per_param:
             if other_parts is not None and not _same_kind(part, other_parts[i]):
                 raise ValueError(
-                    _CANNOT_RECUT + f" (a state leaf is {_kind(part)} but would need to be {_kind(other_parts[i])})"
+                    _CANNOT_RECUT
+                    + f" (a state leaf is {describe(part)} but would need to be {describe(other_parts[i])})"
                 )
             out.append(part)
             continue
@@ -496,14 +475,7 @@ def _remap(state: OptState, ptree: PyTree, target: PyTree, other: OptState | Non
             have_other = {id(p): v for p, v in zip(optree.tree_leaves(target), optree.tree_leaves(other_parts[i]))}
         else:
             have_other = {}
-        values = []
-        for p in t_leaves:
-            if p is None:
-                values.append(None)
-            elif id(p) in have:
-                values.append(have[id(p)])
-            else:
-                values.append(have_other[id(p)])
+        values = [None if p is None else have[id(p)] if id(p) in have else have_other[id(p)] for p in t_leaves]
         out.append(optree.tree_unflatten(t_spec, values))
     return optree.tree_unflatten(skeleton, out)
 
@@ -513,12 +485,6 @@ _CANNOT_RECUT = (
     "parameter set, so its state cannot be carried over to the new set; give the same parameters a gradient at "
     "every step (e.g. zero_grad(set_to_none=False)) and freeze parameters (no gradient) from the first step"
 )
-
-
-def _kind(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"a {type(x).__name__}"
 
 
 def _same_kind(a: Any, b: Any) -> bool:

@@ -62,5 +62,10 @@ def test_combinator_argument_errors():
     with pytest.raises(ValueError, match="distinct"):
         ft.named_chain(("a", ft.identity()), ("a", ft.identity()))
     tx = ft.named_chain(("a", ft.identity()))
-    with pytest.raises(ValueError, match="keys"):
+    with pytest.raises(TypeError, match=r"state must be a dict with keys \['a'\] .* got a dict with keys \['b'\]"):
         tx.update(GRADS, {"b": ft.EmptyState()})
+    chained = ft.chain(ft.identity(), ft.identity())
+    with pytest.raises(TypeError, match=r"state must be a tuple of 2 states, .* got a tuple of 1"):
+        chained.update(GRADS, (ft.EmptyState(),))
+    with pytest.raises(TypeError, match=r"state must be a tuple of 2 states, .* got EmptyState"):
+        chained.update(GRADS, ft.EmptyState())

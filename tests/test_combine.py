@@ -70,8 +70,14 @@ def test_masked_errors():
     with pytest.raises(TypeError, match=r"mask leaf at \['conv'\]\['bias'\] must be a Python bool, got int"):
         tx.init(PARAMS)
     tx = ft.masked(ft.scale(2.0), {"conv": True, "fc": (True, False)})
-    with pytest.raises(ValueError, match="mask must have the structure of the parameters"):
+    with pytest.raises(ValueError, match=r"mask must have the structure of the parameters: leaf 0 is at \['conv'\] "):
         tx.init(PARAMS)
+    tx = ft.masked(ft.scale(2.0), is_matrix)
+    state = tx.init(PARAMS)
+    with pytest.raises(TypeError, match=r"state must be a MaskedState \(the state masked's init returns\), got tuple"):
+        tx.update(PARAMS, (state.inner_state,), PARAMS)
+    with pytest.raises(ValueError, match=r"params does not have the tree structure of updates: .*\['fc'\]"):
+        tx.update(PARAMS, state, {"conv": PARAMS["conv"]})
 
 
 # ---------------------------------------------------------------- partition
@@ -114,8 +120,14 @@ def test_partition_errors():
         tx.init(PARAMS)
     tx = ft.partition({"a": ft.sgd(0.1)}, ft.tree.map(lambda x: "a", PARAMS))
     state = tx.init(PARAMS)
-    with pytest.raises(ValueError, match="state must be a dict with keys"):
+    with pytest.raises(TypeError, match=r"state must be a dict with keys \[\"'a'\"\] \(the state partition's init"):
         tx.update(PARAMS, {"b": state["a"]}, PARAMS)
+    with pytest.raises(TypeError, match="state must be a dict with keys .* got tuple"):
+        tx.update(PARAMS, (state["a"],), PARAMS)
+    with pytest.raises(ValueError, match=r"param_labels must have the structure .*: leaf 0 is at \['conv'\]"):
+        ft.partition({"a": ft.sgd(0.1)}, {"conv": "a", "fc": "a"}).init(PARAMS)
+    with pytest.raises(ValueError, match=r"params does not have the tree structure of updates: .*\['fc'\]"):
+        tx.update(PARAMS, state, {"conv": PARAMS["conv"]})
 
 
 # ---------------------------------------------------------------- clipping

@@ -79,6 +79,13 @@ def test_exponential_end_value_bounds():
         (lambda: ft.join_schedules([ft.constant_schedule(1.0)], [3]), ValueError, "one more schedule"),
         (lambda: ft.join_schedules([ft.constant_schedule(1.0)] * 3, [5, 2]), ValueError, "increasing"),
         (lambda: ft.piecewise_constant_schedule(1.0, {-1: 0.5}), ValueError, "boundary must be >= 0"),
+        (lambda: ft.constant_schedule(float("nan")), ValueError, "value must not be NaN"),
+        (lambda: ft.cosine_decay_schedule(1.0, 4, alpha=True), TypeError, "alpha must be a real number, got bool"),
+        (lambda: ft.exponential_decay(1.0, 1, 0.5, staircase=1), TypeError, "staircase must be a bool, got int 1"),
+        (lambda: ft.dgc_density_warmup(0.0, 10), ValueError, r"final_density must be in \(0, 1\], got 0.0"),
+        (lambda: ft.dgc_density_warmup(0.1, 10, 1.5), TypeError, "warmup_epochs must be an int, got float 1.5"),
+        (lambda: ft.join_schedules([1.0, ft.constant_schedule(1.0)], [2]), TypeError, r"schedules\[0\] must be a call"),
+        (lambda: ft.constant_schedule(1.0)(1.5), TypeError, "a schedule takes the step count .* got float 1.5"),
     ],
 )
 def test_bad_arguments(make, exc, match):

@@ -57,3 +57,74 @@ def test_apply_updates_errors_leave_params_untouched(fn):
     with pytest.raises(ValueError, match="where params has None"):
         fn(dict(params, frozen=None), dict(updates, frozen=torch.ones(1)))
     assert_tree_bitwise_equal(params, p0)
+
+
+@pytest.mark.parametrize("fn", [ft.apply_updates, ft.apply_updates_], ids=["pure", "inplace"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8])
+def test_integer_and_bool_params_are_an_error_not_a_truncation(fn, dtype):
+    params = {"a": torch.ones(2), "n": torch.ones(2, dtype=dtype)}
+    p0 = clone_tree(params)
+    with pytest.raises(TypeError, match=r"params leaf at \['n'\] has dtype .*floating-point parameters only"):
+        fn(params, {"a": torch.ones(2), "n": torch.full((2,), 0.4)})
+    assert_tree_bitwise_equal(params, p0)
+    out = fn(params, {"a": torch.ones(2), "n": None})  # a frozen integer leaf is left alone
+    assert out["n"] is params["n"] and torch.equal(out["a"], torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("fn", [ft.apply_updates, ft.apply_updates_], ids=["pure", "inplace"])
+def test_non_floating_updates_and_non_tensor_leaves_are_rejected(fn):
+    params = {"a": torch.ones(2), "b": torch.ones(2)}
+    p0 = clone_tree(params)
+    with pytest.raises(TypeError, match=r"updates leaf at \['b'\] has dtype torch.int64; expected a floating"):
+        fn(params, {"a": torch.ones(2), "b": torch.ones(2, dtype=torch.int64)})
+    with pytest.raises(TypeError, match=r"updates leaf at \['b'\] is float 1.0; expected a torch.Tensor or None"):
+        fn(params, {"a": torch.ones(2), "b": 1.0})
+    with pytest.raises(TypeError, match=r"params leaf at \['b'\] is int 3; expected a torch.Tensor"):
+        fn({"a": params["a"], "b": 3}, {"a": torch.ones(2), "b": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"updates leaf at \['b'\] is on meta, but the parameter is on cpu"):
+        fn(params, {"a": torch.ones(2), "b": torch.ones(2, device="meta")})
+    assert_tree_bitwise_equal(params, p0)
+
+
+def _unwritable_cases():
+    base = torch.zeros(6)
+    return {
+        "expanded": (torch.zeros(3).expand(2, 3), "share memory"),
+        "as_strided": (torch.zeros(6).as_strided((2, 3), (1, 1)), "share memory"),
+        "broadcast_to": (torch.zeros(1, 3).broadcast_to(4, 3), "share memory"),
+        "inference": (_inference_zeros(2, 3), "inference tensor"),
+        "alias": (base.view(2, 3), r"leaves at \['a'\] and \['z'\] share memory"),
+    }, base
+
+
+def _inference_zeros(*shape):
+    with torch.inference_mode():
+        return torch.zeros(*shape)
+
+
+@pytest.mark.parametrize("case", ["expanded", "as_strided", "broadcast_to", "inference", "alias"])
+def test_apply_updates_inplace_is_all_or_nothing(case):
+    """A leaf that cannot take the write, last in flat order: no leaf before it is written."""
+    cases, base = _unwritable_cases()
+    bad, message = cases[case]
+    first = base if case == "alias" else torch.arange(6.0)
+    params = {"a": first, "m": torch.ones(4, dtype=torch.bfloat16), "z": bad}
+    updates = ft.tree.map(lambda p: torch.ones(p.shape), params)
+    p0 = clone_tree(params)
+    with pytest.raises(ValueError, match=message):
+        ft.apply_updates_(params, updates)
+    assert_tree_bitwise_equal(params, p0)
+    if case != "inference":  # the pure twin writes nothing, so any layout is fine
+        out = ft.apply_updates(params, updates)
+        assert torch.equal(out["z"], bad + 1)
+
+
+def test_apply_updates_inplace_accepts_strided_and_disjoint_views():
+    flat = torch.zeros(10)
+    params = {"a": flat[:4].view(2, 2), "b": flat[4:], "t": torch.arange(6.0).reshape(2, 3).t(),
+              "s": torch.arange(8.0)[::2]}
+    updates = ft.tree.map(lambda p: torch.full(p.shape, 0.5), params)
+    expected = ft.apply_updates(params, updates)
+    ft.apply_updates_(params, updates)
+    assert_tree_bitwise_equal(params, expected)
+    assert torch.equal(flat, torch.full((10,), 0.5))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from functopk._checks import check_bool, check_int, describe
 from functopk.sparse.api import topk_indices, topk_mask
 
 __all__ = ["sparse_allreduce"]
@@ -41,6 +41,7 @@ def _resolve_group(group: dist.ProcessGroup | None, what: str) -> tuple[dist.Pro
         )
     if group is None:
         group = dist.group.WORLD
+        assert group is not None  # initialised above
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the given group")
@@ -190,24 +191,19 @@ def sparse_allreduce(
     """
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.is_floating_point() \
             or indices.is_complex() or indices.dtype == torch.bool:
-        raise TypeError(f"indices must be a 1-d integer tensor, got {_describe(indices)}")
+        raise TypeError(f"indices must be a 1-d integer tensor, got {describe(indices)}")
     if not isinstance(values, torch.Tensor) or values.dim() != 1 or not values.is_floating_point():
-        raise TypeError(f"values must be a 1-d floating-point tensor, got {_describe(values)}")
+        raise TypeError(f"values must be a 1-d floating-point tensor, got {describe(values)}")
     if indices.shape != values.shape:
         raise ValueError(f"indices and values must have the same length, got {indices.numel()} and {values.numel()}")
     if indices.device != values.device:
         raise ValueError(f"indices and values must be on one device, got {indices.device} and {values.device}")
-    if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 1:
-        raise ValueError(f"numel must be an int >= 1, got {numel!r}")
-    numel = int(numel)
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool, got {type(average).__name__}")
+    numel = check_int(numel, "numel", minimum=1)
+    check_bool(average, "average")
     if capacity is not None:
-        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
-            raise TypeError(f"capacity must be an int or None, got {type(capacity).__name__} {capacity!r}")
+        capacity = check_int(capacity, "capacity")
         if capacity < indices.numel():
             raise ValueError(f"capacity={capacity} is smaller than this rank's {indices.numel()} pairs")
-        capacity = int(capacity)
     _check_group_arg(group, "group")
     group, _, world = _resolve_group(group, "sparse_allreduce")
     if indices.numel():
@@ -230,12 +226,6 @@ def sparse_allreduce(
     return out[:numel]
 
 
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"{type(x).__name__} {x!r}"
-
-
 def _exchange(idx: torch.Tensor, vals: torch.Tensor, numel: int, group: dist.ProcessGroup, world: int,
               async_op: bool):  # fmt: skip
     """Start the fixed-``k`` exchange (every rank sends exactly ``len(idx)`` pairs): ``(work, gathered)``."""
@@ -249,3 +239,38 @@ def _exchange(idx: torch.Tensor, vals: torch.Tensor, numel: int, group: dist.Pro
 def _wire_bytes(k: int, numel: int, value_dtype: torch.dtype) -> int:
     """Bytes one rank sends for ``k`` pairs."""
     return k * (_itemsize(_index_dtype(numel)) + _itemsize(value_dtype))
+
+
+def _send(
+    acc: torch.Tensor, k: int, group: dist.ProcessGroup, world: int, what: str, *, async_op: bool
+) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor]:
+    """Send the top ``k`` of ``acc`` (grads + residual): ``(idx, vals, work, gathered)``.
+
+    ``acc`` is changed in place into the new residual (the sent entries
+    zeroed). A collective that fails at once raises :func:`_comm_error` naming ``what``.
+    """
+    idx, vals = _local_topk(acc, k)
+    acc.index_fill_(0, idx, 0)  # what was not sent
+    try:
+        work, gathered = _exchange(idx, vals, acc.numel(), group, world, async_op)
+    except RuntimeError as exc:
+        raise _comm_error(what, group, exc) from exc
+    return idx, vals, work, gathered
+
+
+def _receive(
+    out: torch.Tensor,
+    gathered: torch.Tensor,
+    sent: tuple[torch.Tensor, torch.Tensor],
+    residual: torch.Tensor,
+    world: int,
+    reselect: bool,
+) -> torch.Tensor:
+    """Add the mean of every rank's pairs into the zeroed ``out``; with ``reselect``, gTop-k (see :func:`_reselect`)."""
+    idx, vals = sent
+    k = idx.numel()
+    _scatter_add_(out, _unpack(gathered, world, k, out.numel(), out.dtype), 1.0 / world)
+    if reselect:
+        _reselect(out, idx, vals, residual, k)
+    return out
+

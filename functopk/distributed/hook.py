@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from functopk.distributed.exchange import (
-    _check_group_arg,
-    _comm_error,
-    _exchange,
-    _local_topk,
-    _reselect,
-    _resolve_group,
-    _scatter_add_,
-    _unpack,
-    _wire_bytes,
-)
-from functopk.distributed.transform import _check_density
+from functopk._checks import check_bool, check_density, check_int
+from functopk.distributed.exchange import _check_group_arg, _comm_error, _receive, _resolve_group, _send, _wire_bytes
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
@@ -91,27 +81,22 @@ class TopKHookState:
         reselect: bool = False,
     ) -> None:
         _check_group_arg(process_group, "process_group")
-        density = _check_density(density)
-        if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, numbers.Integral) or warmup_iters < 0:
-            raise ValueError(f"warmup_iters must be an int >= 0, got {warmup_iters!r}")
-        if not isinstance(reselect, bool):
-            raise TypeError(f"reselect must be a bool, got {type(reselect).__name__}")
-        self.process_group = process_group
-        self.density = density
-        self.warmup_iters = int(warmup_iters)
-        self.reselect = reselect
-        self.iter = 0
-        self.residuals: dict[tuple, torch.Tensor] = {}
-        self.last_step = HookStats()
-        self.total = HookStats()
-        self._step = HookStats()
-        self._seen: set[tuple] = set()
+        self.process_group: dist.ProcessGroup | None = process_group
+        self.density: float = float(check_density(density, allow_tensor=False))
+        self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
+        self.reselect: bool = check_bool(reselect, "reselect")
+        self.iter: int = 0
+        self.residuals: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.last_step: HookStats = HookStats()
+        self.total: HookStats = HookStats()
+        self._step: HookStats = HookStats()
+        self._seen: set[tuple[Any, ...]] = set()
 
     def __repr__(self) -> str:
         return (f"TopKHookState(density={self.density}, warmup_iters={self.warmup_iters}, "
                 f"reselect={self.reselect}, iter={self.iter})")  # fmt: skip
 
-    def _record(self, bucket: Any, stats: HookStats, key: tuple | None) -> None:
+    def _record(self, bucket: Any, stats: HookStats, key: tuple[Any, ...] | None) -> None:
         self._step = self._step + stats
         if key is not None:
             self._seen.add(key)
@@ -166,6 +151,7 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     buf = bucket.buffer()
     n, vbytes = buf.numel(), buf.element_size()
     k = k_from_density(state.density, n)
+    assert isinstance(k, int)  # a Python density gives a Python count
     sent = _wire_bytes(k, n, buf.dtype)
     if state.iter < state.warmup_iters or sent >= n * vbytes:
         state._record(bucket, HookStats(n * vbytes, n * vbytes, n * vbytes, n, n), None)
@@ -177,17 +163,12 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     residual = state.residuals.get(key)
     if residual is None:
         residual = state.residuals[key] = torch.zeros_like(buf)
-    acc = residual.add_(buf)  # the residual buffer now holds acc = grads + residual
-    idx, vals = _local_topk(acc, k)
-    acc.index_fill_(0, idx, 0)  # ... and now the new residual
+    residual.add_(buf)  # the residual buffer now holds acc = grads + residual, and after _send the new residual
     state._record(bucket, HookStats(sent, sent * world, n * vbytes, k, n), key)
-    work, gathered = _exchange(idx, vals, n, group, world, async_op=True)
+    idx, vals, work, gathered = _send(residual, k, group, world, "the sparse all-gather of topk_hook", async_op=True)
 
     def finish() -> torch.Tensor:
-        _scatter_add_(buf.zero_(), _unpack(gathered, world, k, n, buf.dtype), 1.0 / world)
-        if state.reselect:
-            _reselect(buf, idx, vals, residual, k)
-        return buf
+        return _receive(buf.zero_(), gathered, (idx, vals), residual, world, state.reselect)
 
     return work.get_future().then(_finisher(group, "the sparse all-gather of topk_hook", finish))
 
@@ -197,10 +178,12 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 topk_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
 
 
-def _finisher(group: dist.ProcessGroup, what: str, fn: Any) -> Any:
+def _finisher(
+    group: dist.ProcessGroup, what: str, fn: Callable[[], torch.Tensor]
+) -> Callable[[torch.futures.Future[Any]], torch.Tensor]:
     """A ``Future.then`` callback: re-raise a failed collective clearly, else return ``fn()``."""
 
-    def callback(fut: torch.futures.Future) -> torch.Tensor:
+    def callback(fut: torch.futures.Future[Any]) -> torch.Tensor:
         try:
             fut.wait()
         except Exception as exc:  # the backend's error type varies (RuntimeError, DistBackendError, ...)

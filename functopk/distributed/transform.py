@@ -2,48 +2,18 @@
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from functopk._checks import check_bool, check_k_or_density, check_leaves, check_state
 from functopk.base import GradientTransformation, Params, Updates
-from functopk.distributed.exchange import (
-    _check_group_arg,
-    _comm_error,
-    _exchange,
-    _local_topk,
-    _reselect,
-    _resolve_group,
-    _scatter_add_,
-    _unpack,
-    _wire_bytes,
-)
-from functopk.sparse.api import k_from_density
+from functopk.distributed.exchange import _check_group_arg, _receive, _resolve_group, _send, _wire_bytes
+from functopk.sparse.api import resolve_k
 from functopk.tree.layout import FlatLayout
 
 __all__ = ["DistributedTopKState", "distributed_topk"]
-
-
-def _check_density(density: Any) -> float:
-    if isinstance(density, bool) or not isinstance(density, numbers.Real):
-        raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__} {density!r}")
-    if not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    return float(density)
-
-
-def _check_k_or_density(k: Any, density: Any) -> tuple[int | None, float | None]:
-    if (k is None) == (density is None):
-        raise ValueError(f"give exactly one of k or density, got k={k!r}, density={density!r}")
-    if k is None:
-        return None, _check_density(density)
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"k must be an int, got {type(k).__name__} {k!r}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    return int(k), None
 
 
 class DistributedTopKState(NamedTuple):
@@ -65,7 +35,7 @@ class DistributedTopKState(NamedTuple):
     """
 
     residual: torch.Tensor
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]
     bytes_sent: torch.Tensor
     bytes_gathered: torch.Tensor
     update_density: torch.Tensor
@@ -132,31 +102,13 @@ def distributed_topk(
         (tensor([ 0., -3.,  0.]), tensor([1., 0., 2.]), 8)
         >>> dist.destroy_process_group()
     """
-    k, density = _check_k_or_density(k, density)
+    k, density = check_k_or_density(k, density, allow_tensor=False)
     _check_group_arg(group, "group")
-    if not isinstance(reselect, bool):
-        raise TypeError(f"reselect must be a bool, got {type(reselect).__name__}")
-
-    def resolve_k(numel: int) -> int:
-        if numel < 1:
-            raise ValueError("distributed_topk needs at least one coordinate, got an empty tree")
-        if k is None:
-            return k_from_density(density, numel)
-        if k > numel:
-            raise ValueError(f"k={k} exceeds the number of coordinates in the tree ({numel})")
-        return k
-
-    def layout_of(tree: Params, name: str) -> FlatLayout:
-        layout = FlatLayout.from_tree(tree)
-        for path, dtype in zip(layout.leaf_paths(), layout.dtypes):
-            if not dtype.is_floating_point:
-                raise TypeError(f"{name} leaf at {path} has dtype {dtype}; expected floating-point leaves")
-        layout.device  # noqa: B018 - raises ValueError for leaves on several devices
-        return layout
+    check_bool(reselect, "reselect")
 
     def init(params: Params) -> DistributedTopKState:
-        layout = layout_of(params, "params")
-        resolve_k(layout.numel)
+        layout = _layout(params, "params")
+        _count(k, density, layout.numel)
         device = layout.device
         zero = torch.zeros((), dtype=torch.int64, device=device)
         return DistributedTopKState(
@@ -171,28 +123,20 @@ def distributed_topk(
         updates: Updates, state: DistributedTopKState, params: Params | None = None
     ) -> tuple[Updates, DistributedTopKState]:
         del params
-        if not isinstance(state, DistributedTopKState):
-            raise TypeError(f"state must be a DistributedTopKState, got {type(state).__name__}")
-        layout = layout_of(updates, "updates")
+        check_state(state, DistributedTopKState, "distributed_topk")
+        layout = _layout(updates, "updates")
         res = state.residual
         if layout.numel != res.numel() or layout.device != res.device:
             raise ValueError(
                 f"updates have {layout.numel} coordinates on {layout.device}, but the state's residual has "
                 f"{res.numel()} on {res.device}; init the state from parameters shaped like the updates"
             )
-        kk = resolve_k(layout.numel)
+        kk = _count(k, density, layout.numel)
         grp, _, world = _resolve_group(group, "distributed_topk")
-
-        acc = layout.ravel(updates, dtype=res.dtype).add_(res)  # a fresh buffer: ours to change
-        idx, vals = _local_topk(acc, kk)
-        residual = acc.index_fill_(0, idx, 0)  # what was not sent
-        try:
-            _, gathered = _exchange(idx, vals, layout.numel, grp, world, async_op=False)
-        except RuntimeError as exc:
-            raise _comm_error("the sparse all-gather of distributed_topk", grp, exc) from exc
-        mean = _scatter_add_(torch.zeros_like(res), _unpack(gathered, world, kk, layout.numel, res.dtype), 1 / world)
-        if reselect:
-            mean, residual = _reselect(mean, idx, vals, residual, kk)
+        residual = layout.ravel(updates, dtype=res.dtype).add_(res)  # a fresh buffer: ours to change
+        idx, vals, _, gathered = _send(residual, kk, grp, world, "the sparse all-gather of distributed_topk",
+                                       async_op=False)  # fmt: skip
+        mean = _receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, reselect)
         sent = _wire_bytes(kk, layout.numel, res.dtype)
         new_state = DistributedTopKState(
             residual=residual,
@@ -204,3 +148,18 @@ def distributed_topk(
         return layout.unravel(mean), new_state
 
     return GradientTransformation(init, update)
+
+
+def _layout(tree: Params, name: str) -> FlatLayout:
+    """The flat layout of ``tree`` after checking for floating-point tensor leaves on one device."""
+    check_leaves(tree, name, floating=True)
+    layout = FlatLayout.from_tree(tree)
+    layout.device  # noqa: B018 - raises ValueError for leaves on several devices
+    return layout
+
+
+def _count(k: int | None, density: float | None, numel: int) -> int:
+    """The pairs each rank sends for a tree of ``numel`` coordinates (a Python int: it sizes the buffers)."""
+    count = resolve_k(k, density, numel, name="the tree")
+    assert isinstance(count, int)  # k and density are Python numbers here
+    return count
