@@ -20,10 +20,10 @@ __all__ = ["TopKState", "topk"]
 class TopKState(NamedTuple):
     """State of :func:`topk` when ``k`` or ``density`` is a schedule: the number of updates done."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]
 
 
-def _scheduled(fn: Callable[[torch.Tensor], Any], count: torch.Tensor, name: str) -> Any:
+def _scheduled(fn: Callable[..., Any], count: torch.Tensor | None, name: str) -> Any:
     """The value of the schedule ``fn`` at ``count``, checked as a ``k`` or a ``density``."""
     value = fn(count)
     if not isinstance(value, (torch.Tensor, numbers.Real)) or isinstance(value, bool):
@@ -93,8 +93,8 @@ def topk(
         del params
         leaves, treedef = sparse_leaves(updates, "updates")
         if scheduled:
-            kk = count_of(leaves, check_state(state, TopKState, "topk").count, "updates")
-            state = TopKState(count=state.count + 1)
+            step = check_state(state, TopKState, "topk").count
+            kk, state = count_of(leaves, step, "updates"), TopKState(count=step + 1)
         else:
             kk = count_of(leaves, None, "updates")
         return optree.tree_unflatten(treedef, dispatch.select(leaves, kk, method).dense(leaves)), state

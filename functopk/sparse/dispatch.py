@@ -112,6 +112,8 @@ def select(
         Mask(mask=tensor([False,  True,  True]), k=tensor(2))
     """
     config = DEFAULT_CONFIG if config is None else config
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
     dtype = common_dtype(leaves)
     n = sum(x.numel() for x in leaves)
     eager = eager_cpu(leaves)

@@ -137,7 +137,7 @@ class HostThreshold(NamedTuple):
     config: KernelConfig
 
     def _limits(self, leaves: list[torch.Tensor]) -> list[float]:
-        """``t`` rounded down into each leaf's dtype (exact there, see :func:`~functopk.sparse.kernels.base.round_down`)."""
+        """``t`` rounded down into each leaf's dtype (exact there, see :func:`~.kernels.base.round_down`)."""
         value, limits = self.t.item(), {}
         for x in leaves:
             if x.dtype not in limits:

@@ -84,8 +84,8 @@ def sample_threshold(
         sample = systematic_sample(flats, sample_stride(n, 1 << 16), dtype)
         s = sample.numel()
         k = k.to(sample.device)
-        r = torch.round(k.to(torch.float64) * (s / n)).to(torch.int64).clamp(0, s - 1).reshape(1)
-        t = torch.sort(sample, descending=True).values.gather(0, r).reshape(())
+        rank = torch.round(k.to(torch.float64) * (s / n)).to(torch.int64).clamp(0, s - 1).reshape(1)
+        t = torch.sort(sample, descending=True).values.gather(0, rank).reshape(())
         return torch.where(k >= n, torch.full_like(t, -1.0), t)
     if k >= n:
         return torch.full((), -1.0, dtype=dtype, device=flats[0].device)

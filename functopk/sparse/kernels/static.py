@@ -84,8 +84,9 @@ def mask_static(mags: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
 
     Example:
         >>> import torch
-        >>> mask_static(torch.tensor([1.0, 3.0, 3.0, 0.5]), 2), mask_static(torch.tensor([1.0, 3.0, 3.0]), torch.tensor(1))
-        (tensor([False,  True,  True, False]), tensor([False,  True, False]))
+        >>> mags = torch.tensor([1.0, 3.0, 3.0, 0.5])
+        >>> mask_static(mags, 2), mask_static(mags, torch.tensor(1))
+        (tensor([False,  True,  True, False]), tensor([False,  True, False, False]))
     """
     if isinstance(k, torch.Tensor):
         k = k.to(device=mags.device, dtype=torch.int64).clamp(1, mags.numel())
