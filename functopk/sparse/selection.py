@@ -84,8 +84,8 @@ class Mask(NamedTuple):
     k: int | torch.Tensor
 
     def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The mask cut into leaf-shaped views."""
-        return FlatLayout.from_tree(leaves).split(self.mask)
+        """The mask cut into leaf-shaped views (no offsets needed: one ``torch.split``)."""
+        return [p.view(x.shape) for p, x in zip(torch.split(self.mask, [x.numel() for x in leaves]), leaves)]
 
     def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """``where(mask, x, 0)`` per leaf."""
