@@ -26,6 +26,7 @@ torch.profiler (profile_memory=True); jax's is not visible to torch.
 Usage:
     python benchmarks/topk.py                 # both trees, all k (tens of minutes on 2 cores)
     python benchmarks/topk.py --quick         # resnet18, two k, two rounds
+    python benchmarks/topk.py --quick --no-memory --trees squeezenet1_0 --threads 1 --out /tmp/t.png   # smoke run
     python benchmarks/topk.py --out some.png --rounds 7 --threads 2 --trees resnet50 --no-memory
 """
 

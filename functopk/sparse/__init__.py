@@ -1,24 +1,31 @@
 """The global top-k engine (``ft.sparse``): selection functions, sparse updates, and their kernels.
 
 * :mod:`~functopk.sparse.api`: ``topk_sparsify``, ``topk_mask``,
-  ``topk_indices``, ``gaussian_threshold``, ``k_from_density``: pure functions
-  on any tree of tensors;
+  ``topk_indices``, ``gaussian_threshold``, ``k_from_density``, ``resolve_k``:
+  pure functions on any tree of tensors;
 * :mod:`~functopk.sparse.updates`: :class:`SparseUpdates` and
   ``apply_sparse_updates`` / ``apply_sparse_updates_``;
-* :mod:`~functopk.sparse.select`: the selection kernels.
+* :mod:`~functopk.sparse.dispatch`: the one place that picks a kernel and
+  normalises ``k``, returning a result type of :mod:`~functopk.sparse.selection`
+  (``Indices``, ``Mask``, ``Threshold``, ``HostThreshold``);
+* :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
+* :mod:`~functopk.sparse.config`: :class:`KernelConfig`, their tuning constants.
 
 The transformation form, :func:`functopk.topk`, lives in :mod:`functopk.compress`.
 """
 
-from functopk.sparse.api import gaussian_threshold, k_from_density, topk_indices, topk_mask, topk_sparsify
+from functopk.sparse.api import gaussian_threshold, k_from_density, resolve_k, topk_indices, topk_mask, topk_sparsify
+from functopk.sparse.config import KernelConfig
 from functopk.sparse.updates import SparseUpdates, apply_sparse_updates, apply_sparse_updates_
 
 __all__ = [
+    "KernelConfig",
     "SparseUpdates",
     "apply_sparse_updates",
     "apply_sparse_updates_",
     "gaussian_threshold",
     "k_from_density",
+    "resolve_k",
     "topk_indices",
     "topk_mask",
     "topk_sparsify",

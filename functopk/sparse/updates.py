@@ -1,4 +1,12 @@
-"""Sparse updates: :class:`SparseUpdates` (ascending flat indices and values) and how to apply them."""
+"""Sparse updates: :class:`SparseUpdates` (ascending flat indices and values) and how to apply them.
+
+All three consumers (:func:`apply_sparse_updates`, :func:`apply_sparse_updates_`,
+:meth:`SparseUpdates.to_dense`) check the same contract before writing
+anything: the tree has the leaf sizes the update was selected from, and the
+indices are 1-d int64, strictly ascending (so distinct) and in range. The last
+two read a few values on the host; under ``torch.compile`` they are skipped, so
+the compiled paths stay one graph without host syncs.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from functopk._checks import check_hyperparam, check_leaves, path_str
 from functopk.base import Params
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
@@ -17,8 +26,8 @@ __all__ = ["SparseUpdates", "apply_sparse_updates", "apply_sparse_updates_"]
 class SparseUpdates(NamedTuple):
     """A sparse update of a tree: which flat coordinates change, and by how much.
 
-    Produced by :func:`functopk.topk_indices` and by ``functopk.topk(..., sparse=True)``;
-    consumed by :func:`apply_sparse_updates`, :func:`apply_sparse_updates_` and
+    Produced by :func:`functopk.topk_indices`; consumed by
+    :func:`apply_sparse_updates`, :func:`apply_sparse_updates_` and
     :meth:`to_dense`. Flat indices refer to the flat order of the tree the
     coordinates were selected from (``optree.tree_leaves`` order, each leaf
     row-major; see :class:`functopk.tree.FlatLayout`), so they apply to any tree with
@@ -33,12 +42,18 @@ class SparseUpdates(NamedTuple):
             coordinates bit for bit.
         numel: The total number of coordinates of the tree (an int), checked
             against the tree the update is applied to.
+        sizes: The number of coordinates of each leaf of that tree, in flat
+            order (``None``: unknown, only ``numel`` is checked). Checked too, so
+            an update is never applied to a tree whose leaves split the flat
+            indices differently. Not shown in the ``repr``.
 
     Example:
         >>> import torch, functopk as ft
         >>> sparse = ft.topk_indices({"a": torch.tensor([0.5, -3.0]), "b": torch.tensor([2.0])}, 2)
         >>> sparse
         SparseUpdates(indices=tensor([1, 2]), values=tensor([-3.,  2.]), numel=3)
+        >>> sparse.sizes
+        (2, 1)
         >>> sparse.to_dense({"a": torch.zeros(2), "b": torch.zeros(1)})
         {'a': tensor([ 0., -3.]), 'b': tensor([2.])}
     """
@@ -46,31 +61,67 @@ class SparseUpdates(NamedTuple):
     indices: torch.Tensor
     values: torch.Tensor
     numel: int
+    sizes: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"SparseUpdates(indices={self.indices!r}, values={self.values!r}, numel={self.numel})"
 
     def to_dense(self, like: PyTree) -> PyTree:
         """The dense tree with ``like``'s structure, shapes, dtypes and device: zeros except at ``indices``.
 
         Values are cast to each leaf's dtype (exact when they came from that leaf).
-        Compiled, or off CPU: static shapes, no host sync. In eager mode on CPU the
-        indices are split by leaf on the host (see :func:`apply_sparse_updates`).
+        Checks the contract first (see the module docstring). Compiled, or off CPU:
+        static shapes, no host sync. In eager mode on CPU the indices are split by
+        leaf on the host (see :func:`apply_sparse_updates`).
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> ft.SparseUpdates(torch.tensor([2]), torch.tensor([5.0]), 3).to_dense({"w": torch.ones(3)})
+            {'w': tensor([0., 0., 5.])}
         """
-        leaves, treedef = optree.tree_flatten(like)
-        _check_sparse(self, leaves, "like")
+        leaves, treedef = _checked(self, like, "like")
         return optree.tree_unflatten(treedef, _scatter(leaves, self.indices, self.values, base=False))
 
 
-def _check_sparse(sparse: Any, leaves: list[torch.Tensor], name: str) -> None:
+def _check_sizes(sizes: tuple[int, ...], leaves: list[torch.Tensor], treedef: optree.PyTreeSpec, name: str) -> None:
+    """``ValueError`` naming the first leaf whose size differs from the one the update was selected from."""
+    if len(sizes) != len(leaves):
+        raise ValueError(
+            f"sparse update was selected from a tree of {len(sizes)} leaves, but {name} has {len(leaves)}; the tree "
+            "must have the leaves (structure, shapes, None positions) of the tree the update was selected from"
+        )
+    for path, leaf, size in zip(treedef.paths(), leaves, sizes):
+        if leaf.numel() != size:
+            raise ValueError(
+                f"{name} leaf at {path_str(path)} has {leaf.numel()} coordinates, but the tree the sparse update "
+                f"was selected from has {size} there; the flat indices would land in the wrong leaves"
+            )
+
+
+def _check_indices(idx: torch.Tensor, numel: int) -> None:
+    """Strictly ascending (so distinct) and in ``[0, numel)``: a few values read on the host; skipped when compiling."""
+    if torch.compiler.is_compiling() or idx.numel() == 0:
+        return
+    ascending, lowest, highest = torch.stack([(idx[1:] > idx[:-1]).all().long(), idx[0], idx[-1]]).tolist()
+    if not ascending:
+        raise ValueError("sparse.indices must be strictly ascending, so distinct (as functopk produces them)")
+    if lowest < 0 or highest >= numel:
+        raise ValueError(f"sparse.indices must lie in [0, {numel}) (the coordinates of the tree)")
+
+
+def _checked(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
+    """The leaves of ``tree`` after checking the whole contract between ``sparse`` and it (nothing written yet)."""
     if not isinstance(sparse, SparseUpdates):
         raise TypeError(f"sparse must be a functopk.SparseUpdates, got {type(sparse).__name__}")
-    for path_leaf in leaves:
-        if not isinstance(path_leaf, torch.Tensor):
-            raise TypeError(f"{name} leaves must be tensors, got a {type(path_leaf).__name__}")
+    leaves, treedef = check_leaves(tree, name, floating=True)
     numel = sum(x.numel() for x in leaves)
     if numel != sparse.numel:
         raise ValueError(
             f"sparse update covers {sparse.numel} coordinates, but {name} has {numel}; the tree must have the "
             "leaves (structure, shapes, None positions) of the tree the update was selected from"
         )
+    if sparse.sizes is not None:
+        _check_sizes(tuple(sparse.sizes), leaves, treedef, name)
     if sparse.indices.dim() != 1 or sparse.values.dim() != 1 or sparse.indices.shape != sparse.values.shape:
         raise ValueError(
             f"sparse.indices and sparse.values must be 1-d of one length, got shapes "
@@ -78,6 +129,8 @@ def _check_sparse(sparse: Any, leaves: list[torch.Tensor], name: str) -> None:
         )
     if sparse.indices.dtype != torch.int64:
         raise TypeError(f"sparse.indices must be int64, got {sparse.indices.dtype}")
+    _check_indices(sparse.indices, numel)
+    return leaves, treedef
 
 
 def _scatter(leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor, *, base: bool) -> list[torch.Tensor]:
@@ -137,14 +190,8 @@ def _scatter_per_leaf(
     leaf (one small host read). With ``base=True``, a leaf that no index falls
     in is returned as it is, not copied.
     """
-    offsets = [0]
-    for x in leaves:
-        offsets.append(offsets[-1] + x.numel())
-    bounds = torch.searchsorted(idx, torch.tensor(offsets, dtype=idx.dtype, device=idx.device)).tolist()
-    if bounds[0] != 0 or bounds[-1] != idx.numel():
-        raise ValueError(f"sparse.indices must lie in [0, {offsets[-1]}) (the coordinates of the tree)")
     out = []
-    for x, off, lo, hi in zip(leaves, offsets, bounds, bounds[1:]):
+    for x, (off, lo, hi) in zip(leaves, FlatLayout.from_tree(leaves).bounds(idx, name="sparse.indices")):
         if base and hi == lo:
             out.append(x)
             continue
@@ -160,10 +207,13 @@ def _scatter_per_leaf(
     return out
 
 
-def _check_scale(scale: Any) -> float | torch.Tensor:
-    from functopk._checks import check_hyperparam
-
-    return check_hyperparam(scale, "scale")
+def _scaled(sparse: SparseUpdates, scale: Any) -> torch.Tensor:
+    """``scale * sparse.values`` in the values' own dtype (a 0-d tensor scale of a wider dtype must not widen them)."""
+    scale = check_hyperparam(scale, "scale")
+    if isinstance(scale, float) and scale == 1.0:
+        return sparse.values
+    vals = sparse.values * scale
+    return vals if vals.dtype == sparse.values.dtype else vals.to(sparse.values.dtype)
 
 
 def apply_sparse_updates(params: Params, sparse: SparseUpdates, scale: float | torch.Tensor = 1.0) -> Params:
@@ -179,12 +229,20 @@ def apply_sparse_updates(params: Params, sparse: SparseUpdates, scale: float | t
     ``index_add_``, views cut back out) and compiles with ``fullgraph=True``.
     Values are multiplied by ``scale`` in their own dtype, then cast to each
     parameter's dtype, so a float32 tree gets exactly the bits of the dense
-    ``apply_updates(params, scaled dense update)``.
+    ``apply_updates(params, scaled dense update)``. The contract (leaf sizes,
+    strictly ascending in-range indices) is checked first, in eager mode
+    reading a few values on the host; compiled, the index checks are skipped.
 
     Args:
-        params: A tree with the leaves of the tree ``sparse`` was selected from.
-        sparse: The sparse update (ascending distinct indices).
+        params: A tree with the leaves of the tree ``sparse`` was selected from (float leaves).
+        sparse: The sparse update (strictly ascending indices).
         scale: A number or a 0-d float tensor multiplying the values (``-lr`` for SGD).
+
+    Raises:
+        TypeError: ``sparse`` is not a :class:`SparseUpdates`, its indices are not int64,
+            a parameter is not a float tensor, or ``scale`` is not a number.
+        ValueError: The leaves differ from those the update was selected from, or the
+            indices are not strictly ascending or out of range.
 
     Example:
         >>> import torch, functopk as ft
@@ -193,12 +251,8 @@ def apply_sparse_updates(params: Params, sparse: SparseUpdates, scale: float | t
         >>> ft.apply_sparse_updates(params, ft.topk_indices(grads, 2), -0.5)
         {'w': tensor([1., 2., 1.]), 'b': tensor([-0.5000])}
     """
-    scale = _check_scale(scale)
-    leaves, treedef = optree.tree_flatten(params)
-    _check_sparse(sparse, leaves, "params")
-    vals = sparse.values if isinstance(scale, float) and scale == 1.0 else sparse.values * scale
-    if vals.dtype != sparse.values.dtype:  # a 0-d tensor scale of a wider dtype must not widen the values
-        vals = vals.to(sparse.values.dtype)
+    vals = _scaled(sparse, scale) if isinstance(sparse, SparseUpdates) else None
+    leaves, treedef = _checked(sparse, params, "params")
     return optree.tree_unflatten(treedef, _scatter(leaves, sparse.indices, vals, base=True))
 
 
@@ -209,9 +263,9 @@ def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | 
     ``index_add_`` into a flat view of each leaf that has selected coordinates.
     **Mutates** ``params`` (under ``torch.no_grad``, so ``nn.Parameter`` leaves
     are fine). It reads how many indices fall in each leaf on the host (one
-    small transfer; free on CPU), checks the indices (ascending, in range)
-    before writing anything, and is eager-only. Non-contiguous leaves are
-    updated through a temporary copy.
+    small transfer; free on CPU), checks the same contract as
+    :func:`apply_sparse_updates` before writing anything, and is eager-only.
+    Non-contiguous leaves are updated through a temporary copy.
 
     Args:
         params: A tree with the leaves of the tree ``sparse`` was selected from.
@@ -225,21 +279,11 @@ def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | 
         >>> params["w"]
         tensor([ 1., -1.,  1.])
     """
-    scale = _check_scale(scale)
-    leaves = optree.tree_leaves(params)
-    _check_sparse(sparse, leaves, "params")
+    vals = _scaled(sparse, scale) if isinstance(sparse, SparseUpdates) else None
+    leaves, _ = _checked(sparse, params, "params")
     idx = sparse.indices
-    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
-        raise ValueError("sparse.indices must be strictly ascending (as functopk produces them)")
-    offsets = [0]
-    for x in leaves:
-        offsets.append(offsets[-1] + x.numel())
-    bounds = torch.searchsorted(idx, torch.tensor(offsets, dtype=torch.int64, device=idx.device)).tolist()
-    if bounds[0] != 0 or bounds[-1] != idx.numel():
-        raise ValueError(f"sparse.indices must lie in [0, {sparse.numel}) (the coordinates of params)")
-    vals = sparse.values if isinstance(scale, float) and scale == 1.0 else sparse.values * scale
     with torch.no_grad():
-        for leaf, off, lo, hi in zip(leaves, offsets, bounds[:-1], bounds[1:]):
+        for leaf, (off, lo, hi) in zip(leaves, FlatLayout.from_tree(leaves).bounds(idx, name="sparse.indices")):
             if hi == lo:
                 continue
             src = vals[lo:hi].to(leaf.dtype)

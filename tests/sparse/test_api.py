@@ -1,8 +1,7 @@
-"""topk_sparsify / topk_mask / topk_indices / topk and sparse updates, against brute force."""
+"""topk_sparsify / topk_mask / topk_indices / gaussian_threshold / k_from_density / resolve_k, against brute force."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import optree
@@ -12,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopk as ft
-from functopk.sparse import select
+from functopk.sparse import KernelConfig
+from functopk.sparse.kernels.base import common_dtype
 from tests.helpers import (
+    assert_compiles_like_eager,
     assert_tree_bitwise_equal,
-    assert_tree_close,
     bits,
     clone_tree,
     numel,
@@ -29,31 +29,24 @@ from tests.helpers import (
 # The eager "exact" kernel only runs its sampled path on trees of 2**16+ coordinates
 # with its production constants. These configurations shrink the constants so that
 # every branch (column scan, direct scan, packed small leaves, segment tails, band
-# selection, fallback) runs on the small trees hypothesis draws.
+# selection, both fallbacks) runs on the small trees hypothesis draws. (Test helper
+# of this module: EXACT_CONFIGS / EXACT_RUNS.)
 EXACT_CONFIGS = {
-    "columns": dict(EXACT_MIN_NUMEL=0, SEGMENT=40, SAMPLE_SIZE=16, MIN_COLUMNS=2, MAX_ROWS=4,
-                    COLUMN_MAX_FRACTION=1.0, BAND_MIN=4),
-    "direct": dict(EXACT_MIN_NUMEL=0, SEGMENT=24, SAMPLE_SIZE=8, COLUMN_MAX_FRACTION=0.0, BAND_MIN=4),
-    "fallback": dict(EXACT_MIN_NUMEL=0, SEGMENT=32, SAMPLE_SIZE=16, MARGIN=-2.0, MIN_COLUMNS=2, MAX_ROWS=4,
-                     COLUMN_MAX_FRACTION=1.0),
+    "columns": KernelConfig(exact_min_numel=0, segment=40, sample_size=16, min_columns=2, max_rows=4,
+                            column_max_fraction=1.0, band_min=4),
+    "direct": KernelConfig(exact_min_numel=0, segment=24, sample_size=8, column_max_fraction=0.0, band_min=4),
+    "fallback": KernelConfig(exact_min_numel=0, segment=32, sample_size=16, margin=-2.0, min_columns=2, max_rows=4,
+                             column_max_fraction=1.0),
+    "abandon": KernelConfig(exact_min_numel=0, segment=24, sample_size=8, abandon_min=0, abandon_factor=0.0),
 }
-EXACT_RUNS = [("torch", None), ("exact", None)] + [("exact", name) for name in EXACT_CONFIGS]
+EXACT_RUNS = [("torch", None), ("exact", None)] + [("exact", config) for config in EXACT_CONFIGS.values()]
 EXACT_IDS = ["torch", "exact-default"] + [f"exact-{name}" for name in EXACT_CONFIGS]
-
-
-@contextlib.contextmanager
-def kernel_config(name):
-    """Patch functopk.sparse.select's tuning constants for one configuration (None: production)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for attr, value in (EXACT_CONFIGS[name] if name else {}).items():
-            mp.setattr(select, attr, value)
-        yield
 
 
 def reference_indices(tree, k):
     mask = reference_mask(tree, k)
     leaves = optree.tree_leaves(tree)
-    dtype = select.common_dtype(leaves)
+    dtype = common_dtype(leaves)
     flat = torch.cat([x.reshape(-1).to(dtype) for x in leaves])
     idx = torch.cat([m.reshape(-1) for m in optree.tree_leaves(mask)]).nonzero().view(-1)
     return idx, flat[idx]
@@ -68,16 +61,15 @@ def reference_indices(tree, k):
 def test_exact_methods_match_bruteforce(method, config, tree, data):
     n = numel(tree)
     if n == 0:
-        with pytest.raises(ValueError, match="exceeds"):
-            ft.topk_sparsify(tree, 1, method=method)
+        with pytest.raises(ValueError, match="the tree has no coordinates"):
+            ft.topk_sparsify(tree, 1, method=method, config=config)
         return
     k = data.draw(st.integers(1, n), label="k")
     before = clone_tree(tree)
-    with kernel_config(config):
-        out = ft.topk_sparsify(tree, k, method=method)
-        mask = ft.topk_mask(tree, k, method=method)
-        sparse = ft.topk_indices(tree, k, method=method)
-        tensor_k = ft.topk_sparsify(tree, torch.tensor(k), method=method)
+    out = ft.topk_sparsify(tree, k, method=method, config=config)
+    mask = ft.topk_mask(tree, k, method=method, config=config)
+    sparse = ft.topk_indices(tree, k, method=method, config=config)
+    tensor_k = ft.topk_sparsify(tree, torch.tensor(k), method=method, config=config)
     assert_tree_bitwise_equal(out, reference_sparsify(tree, k))
     assert_tree_bitwise_equal(tensor_k, out)
     ref_mask = reference_mask(tree, k)
@@ -86,24 +78,9 @@ def test_exact_methods_match_bruteforce(method, config, tree, data):
         assert m.dtype == torch.bool and torch.equal(m, r)
     idx, vals = reference_indices(tree, k)
     assert sparse.numel == n and torch.equal(sparse.indices, idx)
+    assert sparse.sizes == tuple(x.numel() for x in optree.tree_leaves(tree))
     assert torch.equal(bits(sparse.values), bits(vals))
     assert_tree_bitwise_equal(tree, before)  # pure
-
-
-@settings(max_examples=40)
-@given(tree=trees_st(), data=st.data())
-def test_topk_transform_equals_function(tree, data):
-    n = numel(tree)
-    if n == 0:
-        return
-    k = data.draw(st.integers(1, n), label="k")
-    tx = ft.topk(k)
-    state = tx.init(tree)
-    out, new_state = tx.update(tree, state)
-    assert new_state == state == ft.EmptyState()
-    assert_tree_bitwise_equal(out, ft.topk_sparsify(tree, k))
-    sparse, _ = ft.topk(k, sparse=True).update(tree, state)
-    assert_tree_bitwise_equal(sparse.to_dense(tree), out)
 
 
 @pytest.mark.parametrize("method", ["approx", "gaussian"])
@@ -152,9 +129,8 @@ def test_ties_lower_flat_index_wins():
 @pytest.mark.parametrize("method, config", EXACT_RUNS, ids=EXACT_IDS)
 def test_all_zero_keeps_first_k_and_outputs_zeros(method, config):
     tree = {"a": torch.zeros(3), "b": torch.zeros(2, 2)}
-    with kernel_config(config):
-        mask = ft.topk_mask(tree, 4, method=method)
-        out = ft.topk_sparsify(tree, 4, method=method)
+    mask = ft.topk_mask(tree, 4, method=method, config=config)
+    out = ft.topk_sparsify(tree, 4, method=method, config=config)
     assert mask["a"].all() and mask["b"].reshape(-1).tolist() == [True, False, False, False]
     assert all(not x.any() for x in optree.tree_leaves(out))
 
@@ -164,8 +140,7 @@ def test_mixed_dtypes_rank_in_common_dtype_and_keep_bits(method, config):
     half = torch.tensor([1.0009765625, 0.25], dtype=torch.float16)  # 1 + 2**-10, exact in fp16
     single = torch.tensor([1.0001, -7.0], dtype=torch.float32)
     bf = torch.tensor([-1.0078125], dtype=torch.bfloat16)  # 1 + 2**-7, exact in bf16
-    with kernel_config(config):
-        out = ft.topk_sparsify({"h": half, "s": single, "b": bf}, 3, method=method)
+    out = ft.topk_sparsify({"h": half, "s": single, "b": bf}, 3, method=method, config=config)
     assert out["h"].dtype == torch.float16 and out["b"].dtype == torch.bfloat16
     assert torch.equal(bits(out["s"]), bits(torch.tensor([0.0, -7.0])))
     assert torch.equal(bits(out["b"]), bits(bf))
@@ -175,9 +150,8 @@ def test_mixed_dtypes_rank_in_common_dtype_and_keep_bits(method, config):
 @pytest.mark.parametrize("method, config", EXACT_RUNS, ids=EXACT_IDS)
 def test_nan_and_inf_are_selected_first_and_propagate(method, config):
     tree = {"a": torch.tensor([1.0, math.nan, -math.inf, 5.0]), "b": torch.tensor([math.inf, 100.0])}
-    with kernel_config(config):
-        out = ft.topk_sparsify(tree, 3, method=method)
-        out2 = ft.topk_sparsify(tree, 2, method=method)
+    out = ft.topk_sparsify(tree, 3, method=method, config=config)
+    out2 = ft.topk_sparsify(tree, 2, method=method, config=config)
     # NaN and +-inf all rank as infinite magnitude; ties by flat index -> a[1], a[2], b[0]
     assert torch.equal(bits(out["a"]), bits(torch.tensor([0.0, math.nan, -math.inf, 0.0])))
     assert torch.equal(out["b"], torch.tensor([math.inf, 0.0]))
@@ -191,17 +165,6 @@ def test_output_preserves_dtype_shape_device_and_negative_zero():
     assert torch.equal(bits(out["z"]), bits(torch.tensor([-0.0, 0.0])))  # -0.0 kept bit-exact
 
 
-def test_density_form():
-    tree = {"w": torch.arange(200.0)}
-    tx = ft.topk(density=0.05)
-    out, _ = tx.update(tree, tx.init(tree))
-    assert int((out["w"] != 0).sum()) == 10
-    assert torch.equal(out["w"][-10:], torch.arange(190.0, 200.0))
-    assert ft.sparse.k_from_density(0.01, 25600) == 256
-    assert ft.sparse.k_from_density(1.0, 7) == 7
-    assert ft.sparse.k_from_density(1e-12, 7) == 1
-
-
 def test_works_under_torch_func_grad():
     from torch.func import grad
 
@@ -212,6 +175,29 @@ def test_works_under_torch_func_grad():
     g = grad(loss)(params)
     out = ft.topk_sparsify(g, 2)
     assert torch.equal(out["w"], torch.tensor([0.0, -6.0, 4.0])) and torch.equal(out["b"], torch.tensor([0.0]))
+
+
+def test_k_from_density():
+    assert ft.sparse.k_from_density(0.01, 25600) == 256
+    assert ft.sparse.k_from_density(1.0, 7) == 7
+    assert ft.sparse.k_from_density(1e-12, 7) == 1
+    assert ft.sparse.k_from_density(0.5, 7) == 4  # round half up: floor(3.5 + 0.5)
+    k = ft.sparse.k_from_density(torch.tensor(0.5), 7)
+    assert k.dtype == torch.int64 and int(k) == 4
+    with pytest.raises(ValueError, match="numel must be >= 1"):
+        ft.sparse.k_from_density(0.5, 0)
+
+
+def test_resolve_k():
+    assert ft.sparse.resolve_k(3, None, 10) == 3
+    assert ft.sparse.resolve_k(None, 0.25, 10) == 3  # floor(2.5 + 0.5)
+    k = torch.tensor(99.0)
+    assert ft.sparse.resolve_k(k, None, 10) is k  # a tensor k is clamped by the selection, not here
+    with pytest.raises(ValueError, match=r"k=11 exceeds the number of coordinates in grads \(10\)"):
+        ft.sparse.resolve_k(11, None, 10, name="grads")
+    with pytest.raises(ValueError, match="grads has no coordinates.*were all gradients None"):
+        ft.sparse.resolve_k(1, None, 0, name="grads")
+
 
 
 # --------------------------------------------------------------------------- bad input, one row each
@@ -240,34 +226,8 @@ def test_bad_k(k, exc, match):
     with pytest.raises(exc, match=match):
         ft.topk_mask(GOOD, k)
     with pytest.raises(exc, match=match):
-        tx = ft.topk(k)
-        tx.init(GOOD)
+        ft.topk_indices(GOOD, k)
     assert_tree_bitwise_equal(GOOD, before)
-
-
-def test_k_too_large_for_the_updates_at_update_time():
-    tx = ft.topk(4)
-    state = tx.init(None)
-    with pytest.raises(ValueError, match="exceeds"):
-        tx.update({"w": torch.ones(3)}, state)
-
-
-@pytest.mark.parametrize(
-    "density, exc",
-    [(0.0, ValueError), (1.5, ValueError), (-0.1, ValueError), (math.nan, ValueError), ("0.1", TypeError),
-     (True, TypeError)],
-    ids=["zero", "above-one", "negative", "nan", "str", "bool"],
-)
-def test_bad_density(density, exc):
-    with pytest.raises(exc, match="density"):
-        ft.topk(density=density)
-
-
-def test_k_and_density_exclusive():
-    with pytest.raises(ValueError, match="exactly one of k or density"):
-        ft.topk(3, density=0.1)
-    with pytest.raises(ValueError, match="exactly one of k or density"):
-        ft.topk()
 
 
 @pytest.mark.parametrize(
@@ -279,9 +239,6 @@ def test_non_float_leaves_rejected(leaf):
     tree = {"w": torch.ones(3), "bad": leaf}
     with pytest.raises(TypeError, match=r"leaf at \['bad'\] has dtype"):
         ft.topk_sparsify(tree, 1)
-    tx = ft.topk(1)
-    with pytest.raises(TypeError, match="dtype"):
-        tx.update(tree, tx.init(None))
 
 
 def test_non_tensor_leaf_rejected():
@@ -295,14 +252,9 @@ def test_leaves_on_several_devices_rejected():
         ft.topk_sparsify(tree, 2)
 
 
-def test_unknown_method_rejected():
+def test_unknown_method_rejected_everywhere():
     with pytest.raises(ValueError, match="method must be one of"):
         ft.topk_sparsify(GOOD, 1, method="fast")
-    with pytest.raises(ValueError, match="method must be one of"):
-        ft.topk(1, method="fast")
-
-
-def test_unknown_method_rejected_everywhere():
     with pytest.raises(ValueError, match="method must be one of"):
         ft.topk_indices(GOOD, 1, method="fast")
     with pytest.raises(ValueError, match="method must be one of"):
@@ -310,7 +262,7 @@ def test_unknown_method_rejected_everywhere():
 
 
 def test_unsupported_float_dtype_rejected():
-    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+    with pytest.raises(TypeError, match="expected one of float16, bfloat16, float32, float64"):
         ft.topk_sparsify({"w": torch.ones(3, dtype=torch.float8_e4m3fn)}, 1)
 
 
@@ -326,7 +278,7 @@ def test_deterministic_and_independent_of_the_global_rng(method):
     assert torch.equal(first.indices, second.indices) and torch.equal(first.values, second.values)
 
 
-# --------------------------------------------------------------------------- tensor k and schedules
+# --------------------------------------------------------------------------- tensor k: rounding, clamping, NaN
 
 
 def test_tensor_k_is_rounded_and_clamped():
@@ -338,130 +290,101 @@ def test_tensor_k_is_rounded_and_clamped():
         assert int(ft.topk_mask(tree, torch.tensor(99), method=method)["w"].sum()) == 4
 
 
-@pytest.mark.parametrize("method", ["exact", "torch", "approx"])
-def test_k_schedule_keeps_a_count_and_follows_it(method):
-    grads = {"a": torch.arange(1.0, 7.0).reshape(2, 3), "b": torch.tensor([-10.0, 0.5])}
-    tx = ft.topk(lambda count: 1 + 2 * count, method=method)
-    state = tx.init(grads)
-    assert isinstance(state, ft.compress.TopKState) and state.count.dtype == torch.int64
-    for step in range(3):
-        before = clone_tree(state)
-        out, state = tx.update(grads, state)
-        # the old state is not changed
-        assert_tree_bitwise_equal(before, ft.compress.TopKState(count=torch.tensor(step)))
-        if method != "approx":
-            assert_tree_bitwise_equal(out, ft.topk_sparsify(grads, 1 + 2 * step))
-        else:
-            assert sum(int((x != 0).sum()) for x in optree.tree_leaves(out)) == 1 + 2 * step
-    assert int(state.count) == 3
+@pytest.mark.parametrize("method", ["exact", "torch", "approx", "gaussian"])
+@pytest.mark.parametrize("value", [math.inf, 1e30, 2.0**70, -math.inf, -1e30],
+                         ids=["inf", "1e30", "2^70", "-inf", "-1e30"])
+def test_tensor_k_beyond_int64_or_infinite_clamps_to_n_or_1(method, value):
+    """Before: ``.to(int64)`` of inf or 1e30 gave a huge negative number, clamped to k=1."""
+    tree = {"a": torch.tensor([1.0, -4.0, 2.0]), "b": torch.tensor([0.5, 3.0])}
+    kept = sum(int(m.sum()) for m in optree.tree_leaves(ft.topk_mask(tree, torch.tensor(value), method=method)))
+    expected = 5 if value > 0 else 1
+    if method in ("exact", "torch"):
+        assert kept == expected
+        assert_tree_bitwise_equal(ft.topk_sparsify(tree, torch.tensor(value), method=method),
+                                  reference_sparsify(tree, expected))
+    elif value > 0:  # approximate: keeps everything non-zero at k = n
+        assert kept == 5
 
 
-def test_density_schedule_and_injected_density():
-    grads = {"w": torch.arange(1.0, 201.0)}
-    tx = ft.topk(density=ft.linear_schedule(0.25, 0.05, transition_steps=2))
-    state = tx.init(grads)
-    counts = []
-    for _ in range(4):
-        out, state = tx.update(grads, state)
-        counts.append(int((out["w"] != 0).sum()))
-    assert counts == [50, 30, 10, 10]
-    injected = ft.inject_hyperparams(ft.topk, static_args=("method",))(density=0.1)
-    state = injected.init(grads)
-    out, state = injected.update(grads, state)
-    assert_tree_bitwise_equal(out, ft.topk_sparsify(grads, 20))
-    state = state._replace(hyperparams={"density": torch.tensor(0.02)})
-    out, _ = injected.update(grads, state)
-    assert_tree_bitwise_equal(out, ft.topk_sparsify(grads, 4))
+@pytest.mark.parametrize("method", ["torch", "approx", "gaussian"])
+def test_nan_tensor_k_keeps_everything_in_the_static_kernels(method):
+    tree = {"a": torch.tensor([1.0, -4.0, 2.0]), "b": torch.tensor([0.5, 3.0])}
+    nan = torch.tensor(math.nan)
+    assert_tree_bitwise_equal(ft.topk_sparsify(tree, nan, method=method), tree)
+    assert all(bool(m.all()) for m in optree.tree_leaves(ft.topk_mask(tree, nan, method=method)))
+    # "exact" where the static kernel runs (a leaf requires grad): the same documented value
+    grad_tree = optree.tree_map(lambda x: x.clone().requires_grad_(), tree)
+    out = ft.topk_sparsify(grad_tree, nan)
+    assert_tree_bitwise_equal(optree.tree_map(torch.Tensor.detach, out), tree)
 
 
-def test_bad_schedule_output_and_state():
-    tx = ft.topk(lambda count: "ten")
-    with pytest.raises(TypeError, match="k schedule must return a number or a 0-d tensor"):
-        tx.update(GOOD, tx.init(GOOD))
-    with pytest.raises(TypeError, match="state must be a TopKState"):
-        ft.topk(lambda c: 2).update(GOOD, ft.EmptyState())
-    with pytest.raises(TypeError, match="sparse must be a bool"):
-        ft.topk(2, sparse=1)
+def test_nan_tensor_k_raises_in_the_eager_exact_kernel():
+    tree = {"a": torch.tensor([1.0, -4.0, 2.0]), "b": torch.tensor([0.5, 3.0])}
+    for fn in (ft.topk_sparsify, ft.topk_mask, ft.topk_indices):
+        with pytest.raises(ValueError, match=r"k is NaN; expected a count in \[1, 5\]"):
+            fn(tree, torch.tensor(math.nan))
 
 
-# --------------------------------------------------------------------------- sparse updates
+def test_tensor_density_nan_inf_or_huge_gives_n_not_1():
+    for value in (math.nan, math.inf, 1e30):
+        k = ft.sparse.k_from_density(torch.tensor(value, dtype=torch.float64), 1000)
+        assert k.dtype == torch.int64 and int(k) == 1000
+    assert int(ft.sparse.k_from_density(torch.tensor(-math.inf), 1000)) == 1
+    assert int(ft.sparse.k_from_density(torch.tensor(1e-9), 1000)) == 1
 
 
-@settings(max_examples=40)
-@given(tree=trees_st(), data=st.data())
-def test_sparse_apply_equals_dense_apply(tree, data):
-    n = numel(tree)
-    if n == 0:
-        return
-    k = data.draw(st.integers(1, n), label="k")
-    lr = data.draw(st.sampled_from([0.1, 1.0, torch.tensor(0.25)]), label="lr")
-    params = optree.tree_map(lambda x: torch.linspace(-1.0, 1.0, x.numel()).to(x.dtype).reshape(x.shape), tree)
-    p0, g0 = clone_tree(params), clone_tree(tree)
-    sparse = ft.topk_indices(tree, k)
-    dense = ft.apply_updates(params, ft.tree.scale(ft.topk_sparsify(tree, k), -lr))
-    new = ft.apply_sparse_updates(params, sparse, -lr)
-    assert_tree_bitwise_equal(params, p0)  # pure
-    assert_tree_bitwise_equal(tree, g0)
-    one_dtype = len({x.dtype for x in optree.tree_leaves(tree)}) == 1
-    if one_dtype:
-        assert_tree_bitwise_equal(new, dense)
-    else:  # the values are scaled in the common dtype before rounding to each leaf's dtype
-        assert_tree_close(new, dense, rtol=1e-2, atol=1e-3)
-    inplace = clone_tree(params)
-    ptrs = [x.data_ptr() for x in optree.tree_leaves(inplace)]
-    assert ft.apply_sparse_updates_(inplace, sparse, -lr) is inplace
-    assert [x.data_ptr() for x in optree.tree_leaves(inplace)] == ptrs
-    assert_tree_bitwise_equal(inplace, new)
-    assert_tree_bitwise_equal(sparse.to_dense(tree), ft.topk_sparsify(tree, k))
 
 
-def test_sparse_sgd_step_on_module_parameters_and_non_contiguous_leaves():
-    lin = torch.nn.Linear(4, 3)
-    params = dict(lin.named_parameters())
-    grads = {"weight": torch.arange(12.0).reshape(3, 4), "bias": torch.tensor([100.0, 0.0, -200.0])}
-    before = {name: p.detach().clone() for name, p in params.items()}
-    ft.apply_sparse_updates_(params, ft.topk_indices(grads, 3), -0.5)
-    assert torch.equal(lin.bias.detach(), before["bias"] + torch.tensor([-50.0, 0.0, 100.0]))
-    expected_w = before["weight"].clone()
-    expected_w[2, 3] -= 5.5
-    assert torch.equal(lin.weight.detach(), expected_w)
-    # a transposed (non-contiguous) leaf is updated through a copy, still in place
-    w = torch.zeros(3, 2).t()
-    ft.apply_sparse_updates_({"w": w}, ft.topk_indices({"w": torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 0.0]])}, 1))
-    assert torch.equal(w, torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 0.0]]))
+# --------------------------------------------------------------------------- gaussian_threshold
 
 
-@pytest.mark.parametrize("fn", [ft.apply_sparse_updates, ft.apply_sparse_updates_], ids=["pure", "inplace"])
-def test_sparse_apply_errors_leave_params_untouched(fn):
-    params = {"w": torch.ones(3), "b": torch.ones(2)}
-    p0 = clone_tree(params)
-    good = ft.SparseUpdates(torch.tensor([0, 4]), torch.tensor([1.0, 2.0]), 5)
-    with pytest.raises(ValueError, match="covers 6 coordinates, but params has 5"):
-        fn(params, good._replace(numel=6))
-    with pytest.raises(TypeError, match="sparse must be a functopk.SparseUpdates"):
-        fn(params, (good.indices, good.values))
-    with pytest.raises(ValueError, match="1-d of one length"):
-        fn(params, good._replace(values=torch.ones(3)))
-    with pytest.raises(TypeError, match="int64"):
-        fn(params, good._replace(indices=good.indices.int()))
-    with pytest.raises(TypeError, match="scale must be a real number"):
-        fn(params, good, "0.1")
-    if fn is ft.apply_sparse_updates_:
-        with pytest.raises(ValueError, match="strictly ascending"):
-            fn(params, good._replace(indices=torch.tensor([4, 0])))
-        with pytest.raises(ValueError, match=r"must lie in \[0, 5\)"):
-            fn(params, good._replace(indices=torch.tensor([0, 5])))
-    assert_tree_bitwise_equal(params, p0)
+def test_gaussian_threshold_on_gaussian_data():
+    g = {"a": torch.randn(400_000, generator=torch.Generator().manual_seed(5)) * 0.01}
+    for density in [0.001, 0.01, 0.1]:
+        t = ft.sparse.gaussian_threshold(g, density=density)
+        count = int((g["a"].abs() > t).sum())
+        assert abs(count - density * 400_000) < 5 * math.sqrt(density * 400_000) + 5
+    k = ft.sparse.k_from_density(0.01, 400_000)
+    assert torch.equal(ft.sparse.gaussian_threshold(g, k), ft.sparse.gaussian_threshold(g, density=0.01))
+    with pytest.raises(ValueError, match="exactly one of k or density"):
+        ft.sparse.gaussian_threshold(g)
+    with pytest.raises(ValueError, match="the tree has no coordinates"):
+        ft.sparse.gaussian_threshold({"a": torch.zeros(0)}, density=0.1)
+    g16 = {"a": (torch.randn(1000) * 300).half()}  # sum of squares overflows float16: accumulated in float32
+    assert torch.isfinite(ft.sparse.gaussian_threshold(g16, density=0.1))
 
 
-def test_sparse_transform_ends_a_sgd_step():
-    params = {"w": torch.zeros(2, 2), "b": torch.zeros(3)}
-    grads = {"w": torch.tensor([[0.1, -3.0], [2.0, 0.0]]), "b": torch.tensor([0.5, 0.0, -0.2])}
-    tx = ft.topk(2, sparse=True)
-    sparse, _ = tx.update(grads, tx.init(params), params)
-    assert isinstance(sparse, ft.SparseUpdates) and sparse.indices.tolist() == [4, 5]
-    new = ft.apply_sparse_updates(params, sparse, -0.1)
-    assert torch.allclose(new["w"], torch.tensor([[0.0, 0.3], [-0.2, 0.0]])) and not new["b"].any()
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gaussian_method_with_non_finite_input_keeps_exactly_the_non_finite_coordinates(bad, dtype):
+    """As the docstring says: the estimate becomes the dtype's largest finite value (not NaN or inf)."""
+    g = torch.Generator().manual_seed(0)
+    tree = {"a": torch.randn(1000, generator=g).to(dtype), "b": torch.randn(7, generator=g).to(torch.float32)}
+    tree["a"][[3, 500]] = bad
+    tree["b"][2] = math.nan
+    t = ft.sparse.gaussian_threshold(tree, density=0.1)
+    assert float(t) == torch.finfo(torch.float32).max
+    expected = optree.tree_map(lambda x: ~torch.isfinite(x), tree)
+    for k in (1, 100, torch.tensor(100)):
+        for m, e in zip(optree.tree_leaves(ft.topk_mask(tree, k, method="gaussian")), optree.tree_leaves(expected)):
+            assert torch.equal(m, e)
+        out = ft.topk_sparsify(tree, k, method="gaussian")
+        assert_tree_bitwise_equal(out, optree.tree_map(lambda x, e: torch.where(e, x, 0.0), tree, expected))
+        sparse = ft.topk_indices(tree, k, method="gaussian")
+        flat = torch.cat([e.reshape(-1) for e in optree.tree_leaves(expected)])
+        assert torch.equal(sparse.indices, flat.nonzero().view(-1))
+    # the static comparison (a leaf requires grad) keeps the same coordinates
+    grad_tree = optree.tree_map(lambda x: x.clone().requires_grad_(), tree)
+    for m, e in zip(optree.tree_leaves(ft.topk_mask(grad_tree, 100, method="gaussian")), optree.tree_leaves(expected)):
+        assert torch.equal(m, e)
+
+
+def test_gaussian_threshold_nan_density_counts_as_one():
+    tree = {"a": torch.tensor([1.0, 0.0, -2.0])}
+    assert float(ft.sparse.gaussian_threshold(tree, density=torch.tensor(math.nan))) == 0.0
+    assert float(ft.sparse.gaussian_threshold(tree, torch.tensor(math.nan))) == 0.0
+
+
 
 
 # --------------------------------------------------------------------------- compile
@@ -475,63 +398,31 @@ TREE = {"a": torch.randn(6, 5, generator=torch.Generator().manual_seed(0)), "b":
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("method", ["exact", "torch", "approx", "gaussian"])
 def test_methods_compile_fullgraph(method):
-    fn = torch.compile(lambda t: ft.topk_sparsify(t, 7, method=method), fullgraph=True, backend="aot_eager")
-    assert_tree_bitwise_equal(fn(TREE), ft.topk_sparsify(TREE, 7, method=method))
+    (out,) = assert_compiles_like_eager(lambda t: ft.topk_sparsify(t, 7, method=method), [(TREE,)], bitwise=True)
     if method in ("exact", "torch"):  # the compiled "exact" runs the static kernel: same result
-        assert_tree_bitwise_equal(fn(TREE), reference_sparsify(TREE, 7))
+        assert_tree_bitwise_equal(out, reference_sparsify(TREE, 7))
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_tensor_k_compiles_without_recompiling():
-    fn = torch.compile(lambda t, k: ft.topk_sparsify(t, k, method="torch"), fullgraph=True, backend="aot_eager")
-    for i, k in enumerate([3, 7, 1, 33]):
-        with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            out = fn(TREE, torch.tensor(k))
-        assert_tree_bitwise_equal(out, reference_sparsify(TREE, k))  # radix select
+    calls = [(TREE, torch.tensor(k)) for k in [3, 7, 1, 33]]
+    outs = assert_compiles_like_eager(lambda t, k: ft.topk_sparsify(t, k, method="torch"), calls, bitwise=True)
+    for (_, k), out in zip(calls, outs):
+        assert_tree_bitwise_equal(out, reference_sparsify(TREE, int(k)))  # radix select
     for method in ("approx", "gaussian"):
-        fn = torch.compile(lambda t, k, m=method: ft.topk_sparsify(t, k, method=m), fullgraph=True, backend="aot_eager")
-        for i, k in enumerate([3, 20]):
-            with torch._dynamo.config.patch(error_on_recompile=i > 0):
-                out = fn(TREE, torch.tensor(k))
-            assert_tree_bitwise_equal(out, ft.topk_sparsify(TREE, torch.tensor(k), method=method))
+        fn = lambda t, k, m=method: ft.topk_sparsify(t, k, method=m)  # noqa: E731
+        assert_compiles_like_eager(fn, [(TREE, torch.tensor(3)), (TREE, torch.tensor(20))], bitwise=True)
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_scheduled_density_chain_compiles_without_recompiling():
-    tx = ft.chain(ft.topk(density=ft.linear_schedule(0.5, 0.1, transition_steps=3)), ft.sgd(0.1))
-    params = optree.tree_map(torch.zeros_like, TREE)
-    update = torch.compile(tx.update, fullgraph=True, backend="aot_eager")
-    state_c = state_e = tx.init(params)
-    for i in range(3):
-        grads = optree.tree_map(lambda x: torch.randn_like(x), TREE)
-        with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            u_c, state_c = update(grads, state_c, params)
-        u_e, state_e = tx.update(grads, state_e, params)
-        assert_tree_bitwise_equal(u_c, u_e)
-    assert int(state_c[0].count) == 3
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("fresh_dynamo")
-def test_sparse_paths_compile_and_the_eager_exact_kernel_does_not():
-    def step(params, grads):
-        return ft.apply_sparse_updates(params, ft.topk_indices(grads, 5), -0.5)
-
-    params = optree.tree_map(torch.ones_like, TREE)
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    assert_tree_bitwise_equal(compiled(params, TREE), step(params, TREE))
-    # approx: a data-dependent number of indices (nonzero), still one graph
-    for method in ("approx", "gaussian"):
-        fn = torch.compile(lambda g, m=method: ft.topk_indices(g, 5, method=m), fullgraph=True, backend="aot_eager")
-        got, expected = fn(TREE), ft.topk_indices(TREE, 5, method=method)
-        assert torch.equal(got.indices, expected.indices) and torch.equal(got.values, expected.values)
-    # why "exact" switches to the static kernel under compile: the eager one branches on data
-    big = torch.randn(1 << 17)
-    kernel = torch.compile(lambda x: select.select_exact([x], 10, torch.float32), fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match="data-dependent"):
-        kernel(big)
+def test_nan_and_huge_tensor_k_compile_to_n():
+    calls = [(TREE, torch.tensor(v)) for v in (math.nan, math.inf, 1e30)]
+    for out in assert_compiles_like_eager(lambda t, k: ft.topk_sparsify(t, k, method="torch"), calls, bitwise=True):
+        assert_tree_bitwise_equal(out, TREE)  # k = n: everything kept
+    compiled = torch.compile(lambda t, k: ft.topk_sparsify(t, k), fullgraph=True)
+    assert_tree_bitwise_equal(compiled(TREE, torch.tensor(math.nan)), TREE)  # compiled "exact": the static kernel
 
 
 # --------------------------------------------------------------------------- memory
@@ -659,3 +550,4 @@ def test_large_mostly_zero_tree_with_mixed_dtypes_takes_the_fallback_exactly():
     static = ft.topk_indices(tree, k, method="torch")
     assert torch.equal(sparse.indices, static.indices) and torch.equal(bits(sparse.values), bits(static.values))
     assert int((sparse.values != 0).sum()) == nonzeros
+

@@ -1,0 +1,133 @@
+"""The one dispatch point of the top-k engine: which kernel runs, and what ``k`` it gets.
+
+:func:`select` is the only place that decides between the eager CPU kernels
+(which read sizes and thresholds on the host) and the static ones, and the only
+place that turns a tensor ``k`` into what a kernel takes:
+
+==============  ==========================================  ===========================================
+``method``      eager, CPU, no leaf requiring grad           compiling, other devices, or requires grad
+==============  ==========================================  ===========================================
+``"exact"``     :func:`~.kernels.exact.select_exact`          :func:`~.kernels.static.mask_static`
+                -> :class:`~.selection.Indices`               -> :class:`~.selection.Mask`
+``"torch"``     :func:`~.kernels.static.mask_static` -> ``Mask`` (everywhere)
+``"approx"``    :func:`~.kernels.approx.sample_threshold`     the same threshold
+                -> :class:`~.selection.HostThreshold`         -> :class:`~.selection.Threshold`
+``"gaussian"``  :func:`~.kernels.approx.gaussian_threshold_flat`, as ``"approx"``
+==============  ==========================================  ===========================================
+
+A tensor ``k`` (rounded if it is a float) is clamped to ``[1, n]`` on device by
+:func:`tensor_count`: ``inf`` or a value beyond int64 becomes ``n``, ``-inf``
+becomes 1, and NaN becomes ``n`` ("keep everything": nothing is lost). Only the
+eager exact kernel reads ``k`` on the host anyway, and there a NaN ``k`` is a
+``ValueError`` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+
+from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
+from functopk.sparse.kernels.base import common_dtype, flat_magnitudes
+from functopk.sparse.kernels.exact import select_exact
+from functopk.sparse.kernels.static import mask_static
+from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
+
+__all__ = ["KLike", "METHODS", "check_method", "eager_cpu", "device_count", "select", "tensor_count"]
+
+METHODS = ("exact", "torch", "approx", "gaussian")
+
+KLike = Union[int, torch.Tensor]
+"""A count: a Python int, or a 0-d tensor (integer, or float rounded to the nearest integer)."""
+
+
+def check_method(method: Any) -> str:
+    """``method`` if it is one of :data:`METHODS`, else ``ValueError``."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method
+
+
+def eager_cpu(leaves: list[torch.Tensor]) -> bool:
+    """Whether the eager CPU kernels apply: not compiling, on CPU, no leaf requiring grad.
+
+    They read sizes and thresholds on the host; elsewhere the static kernels
+    give the same result (exact methods) or the same kind of result (approximate).
+    """
+    if torch.compiler.is_compiling() or leaves[0].device.type != "cpu":
+        return False
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in leaves))
+
+
+def tensor_count(k: torch.Tensor, n: int, *, rounded: bool = False) -> torch.Tensor:
+    """A 0-d count tensor as int64 in ``[1, n]``, on device, without reading it.
+
+    A float ``k`` is rounded half to even (unless ``rounded``: already an
+    integer value); ``+inf`` and values beyond int64 become ``n``, ``-inf``
+    becomes 1, NaN becomes ``n`` (keep everything: nothing is lost).
+
+    Example:
+        >>> import torch
+        >>> [int(tensor_count(torch.tensor(v), 10)) for v in (2.5, float("nan"), float("inf"), 1e30, -3.0)]
+        [2, 10, 10, 10, 1]
+    """
+    if k.is_floating_point():
+        k = k if rounded else torch.round(k.to(torch.float64))
+        k = torch.nan_to_num(k, nan=float(n), posinf=float(n), neginf=1.0).clamp(1, n)
+    return k.to(torch.int64).clamp(1, n)
+
+
+def _host_count(k: KLike, n: int) -> int:
+    """``k`` as a Python int (read on the host); a NaN tensor ``k`` is a ``ValueError`` here."""
+    if not isinstance(k, torch.Tensor):
+        return k
+    if k.is_floating_point() and bool(torch.isnan(k)):
+        raise ValueError(f"k is NaN; expected a count in [1, {n}] (a 0-d tensor k is rounded and clamped to it)")
+    return int(tensor_count(k, n))
+
+
+def device_count(k: KLike, n: int) -> KLike:
+    """``k`` as the static kernels take it: an int as it is, a tensor through :func:`tensor_count` (no host read)."""
+    return k if isinstance(k, int) else tensor_count(k, n)
+
+
+def select(
+    leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConfig | None = None
+) -> Selection:
+    """Run the kernel that ``method`` and the context call for on ``leaves`` (see the module table).
+
+    Args:
+        leaves: The checked leaves (supported floats, one device, at least one coordinate).
+        k: An int in ``[1, n]`` (checked), or a 0-d tensor (clamped by :func:`tensor_count`).
+        method: One of :data:`METHODS` (checked).
+        config: The kernels' tuning constants (default: :data:`~.config.DEFAULT_CONFIG`).
+
+    Example:
+        >>> import torch
+        >>> select([torch.tensor([1.0, -3.0, 2.0])], 2, "exact")
+        Indices(indices=tensor([1, 2]), values=tensor([-3.,  2.]))
+        >>> select([torch.tensor([1.0, -3.0, 2.0])], torch.tensor(2), "torch")
+        Mask(mask=tensor([False,  True,  True]), k=tensor(2))
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
+    dtype = common_dtype(leaves)
+    n = sum(x.numel() for x in leaves)
+    eager = eager_cpu(leaves)
+    if method == "exact" and eager:
+        flats = [x.detach().reshape(-1) for x in leaves]
+        return Indices(*select_exact(flats, _host_count(k, n), dtype, config))
+    count = device_count(k, n)
+    flats = [x.detach().reshape(-1) for x in leaves]
+    if method in ("exact", "torch"):
+        return Mask(mask_static(flat_magnitudes(flats, dtype), count), count)
+    if method == "approx":
+        t = sample_threshold(flats, count, dtype)
+    else:
+        t = gaussian_threshold_flat(flats, count / n, dtype)
+    if eager:
+        return HostThreshold(t, count / n if isinstance(count, int) else 0.01, config)
+    return Threshold(t)

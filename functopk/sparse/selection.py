@@ -1,0 +1,166 @@
+"""What a selection kernel produced, as small result types that know how to become each output.
+
+:func:`functopk.sparse.dispatch.select` returns one of them; the public
+functions only ask it for the output they return:
+
+* :meth:`dense` the sparsified leaves (kept values bit-exact, zeros elsewhere);
+* :meth:`masks` boolean leaves;
+* :meth:`sparse` a :class:`~functopk.sparse.SparseUpdates`.
+
+=====================  =============================================  ==========================
+type                   made by                                        shapes
+=====================  =============================================  ==========================
+:class:`Indices`       the eager exact kernel (sorted indices)         data-dependent, eager only
+:class:`Mask`          the static exact kernel (flat boolean mask)     static
+:class:`Threshold`     an approximate threshold, static comparisons    static (dense outputs)
+:class:`HostThreshold` the same in eager CPU mode, read on the host    data-dependent, eager only
+=====================  =============================================  ==========================
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import torch
+
+from functopk.sparse.config import KernelConfig
+from functopk.sparse.kernels.base import common_dtype, round_down
+from functopk.sparse.kernels.scan import scan_above
+from functopk.sparse.updates import SparseUpdates
+from functopk.tree.layout import FlatLayout
+
+__all__ = ["HostThreshold", "Indices", "Mask", "Selection", "Threshold"]
+
+
+def _sparse_updates(leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor) -> SparseUpdates:
+    sizes = tuple(x.numel() for x in leaves)
+    return SparseUpdates(idx, vals, sum(sizes), sizes)
+
+
+def _flat(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """The concatenation of the leaves in their common dtype (a new n-sized tensor)."""
+    dtype = common_dtype(leaves)
+    return torch.cat([x.reshape(-1).to(dtype) for x in leaves])
+
+
+class Indices(NamedTuple):
+    """The exact top-k as sorted flat indices and their values in the common dtype (the eager exact kernel)."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per leaf: zeros, with the selected coordinates copied in (their own bits)."""
+        one_dtype = all(x.dtype == self.values.dtype for x in leaves)
+        out = []
+        for x, (off, lo, hi) in zip(leaves, FlatLayout.from_tree(leaves).bounds(self.indices)):
+            z = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+            if hi > lo:
+                pos = self.indices[lo:hi] - off
+                src = self.values[lo:hi] if one_dtype else x.detach().reshape(-1)[pos]  # mixed: the leaf's own bits
+                z.view(-1).index_copy_(0, pos, src)
+            out.append(z)
+        return out
+
+    def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per leaf: a boolean tensor, True at the selected coordinates."""
+        out = []
+        for x, (off, lo, hi) in zip(leaves, FlatLayout.from_tree(leaves).bounds(self.indices)):
+            z = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+            if hi > lo:
+                z.view(-1).index_fill_(0, self.indices[lo:hi] - off, True)
+            out.append(z)
+        return out
+
+    def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
+        """The indices and values as they are."""
+        return _sparse_updates(leaves, self.indices, self.values)
+
+
+class Mask(NamedTuple):
+    """The exact top-k as a flat boolean mask with exactly ``k`` entries set (the static kernel)."""
+
+    mask: torch.Tensor
+    k: int | torch.Tensor
+
+    def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mask cut into leaf-shaped views (no offsets needed: one ``torch.split``)."""
+        return [p.view(x.shape) for p, x in zip(torch.split(self.mask, [x.numel() for x in leaves]), leaves)]
+
+    def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``where(mask, x, 0)`` per leaf."""
+        return [torch.where(m, x, 0.0) for m, x in zip(self.masks(leaves), leaves)]
+
+    def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
+        """``nonzero`` of the mask; with an int ``k`` of static size ``k`` (``nonzero_static``)."""
+        flat = _flat(leaves)
+        if isinstance(self.k, int):  # exactly k entries are set: the output size is static
+            idx = torch.nonzero_static(self.mask, size=self.k).view(-1)
+        else:
+            idx = self.mask.nonzero().view(-1)
+        return _sparse_updates(leaves, idx, flat[idx])
+
+
+def _above(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``|x| > t`` or NaN, compared in ``t``'s (common) dtype: static shapes, no host read."""
+    return ~((x if x.dtype == t.dtype else x.to(t.dtype)).abs() <= t)
+
+
+class Threshold(NamedTuple):
+    """An approximate selection: every coordinate with ``|x| > t`` or NaN (``t`` a 0-d tensor, common dtype)."""
+
+    t: torch.Tensor
+
+    def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``|x| > t`` or NaN per leaf, compared in the common dtype."""
+        return [_above(x.detach(), self.t) for x in leaves]
+
+    def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``where(|x| > t or NaN, x, 0)`` per leaf."""
+        return [torch.where(m, x, 0.0) for m, x in zip(self.masks(leaves), leaves)]
+
+    def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
+        """``nonzero`` over the concatenation (a data-dependent length)."""
+        flat = _flat(leaves)
+        idx = _above(flat, self.t).nonzero().view(-1)
+        return _sparse_updates(leaves, idx, flat[idx])
+
+
+class HostThreshold(NamedTuple):
+    """:class:`Threshold` in eager CPU mode: ``t`` is read on the host and compared in each leaf's dtype.
+
+    ``fraction`` (the expected share of kept coordinates) picks the scan strategy of :meth:`sparse`.
+    """
+
+    t: torch.Tensor
+    fraction: float
+    config: KernelConfig
+
+    def _limits(self, leaves: list[torch.Tensor]) -> list[float]:
+        """``t`` rounded down into each leaf's dtype (exact there, see :func:`~.kernels.base.round_down`)."""
+        value, limits = self.t.item(), {}
+        for x in leaves:
+            if x.dtype not in limits:
+                limits[x.dtype] = round_down(value, x.dtype, self.t.dtype)
+        return [limits[x.dtype] for x in leaves]
+
+    def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``not |x| <= limit`` per leaf (NaN in)."""
+        return [~(x.detach().abs() <= t) for x, t in zip(leaves, self._limits(leaves))]
+
+    def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One ``hardshrink`` per leaf: keeps ``|x| > t`` and NaN, zeros the rest."""
+        return [torch.nn.functional.hardshrink(x, t) for x, t in zip(leaves, self._limits(leaves))]
+
+    def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
+        """The exact kernel's scan for ``t >= 0`` (no dense copy); else as :class:`Threshold`."""
+        t = float(self.t)
+        if not t >= 0:  # negative (keep everything) or NaN
+            return Threshold(self.t).sparse(leaves)
+        flats = [x.detach().reshape(-1) for x in leaves]
+        idx, vals = scan_above(flats, t, common_dtype(leaves), self.fraction, self.config)
+        return _sparse_updates(leaves, idx, vals)
+
+
+Selection = Union[Indices, Mask, Threshold, HostThreshold]
+"""What :func:`functopk.sparse.dispatch.select` returns."""

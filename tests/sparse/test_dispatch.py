@@ -1,0 +1,109 @@
+"""functopk.sparse.dispatch: which kernel runs when, and what a tensor k becomes."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+
+import functopk as ft
+from functopk.sparse import dispatch
+from functopk.sparse.selection import HostThreshold, Indices, Mask, Threshold
+from tests.helpers import assert_tree_bitwise_equal, bits
+
+
+def _leaves():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(40, generator=g), torch.randn(3, 5, generator=g).double(), torch.randn(7, generator=g).half()]
+
+
+@pytest.mark.parametrize(
+    "method, k, requires_grad, kind",
+    [
+        ("exact", 5, False, Indices),
+        ("exact", torch.tensor(5.0), False, Indices),  # read on the host by the eager kernel
+        ("exact", 5, True, Mask),  # a leaf requires grad: the static kernel (differentiable outputs)
+        ("torch", 5, False, Mask),
+        ("torch", torch.tensor(5), False, Mask),
+        ("approx", 5, False, HostThreshold),
+        ("approx", 5, True, Threshold),
+        ("gaussian", torch.tensor(5), False, HostThreshold),
+        ("gaussian", 5, True, Threshold),
+    ],
+)
+def test_dispatch_table(method, k, requires_grad, kind):
+    leaves = [x.requires_grad_(requires_grad) for x in _leaves()]
+    assert type(dispatch.select(leaves, k, method)) is kind
+
+
+def test_eager_cpu():
+    leaves = _leaves()
+    assert dispatch.eager_cpu(leaves)
+    leaves[1].requires_grad_()
+    assert not dispatch.eager_cpu(leaves)
+    with torch.no_grad():
+        assert dispatch.eager_cpu(leaves)
+    assert not dispatch.eager_cpu([torch.ones(3, device="meta")])
+
+
+@pytest.mark.parametrize("method", ["exact", "approx", "gaussian"])
+def test_eager_and_static_result_types_give_the_same_outputs(method):
+    """The eager CPU selection (Indices, HostThreshold) and the static one (Mask, Threshold) agree bit for bit."""
+    leaves = _leaves()
+    leaves[0][3] = math.nan
+    grad_leaves = [x.clone().requires_grad_() for x in leaves]
+    for k in (1, 9, 62, torch.tensor(9)):
+        eager, static = dispatch.select(leaves, k, method), dispatch.select(grad_leaves, k, method)
+        assert type(eager) is not type(static)
+        for a, b in zip(eager.masks(leaves), static.masks(grad_leaves)):
+            assert torch.equal(a, b)
+        assert_tree_bitwise_equal(eager.dense(leaves), [x.detach() for x in static.dense(grad_leaves)])
+        se, ss = eager.sparse(leaves), static.sparse([x.detach() for x in grad_leaves])
+        assert torch.equal(se.indices, ss.indices) and torch.equal(bits(se.values), bits(ss.values))
+        assert se.numel == ss.numel == 62 and se.sizes == ss.sizes == (40, 15, 7)
+
+
+def test_tensor_count():
+    n = 10
+    cases = {2.4: 2, 2.5: 2, 3.5: 4, 0.0: 1, -5.0: 1, 99.0: 10, math.inf: 10, -math.inf: 1, 1e30: 10, 2.0**63: 10,
+             math.nan: 10}
+    for value, expected in cases.items():
+        for dtype in (torch.float16, torch.float32, torch.float64):
+            if abs(value) > 6e4 and not math.isinf(value) and dtype == torch.float16:
+                continue
+            got = dispatch.tensor_count(torch.tensor(value, dtype=dtype), n)
+            assert got.dtype == torch.int64 and int(got) == expected, (value, dtype)
+    for value, expected in {-(2**62): 1, 2**62: 10, 3: 3}.items():
+        assert int(dispatch.tensor_count(torch.tensor(value), n)) == expected
+    assert int(dispatch.tensor_count(torch.tensor(7, dtype=torch.uint8), n)) == 7
+
+
+def test_nan_k_raises_only_where_k_is_read_on_the_host():
+    leaves = _leaves()
+    nan = torch.tensor(math.nan)
+    with pytest.raises(ValueError, match="k is NaN"):
+        dispatch.select(leaves, nan, "exact")
+    for method in ("torch", "approx", "gaussian"):
+        sel = dispatch.select(leaves, nan, method)
+        assert all(bool(m.all()) for m in sel.masks(leaves)), method  # k = n: everything
+    grad_leaves = [x.clone().requires_grad_() for x in leaves]
+    assert all(bool(m.all()) for m in dispatch.select(grad_leaves, nan, "exact").masks(grad_leaves))
+
+
+def test_check_method():
+    assert dispatch.check_method("approx") == "approx"
+    with pytest.raises(ValueError, match=r"method must be one of \('exact', 'torch', 'approx', 'gaussian'\)"):
+        dispatch.check_method("fast")
+
+
+def test_public_functions_pass_the_config_to_the_kernels():
+    tree = {"w": torch.randn(5000, generator=torch.Generator().manual_seed(2))}
+    tiny = ft.sparse.KernelConfig(exact_min_numel=0, sample_size=64, segment=256, abandon_min=0, abandon_factor=0.0)
+    expected = ft.topk_indices(tree, 40, method="torch")
+    got = ft.topk_indices(tree, 40, config=tiny)
+    assert torch.equal(got.indices, expected.indices)
+    with pytest.raises(TypeError, match="config must be a functopk.sparse.KernelConfig or None, got object"):
+        ft.topk_indices(tree, 40, config=object())
+    assert optree.tree_structure(ft.topk_mask(tree, 40, config=tiny)) == optree.tree_structure(tree)

@@ -1,0 +1,101 @@
+"""functopk.sparse.kernels.exact: the eager exact kernel against brute force, including misleading samples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from functopk.sparse import KernelConfig
+from functopk.sparse.config import DEFAULT_CONFIG
+from functopk.sparse.kernels.approx import sample_stride
+from functopk.sparse.kernels.exact import ExactStats, select_exact
+
+
+def brute_topk(flats, k, dtype):
+    """Reference: Python sort of (-|x| with NaN as inf, index)."""
+    flat = torch.cat([f.to(dtype) for f in flats])
+    mags = [math.inf if math.isnan(v) else abs(v) for v in flat.double().tolist()]
+    order = sorted(range(len(mags)), key=lambda i: (-mags[i], i))[:k]
+    idx = torch.tensor(sorted(order), dtype=torch.int64)
+    return idx, flat[idx]
+
+
+@pytest.mark.parametrize("k", [1, 10, 999, 5000, 19_999, 20_000])
+def test_select_exact_on_a_real_sized_case_with_fallbacks(k):
+    g = torch.Generator().manual_seed(4)
+    flats = [torch.randn(s, generator=g) for s in [5000, 3, 12_000, 2997]]
+    flats[0][100:200] = 0.0
+    flats[2][:4000] = flats[2][0]  # a block of ties
+    expected = brute_topk(flats, k, torch.float32)
+    for margin in (4.0, -4.0):  # -4: the bracket is too tight and the fallback must run
+        for max_fraction in (0.0, 1.0):
+            config = KernelConfig(exact_min_numel=0, sample_size=256, margin=margin, column_max_fraction=max_fraction)
+            idx, vals = select_exact(flats, k, torch.float32, config)
+            assert torch.equal(idx, expected[0]) and torch.equal(vals, expected[1])
+
+
+def test_select_exact_adversarial_sample_misses_the_large_values():
+    # The large values sit exactly where the systematic sample does not look.
+    n = 1 << 17
+    stride = sample_stride(n, DEFAULT_CONFIG.sample_size)
+    x = torch.ones(n)
+    sampled = torch.zeros(n, dtype=torch.bool)
+    sampled[stride // 2 :: stride] = True
+    big = (~sampled).nonzero().view(-1)[:5000]
+    x[big] = 100.0 + torch.arange(5000.0)
+    for k in [10, 4000, 6000]:
+        idx, vals = select_exact([x], k, torch.float32)
+        ref = brute_topk([x], k, torch.float32)
+        assert torch.equal(idx, ref[0]) and torch.equal(vals, ref[1])
+
+
+@pytest.mark.parametrize("scan", ["direct", "columns"])
+def test_misleading_sample_abandons_the_scan_early_and_stays_exact(scan):
+    """The pathology of issue 11 (25M fp32, k=1000: 94% of coordinates candidates), scaled down.
+
+    Large values fill every position the systematic sample skips, so the sampled
+    bracket predicts a handful of candidates and nearly every coordinate is one.
+    The scan must stop once it has found far more than predicted (the limit) and
+    run the static kernel instead: the result stays exact and the scan never
+    gathers the huge candidate set.
+    """
+    n = 1 << 17
+    config = KernelConfig(exact_min_numel=0, sample_size=1 << 10, segment=4096, abandon_min=1000,
+                          column_max_fraction=1.0 if scan == "columns" else 0.0)
+    stride = sample_stride(n, config.sample_size)
+    g = torch.Generator().manual_seed(0)
+    x = 100.0 + torch.rand(n, generator=g)  # the large values
+    x[stride // 2 :: stride] = torch.randn(len(range(stride // 2, n, stride)), generator=g)  # what the sample sees
+    for k in (10, 300):
+        stats = ExactStats()
+        idx, vals = select_exact([x[: n // 2], x[n // 2 :]], k, torch.float32, config, stats=stats)
+        ref = brute_topk([x], k, torch.float32)
+        assert torch.equal(idx, ref[0]) and torch.equal(vals, ref[1])
+        assert stats.path == "abandoned", stats
+        assert stats.limit < stats.candidates < 0.5 * n  # stopped early: ~99% of n are candidates
+        if scan == "direct":
+            assert stats.candidates <= stats.limit + config.segment
+
+
+def test_stats_name_the_paths():
+    g = torch.Generator().manual_seed(1)
+    flats = [torch.randn(50_000, generator=g)]
+    config = KernelConfig(exact_min_numel=0, sample_size=1024)
+    for cfg, k, path in [(config, 50, "scan"), (KernelConfig(), 50, "static"), (config, 50_000, "static"),
+                         (KernelConfig(exact_min_numel=0, sample_size=1024, margin=-4.0), 500, "too-few")]:
+        stats = ExactStats()
+        idx, _ = select_exact(flats, k, torch.float32, cfg, stats=stats)
+        assert stats.path == path and idx.numel() == k
+        assert torch.equal(idx, brute_topk(flats, k, torch.float32)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_eager_exact_kernel_does_not_compile():
+    # why "exact" switches to the static kernel under compile: the eager one branches on data
+    big = torch.randn(1 << 17)
+    kernel = torch.compile(lambda x: select_exact([x], 10, torch.float32), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="data-dependent"):
+        kernel(big)

@@ -1,0 +1,170 @@
+"""SparseUpdates, apply_sparse_updates and apply_sparse_updates_: against the dense path, and their contract."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functopk as ft
+from tests.helpers import (
+    assert_compiles_like_eager,
+    assert_tree_bitwise_equal,
+    assert_tree_close,
+    clone_tree,
+    numel,
+    trees_st,
+)
+
+
+@settings(max_examples=40)
+@given(tree=trees_st(), data=st.data())
+def test_sparse_apply_equals_dense_apply(tree, data):
+    n = numel(tree)
+    if n == 0:
+        return
+    k = data.draw(st.integers(1, n), label="k")
+    lr = data.draw(st.sampled_from([0.1, 1.0, torch.tensor(0.25)]), label="lr")
+    params = optree.tree_map(lambda x: torch.linspace(-1.0, 1.0, x.numel()).to(x.dtype).reshape(x.shape), tree)
+    p0, g0 = clone_tree(params), clone_tree(tree)
+    sparse = ft.topk_indices(tree, k)
+    dense = ft.apply_updates(params, ft.tree.scale(ft.topk_sparsify(tree, k), -lr))
+    new = ft.apply_sparse_updates(params, sparse, -lr)
+    assert_tree_bitwise_equal(params, p0)  # pure
+    assert_tree_bitwise_equal(tree, g0)
+    one_dtype = len({x.dtype for x in optree.tree_leaves(tree)}) == 1
+    if one_dtype:
+        assert_tree_bitwise_equal(new, dense)
+    else:  # the values are scaled in the common dtype before rounding to each leaf's dtype
+        assert_tree_close(new, dense, rtol=1e-2, atol=1e-3)
+    inplace = clone_tree(params)
+    ptrs = [x.data_ptr() for x in optree.tree_leaves(inplace)]
+    assert ft.apply_sparse_updates_(inplace, sparse, -lr) is inplace
+    assert [x.data_ptr() for x in optree.tree_leaves(inplace)] == ptrs
+    assert_tree_bitwise_equal(inplace, new)
+    assert_tree_bitwise_equal(sparse.to_dense(tree), ft.topk_sparsify(tree, k))
+
+
+def test_sparse_sgd_step_on_module_parameters_and_non_contiguous_leaves():
+    lin = torch.nn.Linear(4, 3)
+    params = dict(lin.named_parameters())
+    grads = {"weight": torch.arange(12.0).reshape(3, 4), "bias": torch.tensor([100.0, 0.0, -200.0])}
+    before = {name: p.detach().clone() for name, p in params.items()}
+    ft.apply_sparse_updates_(params, ft.topk_indices(grads, 3), -0.5)
+    assert torch.equal(lin.bias.detach(), before["bias"] + torch.tensor([-50.0, 0.0, 100.0]))
+    expected_w = before["weight"].clone()
+    expected_w[2, 3] -= 5.5
+    assert torch.equal(lin.weight.detach(), expected_w)
+    # a transposed (non-contiguous) leaf is updated through a copy, still in place
+    w = torch.zeros(3, 2).t()
+    ft.apply_sparse_updates_({"w": w}, ft.topk_indices({"w": torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 0.0]])}, 1))
+    assert torch.equal(w, torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("fn", [ft.apply_sparse_updates, ft.apply_sparse_updates_], ids=["pure", "inplace"])
+def test_sparse_apply_errors_leave_params_untouched(fn):
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    p0 = clone_tree(params)
+    good = ft.SparseUpdates(torch.tensor([0, 4]), torch.tensor([1.0, 2.0]), 5)
+    with pytest.raises(ValueError, match="covers 6 coordinates, but params has 5"):
+        fn(params, good._replace(numel=6))
+    with pytest.raises(TypeError, match="sparse must be a functopk.SparseUpdates"):
+        fn(params, (good.indices, good.values))
+    with pytest.raises(ValueError, match="1-d of one length"):
+        fn(params, good._replace(values=torch.ones(3)))
+    with pytest.raises(TypeError, match="int64"):
+        fn(params, good._replace(indices=good.indices.int()))
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        fn(params, good, "0.1")
+    with pytest.raises(ValueError, match="strictly ascending"):
+        fn(params, good._replace(indices=torch.tensor([4, 0])))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 5\)"):
+        fn(params, good._replace(indices=torch.tensor([0, 5])))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 5\)"):
+        fn(params, good._replace(indices=torch.tensor([-1, 2])))
+    assert_tree_bitwise_equal(params, p0)
+
+
+CONSUMERS = {
+    "pure": lambda params, sparse: ft.apply_sparse_updates(params, sparse, -1.0),
+    "inplace": lambda params, sparse: ft.apply_sparse_updates_(params, sparse, -1.0),
+    "to_dense": lambda params, sparse: sparse.to_dense(params),
+}
+
+
+@pytest.mark.parametrize("consume", CONSUMERS.values(), ids=CONSUMERS.keys())
+def test_all_three_consumers_check_one_contract(consume):
+    """Before: the pure apply summed duplicated indices, to_dense kept the last, only the in-place one checked."""
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    p0 = clone_tree(params)
+    good = ft.SparseUpdates(torch.tensor([0, 4]), torch.tensor([1.0, 2.0]), 5, (2, 3))
+    cases = [
+        (good._replace(indices=torch.tensor([1, 1])), "strictly ascending, so distinct"),
+        (good._replace(indices=torch.tensor([3, 1])), "strictly ascending"),
+        (good._replace(indices=torch.tensor([0, 5])), r"must lie in \[0, 5\)"),
+        (good._replace(indices=torch.tensor([-2, 0])), r"must lie in \[0, 5\)"),
+        (good._replace(sizes=(3, 2)),
+         r"(params|like) leaf at \['b'\] has 2 coordinates, but the tree the sparse update was selected from has 3"),
+        (good._replace(sizes=(5,)), "selected from a tree of 1 leaves, but (params|like) has 2"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            consume(params, bad)
+        assert_tree_bitwise_equal(params, p0)  # nothing written
+    assert_tree_bitwise_equal(consume(params, good._replace(sizes=None)), consume(clone_tree(p0), good))
+
+
+def test_sparse_updates_carry_the_leaf_sizes_and_hide_them_in_the_repr():
+    grads = {"a": torch.tensor([[0.5, -3.0]]), "b": None, "c": torch.tensor([2.0, 0.0, 1.0])}
+    for method in ("exact", "torch", "approx", "gaussian"):
+        sparse = ft.topk_indices(grads, 2, method=method)
+        assert sparse.numel == 5 and sparse.sizes == (2, 3)
+        assert "sizes" not in repr(sparse)
+    # the same numel split differently over the leaves is refused: the indices would land elsewhere
+    with pytest.raises(ValueError, match=r"params leaf at \['a'\] has 3 coordinates"):
+        ft.apply_sparse_updates({"a": torch.zeros(3), "c": torch.zeros(2)}, sparse)
+
+
+def test_integer_parameters_are_rejected_not_truncated():
+    sparse = ft.SparseUpdates(torch.tensor([1]), torch.tensor([0.5]), 2)
+    for fn in (ft.apply_sparse_updates, ft.apply_sparse_updates_):
+        params = {"w": torch.zeros(2, dtype=torch.int64)}
+        with pytest.raises(TypeError, match=r"params leaf at \['w'\] has dtype torch.int64"):
+            fn(params, sparse)
+        assert not params["w"].any()
+
+
+def test_a_sparse_sgd_step_is_topk_indices_then_apply_sparse_updates():
+    """What ``topk(sparse=True)`` did, with the functions: the selection, then the sparse apply."""
+    params = {"w": torch.zeros(2, 2), "b": torch.zeros(3)}
+    grads = {"w": torch.tensor([[0.1, -3.0], [2.0, 0.0]]), "b": torch.tensor([0.5, 0.0, -0.2])}
+    sparse = ft.topk_indices(grads, 2)
+    assert isinstance(sparse, ft.SparseUpdates) and sparse.indices.tolist() == [4, 5]
+    new = ft.apply_sparse_updates(params, sparse, -0.1)
+    assert torch.allclose(new["w"], torch.tensor([[0.0, 0.3], [-0.2, 0.0]])) and not new["b"].any()
+    assert_tree_bitwise_equal(sparse.to_dense(grads), ft.topk_sparsify(grads, 2))
+
+
+# --------------------------------------------------------------------------- compile
+
+TREE = {"a": torch.randn(6, 5, generator=torch.Generator().manual_seed(0)), "b": torch.tensor([3.0, -0.1, 7.0]),
+        "c": (torch.tensor([[-8.0, 0.2]], dtype=torch.float64), None)}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_sparse_paths_compile():
+    def step(params, grads):
+        return ft.apply_sparse_updates(params, ft.topk_indices(grads, 5), -0.5)
+
+    params = optree.tree_map(torch.ones_like, TREE)
+    assert_compiles_like_eager(step, [(params, TREE)], bitwise=True)
+    assert_compiles_like_eager(lambda s, like: s.to_dense(like), [(ft.topk_indices(TREE, 5), TREE)], bitwise=True)
+    # approx: a data-dependent number of indices (nonzero), still one graph
+    for method in ("approx", "gaussian"):
+        fn = lambda g, m=method: ft.topk_indices(g, 5, method=m)  # noqa: E731
+        (got,) = assert_compiles_like_eager(lambda g, f=fn: tuple(f(g)[:2]), [(TREE,)], bitwise=True)
+        expected = ft.topk_indices(TREE, 5, method=method)
+        assert torch.equal(got[0], expected.indices) and torch.equal(got[1], expected.values)
