@@ -270,3 +270,24 @@ def check_callable(value: Any, name: str, what: str = "a callable") -> Callable[
     if not callable(value):
         raise TypeError(f"{name} must be {what}, got {describe(value)}")
     return value
+
+
+# --------------------------------------------------------------------------- appended for functopk.optim
+
+
+def check_real_hyperparam(
+    value: Any, name: str, *, minimum: float | None = None, below: float | None = None, schedule: bool = False
+) -> Any:
+    """:func:`check_hyperparam` (or, with ``schedule``, :func:`check_scalar_or_schedule`), also accepting a
+    0-d integer tensor, which is returned as float32.
+
+    :func:`functopk.inject_hyperparams` stores a Python int as an int64 tensor (so that counts such
+    as ``k`` stay exact); a real-valued hyperparameter given as an int (``weight_decay=0``) then
+    arrives as one, and is used as the float it stands for.
+    """
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool:
+        if not value.is_floating_point() and not value.is_complex():
+            value = value.to(torch.float32)
+    if schedule:
+        return check_scalar_or_schedule(value, name, minimum=minimum)
+    return check_hyperparam(value, name, minimum=minimum, below=below)
