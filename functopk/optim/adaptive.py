@@ -54,6 +54,13 @@ def _root_plus_eps(square: Leaves, eps: Hyper, eps_in_sqrt: bool) -> Leaves:
     return foreach.add_scalar_(foreach.sqrt(square), eps)
 
 
+def _check_optional(field: Leaves | None, wanted: bool, owner: str, name: str, option: str) -> None:
+    """``ValueError`` when an optional state buffer is there without its option, or missing with it."""
+    if (field is not None) != wanted:
+        has = "has a" if field is not None else "has no"
+        raise ValueError(f"{owner}'s state {has} {name}: it was made with {option}={not wanted}, this is {option}={wanted}")
+
+
 # --------------------------------------------------------------------------- Adam
 
 
@@ -175,6 +182,7 @@ def adam_transform(
 
     def make(flags: list[bool] | None) -> GradientTransformation:
         def update(grads: Leaves, state: ScaleByAdamState, params: Leaves | None) -> tuple[Leaves, ScaleByAdamState]:
+            _check_optional(state.nu_max, cfg.amsgrad, name, "nu_max", "amsgrad")
             if cfg.maximize:
                 grads = foreach.neg(grads)
             if decay is not None and not decay.decoupled:
@@ -286,6 +294,7 @@ def scale_by_rms(
         )
 
     def update(grads: Leaves, state: ScaleByRmsState, params: None) -> tuple[Leaves, ScaleByRmsState]:
+        _check_optional(state.mu, centered, "scale_by_rms", "mu", "centered")
         nu = _ema_sq(state.nu, grads, decay)
         mu = foreach.lerp(state.mu, grads, 1.0 - decay) if centered else None
         square = nu if mu is None else foreach.addcmul(nu, mu, mu, value=-1.0)
