@@ -58,7 +58,9 @@ def _check_optional(field: Leaves | None, wanted: bool, owner: str, name: str, o
     """``ValueError`` when an optional state buffer is there without its option, or missing with it."""
     if (field is not None) != wanted:
         has = "has a" if field is not None else "has no"
-        raise ValueError(f"{owner}'s state {has} {name}: it was made with {option}={not wanted}, this is {option}={wanted}")
+        raise ValueError(
+            f"{owner}'s state {has} {name}: it was made with {option}={not wanted}, this is {option}={wanted}"
+        )
 
 
 # --------------------------------------------------------------------------- Adam
@@ -117,7 +119,7 @@ def _adam_moments(grads: Leaves, state: ScaleByAdamState, cfg: AdamConfig) -> tu
     """The new ``mu`` (one ``lerp``), ``nu`` (``mul``, ``addcmul``) and, with ``amsgrad``, ``nu_max``."""
     mu = foreach.lerp(state.mu, grads, 1.0 - cfg.b1)
     nu = _ema_sq(state.nu, grads, cfg.b2)
-    nu_max = foreach.maximum(state.nu_max, nu) if cfg.amsgrad else None
+    nu_max = None if state.nu_max is None else foreach.maximum(state.nu_max, nu)  # present iff cfg.amsgrad
     return mu, nu, nu_max
 
 
@@ -185,12 +187,12 @@ def adam_transform(
             _check_optional(state.nu_max, cfg.amsgrad, name, "nu_max", "amsgrad")
             if cfg.maximize:
                 grads = foreach.neg(grads)
-            if decay is not None and not decay.decoupled:
+            if decay is not None and not decay.decoupled and params is not None:
                 grads = foreach.add_scaled(grads, decay.weight_decay, params)
             mu, nu, nu_max = _adam_moments(grads, state, cfg)
             lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
             out = _adam_direction(mu, nu if nu_max is None else nu_max, state.count, cfg, lr, grads)
-            if decay is not None and decay.decoupled and params is not None:
+            if decay is not None and decay.decoupled and params is not None and lr is not None:
                 idx = selected(flags, out)
                 coef = foreach.for_leaves(-lr * decay.weight_decay, grads)
                 foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
@@ -293,10 +295,10 @@ def scale_by_rms(
             nu=foreach.full_like(params, initial_scale), mu=foreach.zeros_like(params) if centered else None
         )
 
-    def update(grads: Leaves, state: ScaleByRmsState, params: None) -> tuple[Leaves, ScaleByRmsState]:
+    def update(grads: Leaves, state: ScaleByRmsState, params: Leaves | None) -> tuple[Leaves, ScaleByRmsState]:
         _check_optional(state.mu, centered, "scale_by_rms", "mu", "centered")
         nu = _ema_sq(state.nu, grads, decay)
-        mu = foreach.lerp(state.mu, grads, 1.0 - decay) if centered else None
+        mu = None if state.mu is None else foreach.lerp(state.mu, grads, 1.0 - decay)  # present iff centered
         square = nu if mu is None else foreach.addcmul(nu, mu, mu, value=-1.0)
         return foreach.div_into(grads, _root_plus_eps(square, eps, eps_in_sqrt)), ScaleByRmsState(nu=nu, mu=mu)
 
@@ -337,14 +339,16 @@ def scale_by_rss(
         >>> updates["w"]    # 4 / sqrt(9 + 16), and 0 where the sum is 0
         tensor([0.8000, 0.0000])
     """
-    initial_accumulator_value = check_real_hyperparam(initial_accumulator_value, "initial_accumulator_value", minimum=0.0)
+    initial_accumulator_value = check_real_hyperparam(
+        initial_accumulator_value, "initial_accumulator_value", minimum=0.0
+    )
     eps = check_real_hyperparam(eps, "eps", minimum=0.0)
     check_bool(eps_in_sqrt, "eps_in_sqrt")
 
     def init(params: Leaves) -> ScaleByRssState:
         return ScaleByRssState(sum_of_squares=foreach.full_like(params, initial_accumulator_value))
 
-    def update(grads: Leaves, state: ScaleByRssState, params: None) -> tuple[Leaves, ScaleByRssState]:
+    def update(grads: Leaves, state: ScaleByRssState, params: Leaves | None) -> tuple[Leaves, ScaleByRssState]:
         total = foreach.addcmul(state.sum_of_squares, grads, grads)
         out = foreach.div_into(grads, _root_plus_eps(total, eps, eps_in_sqrt))
         if eps_in_sqrt:  # 0 where nothing was accumulated (0 / sqrt(0) would be NaN for eps == 0)

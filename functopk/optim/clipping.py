@@ -49,7 +49,7 @@ def clip(max_delta: float | torch.Tensor) -> GradientTransformation:
     """
     max_delta = check_real_hyperparam(max_delta, "max_delta", minimum=0.0)
 
-    def update(grads: Leaves, state: EmptyState, params: None) -> tuple[Leaves, EmptyState]:
+    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
         return foreach.clamp(grads, -max_delta, max_delta), state
 
     return leafwise("clip", update)
@@ -62,9 +62,9 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     ``torch.nn.utils.clip_grad_norm_`` (so the result's norm is strictly below
     ``max_norm`` when clipped). Updates whose norm is already below are returned
     unchanged in value. optax's rule differs slightly: ``updates * max_norm / norm``
-    where ``norm >= max_norm`` (no ``1e-6``). The norm is :func:`functopk.tree.norm`'s. Non-finite input: a NaN anywhere makes every coordinate
-    NaN, an infinity gives NaN or 0 coordinates (``inf * 0``); guard with
-    :func:`zero_nans` or :func:`apply_if_finite` where that can happen.
+    where ``norm >= max_norm`` (no ``1e-6``). The norm is :func:`functopk.tree.norm`'s.
+    Non-finite input: a NaN anywhere makes every coordinate NaN, an infinity gives
+    NaN or 0 coordinates (``inf * 0``); guard with :func:`zero_nans` or :func:`apply_if_finite` where that can happen.
 
     Args:
         max_norm: The largest allowed global norm, ``>= 0``.
@@ -78,7 +78,7 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     """
     max_norm = check_real_hyperparam(max_norm, "max_norm", minimum=0.0)
 
-    def update(grads: Leaves, state: EmptyState, params: None) -> tuple[Leaves, EmptyState]:
+    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
         factor = torch.clamp(max_norm / (foreach.global_norm(grads) + 1e-6), max=1.0)
         return foreach.mul(grads, factor), state
 
@@ -97,7 +97,7 @@ def zero_nans() -> GradientTransformation:
         {'w': tensor([1., 0., inf])}
     """
 
-    def update(grads: Leaves, state: EmptyState, params: None) -> tuple[Leaves, EmptyState]:
+    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
         return foreach.nan_to_zero(grads), state
 
     return leafwise("zero_nans", update)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_bool, check_callable, check_real_hyperparam, is_zero
-from functopk._checks import check_hyperparam  # noqa: F401  (functopk.compress imports it from here)
+from functopk._checks import check_hyperparam as check_hyperparam  # functopk.compress imports it from here
 from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, leafwise
 from functopk.combine import MaskOrFn
 from functopk.optim._shared import selected, with_mask
@@ -40,7 +40,7 @@ Leaves = list[torch.Tensor]
 
 
 def _scale(step_size: float | torch.Tensor, name: str) -> GradientTransformation:
-    def update(grads: Leaves, state: EmptyState, params: None) -> tuple[Leaves, EmptyState]:
+    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
         return foreach.mul(grads, step_size), state
 
     return leafwise(name, update)
@@ -68,7 +68,9 @@ def _scale_by_schedule(schedule: Schedule, name: str) -> GradientTransformation:
     def init(params: Leaves) -> ScaleByScheduleState:
         return ScaleByScheduleState(count=init_count(params))
 
-    def update(grads: Leaves, state: ScaleByScheduleState, params: None) -> tuple[Leaves, ScaleByScheduleState]:
+    def update(
+        grads: Leaves, state: ScaleByScheduleState, params: Leaves | None
+    ) -> tuple[Leaves, ScaleByScheduleState]:
         return foreach.mul(grads, schedule(state.count)), ScaleByScheduleState(count=state.count + 1)
 
     return leafwise(name, update, init=init, state=ScaleByScheduleState)
@@ -162,7 +164,7 @@ def trace(
     def init(params: Leaves) -> TraceState:
         return TraceState(trace=foreach.zeros_like(params), count=init_count(params))
 
-    def update(grads: Leaves, state: TraceState, params: None) -> tuple[Leaves, TraceState]:
+    def update(grads: Leaves, state: TraceState, params: Leaves | None) -> tuple[Leaves, TraceState]:
         if is_zero(dampening):
             buf = foreach.add_scaled(grads, decay, state.trace)
         else:
@@ -209,8 +211,8 @@ def add_decayed_weights(
     weight_decay = check_real_hyperparam(weight_decay, "weight_decay")
 
     def make(flags: list[bool] | None) -> GradientTransformation:
-        def update(grads: Leaves, state: EmptyState, params: Leaves) -> tuple[Leaves, EmptyState]:
-            if is_zero(weight_decay):
+        def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
+            if is_zero(weight_decay) or params is None:  # params: never None here (needs_params)
                 return grads, state
             idx = selected(flags, grads)
             out = list(grads)

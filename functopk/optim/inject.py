@@ -35,7 +35,7 @@ class InjectHyperparamsState(NamedTuple):
         inner_state: The state of the wrapped transformation.
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]
     hyperparams: dict[str, torch.Tensor]
     inner_state: OptState
 
