@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from functopk._checks import check_int, check_scalar_tensor, require_params
+from functopk._checks import check_int, check_leaves, check_scalar_tensor, require_params
 from functopk.base import GradientTransformation, OptState, Params, Updates
 from functopk.combine import MaskOrFn, resolve_mask
 from functopk.tree import foreach
@@ -64,7 +64,7 @@ def step_or_skip(
     Raises:
         ValueError: if the inner transformation returned a state of another structure than it was given.
     """
-    leaves, treedef = optree.tree_flatten(updates)
+    leaves, treedef = check_leaves(updates, "the inner transformation's updates")
     old, inner_def = optree.tree_flatten(old_inner)
     new = flatten_like(new_inner, inner_def, "the inner transformation's new state", "its old state")
     return (
