@@ -102,9 +102,14 @@ def check_hyperparam(
     """A hyperparameter: a real number (type- and range-checked) or a 0-d float tensor.
 
     Tensors come from :func:`functopk.inject_hyperparams`; their value is not
-    range-checked, since reading it would be a host sync.
+    range-checked, since reading it would be a host sync. A 0-d integer tensor
+    (an int injected as int64) is returned as float32.
     """
     if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+            # inject_hyperparams stores a Python int as int64 (so counts stay exact): ``weight_decay=0``
+            # arrives as one and is used as the float it stands for
+            value = value.to(torch.float32)
         return check_scalar_tensor(value, name, expected="a real number or a 0-d float tensor")
     return check_number(value, name, minimum=minimum, below=below)
 

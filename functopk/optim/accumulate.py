@@ -11,17 +11,16 @@ forward/backward pass that is small.
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import optree
 import torch
 
-from functopk._checks import check_same_structure
+from functopk._checks import check_leaves, check_shapes, check_state
 from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, init_count
-from functopk.tree.foreach import keep_dtypes
-from functopk.tree.foreach import where as select_leaves
-from functopk.tree.maths import PyTree
+from functopk.optim._shared import check_count, step_or_skip
+from functopk.tree import foreach
+from functopk.tree.maths import PyTree, flatten_like
 from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = ["MultiStepsState", "multi_steps"]
@@ -71,13 +70,7 @@ def multi_steps(inner: GradientTransformation, every_k: int | torch.Tensor) -> G
         tensor([-2.])
     """
     check_transformation(inner, "inner")
-    if isinstance(every_k, torch.Tensor):
-        if every_k.dim() != 0:
-            raise TypeError(f"every_k must be an int or a 0-d tensor, got shape {tuple(every_k.shape)}")
-    elif isinstance(every_k, bool) or not isinstance(every_k, numbers.Integral):
-        raise TypeError(f"every_k must be an int, got {type(every_k).__name__} {every_k!r}")
-    elif every_k < 1:
-        raise ValueError(f"every_k must be >= 1, got {every_k}")
+    every_k = check_count(every_k, "every_k", minimum=1)
 
     def init(params: Params) -> MultiStepsState:
         count = init_count(params)
@@ -91,30 +84,26 @@ def multi_steps(inner: GradientTransformation, every_k: int | torch.Tensor) -> G
     def update(
         updates: Updates, state: MultiStepsState, params: Params | None = None
     ) -> tuple[Updates, MultiStepsState]:
-        if not isinstance(state, MultiStepsState):
-            raise ValueError(f"state must be a MultiStepsState, got {type(state).__name__}")
-        check_same_structure(state.acc_grads, updates, name="updates", expected_name="the accumulated gradients")
-        grads, treedef = optree.tree_flatten(updates)
-        acc = keep_dtypes(torch._foreach_add(optree.tree_leaves(state.acc_grads), grads), grads)
+        check_state(state, MultiStepsState, "multi_steps")
+        grads, treedef = check_leaves(updates, "updates", floating=True)
+        acc = flatten_like(state.acc_grads, treedef, "updates", "multi_steps's accumulated gradients")
+        check_shapes(treedef, grads, acc, name="updates", expected_name="multi_steps's accumulated gradients")
+        acc = foreach.add(acc, grads)
         emit = state.mini_step + 1 >= every_k
-        if isinstance(every_k, torch.Tensor):
-            mean = keep_dtypes(torch._foreach_div(acc, every_k), acc)
-        else:
-            mean = acc if every_k == 1 else list(torch._foreach_div(acc, float(every_k)))
+        mean = acc if isinstance(every_k, int) and every_k == 1 else foreach.div_scalar(acc, _divisor(every_k))
         new_updates, new_inner = inner.update(optree.tree_unflatten(treedef, mean), state.inner_state, params)
-        out_leaves, out_def = optree.tree_flatten(new_updates)
-        out = [torch.where(emit, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in out_leaves]
-        old_inner, inner_def = optree.tree_flatten(state.inner_state)
-        new_inner_leaves, new_def = optree.tree_flatten(new_inner)
-        if new_def != inner_def:
-            raise ValueError(f"inner transformation changed its state structure from {inner_def} to {new_def}")
-        acc = [torch.where(emit, torch.zeros((), dtype=x.dtype, device=x.device), x) for x in acc]
+        out, inner_state = step_or_skip(emit, new_updates, new_inner, state.inner_state)
         emitted = emit.to(state.mini_step.dtype)
-        return optree.tree_unflatten(out_def, out), MultiStepsState(
+        return out, MultiStepsState(
             mini_step=(state.mini_step + 1) * (1 - emitted),
             gradient_step=state.gradient_step + emitted,
-            inner_state=optree.tree_unflatten(inner_def, select_leaves(emit, new_inner_leaves, old_inner)),
-            acc_grads=optree.tree_unflatten(treedef, acc),
+            inner_state=inner_state,
+            acc_grads=optree.tree_unflatten(treedef, foreach.where_zero(~emit, acc)),
         )
 
     return GradientTransformation(init, update)
+
+
+def _divisor(every_k: int | torch.Tensor) -> float | torch.Tensor:
+    """``every_k`` as the divisor of the sum: a Python float, or the 0-d tensor itself."""
+    return every_k if isinstance(every_k, torch.Tensor) else float(every_k)

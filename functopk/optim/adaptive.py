@@ -3,36 +3,28 @@
 Each keeps per-coordinate statistics of the gradient in its state and divides by
 them. The update maths follows the foreach implementations in ``torch.optim``
 (the same kernels, in the same order, wherever rounding depends on it) and runs
-as a fixed, short list of ``torch._foreach_*`` kernels; bias corrections are
-computed on the 0-d int64 step counter in float64, so nothing is read back to
-the host.
+as a fixed, short list of foreach kernels (:mod:`functopk.tree.foreach`); bias
+corrections are computed on the 0-d int64 step counter in float64, so nothing is
+read back to the host.
 
-The optimizers of :mod:`functopk.alias` build on these: ``adam``/``adamw`` call
-the same Adam kernel with the learning rate (and the weight decay) folded into
-its last multiply, which saves one pass over the parameters per step.
+The optimizers of :mod:`functopk.optim.alias` build on these: ``adam``/``adamw``
+call the same Adam kernel (:func:`adam_transform`) with the learning rate (and
+the weight decay) folded into its last multiply, which saves one pass over the
+parameters per step.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import optree
 import torch
 
-from functopk._checks import (
-    check_bool,
-    check_hyperparam,
-    check_same_structure,
-    check_scalar_or_schedule,
-    is_zero,
-    require_params,
-)
-from functopk.base import GradientTransformation, Params, ScalarOrSchedule, Updates, init_count
-from functopk.combine import MaskOrFn, resolve_mask
-from functopk.tree.foreach import add_scaled, for_leaves, keep_dtypes, mul, scalar_dtype
-from functopk.tree.foreach import full_like as full_like_leaves
+from functopk._checks import check_bool, check_hyperparam, is_zero
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.combine import MaskOrFn
+from functopk.optim._shared import selected, with_mask
+from functopk.tree import foreach
 from functopk.tree.maths import PyTree
-from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = [
     "ScaleByAdamState",
@@ -43,36 +35,35 @@ __all__ = [
     "scale_by_rss",
 ]
 
-
-def _ema(avg: list[torch.Tensor], grads: list[torch.Tensor], decay: float | torch.Tensor) -> list[torch.Tensor]:
-    """``decay * avg + (1 - decay) * grads`` with one ``lerp`` kernel, as ``torch.optim`` computes it.
-
-    A tensor ``decay`` goes in as a list of 0-d weights (the foreach ``lerp`` has
-    no overload for a single tensor weight), which the per-tensor kernels broadcast.
-    """
-    if isinstance(decay, torch.Tensor):
-        return keep_dtypes(torch._foreach_lerp(avg, grads, [1.0 - decay] * len(avg)), avg)
-    return list(torch._foreach_lerp(avg, grads, 1.0 - decay))
+Leaves = list[torch.Tensor]
+Hyper = float | torch.Tensor
 
 
-def _ema_sq(avg: list[torch.Tensor], grads: list[torch.Tensor], decay: float | torch.Tensor) -> list[torch.Tensor]:
+def _ema_sq(avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
     """``decay * avg + (1 - decay) * grads**2``, as ``torch.optim`` computes it (``mul`` then ``addcmul``)."""
-    new = mul(avg, decay)
-    if isinstance(decay, torch.Tensor):
-        torch._foreach_addcmul_(new, mul(grads, 1.0 - decay), grads, value=1.0)
-    else:
-        torch._foreach_addcmul_(new, grads, grads, value=1.0 - decay)
-    return new
+    new = foreach.mul(avg, decay)
+    if isinstance(decay, torch.Tensor):  # the foreach ``value`` must be a Python number
+        return foreach.addcmul_(new, foreach.mul(grads, 1.0 - decay), grads)
+    return foreach.addcmul_(new, grads, grads, value=1.0 - decay)
 
 
-def div_into(numerators: list[torch.Tensor], denominators: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``numerators / denominators``, written into ``denominators`` (fresh buffers owned by the caller).
+def _root_plus_eps(square: Leaves, eps: Hyper, eps_in_sqrt: bool) -> Leaves:
+    """Fresh denominators ``sqrt(square + eps)`` (``eps_in_sqrt``) or ``sqrt(square) + eps``."""
+    if eps_in_sqrt:
+        return foreach.sqrt(foreach.add_scalar(square, eps))
+    return foreach.add_scalar_(foreach.sqrt(square), eps)
 
-    Saves allocating a tree per step; on CPU a fresh tree costs page faults as well
-    as memory, since glibc hands large freed blocks back to the system.
-    """
-    torch.ops.aten._foreach_div.List_out(numerators, denominators, out=denominators)
-    return denominators
+
+def _check_optional(field: Leaves | None, wanted: bool, owner: str, name: str, option: str) -> None:
+    """``ValueError`` when an optional state buffer is there without its option, or missing with it."""
+    if (field is not None) != wanted:
+        has = "has a" if field is not None else "has no"
+        raise ValueError(
+            f"{owner}'s state {has} {name}: it was made with {option}={not wanted}, this is {option}={wanted}"
+        )
+
+
+# --------------------------------------------------------------------------- Adam
 
 
 class ScaleByAdamState(NamedTuple):
@@ -85,24 +76,81 @@ class ScaleByAdamState(NamedTuple):
         nu_max: With ``amsgrad``, the running maximum of ``nu``; ``None`` otherwise.
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]
     mu: PyTree
     nu: PyTree
     nu_max: PyTree | None
 
 
+class AdamConfig(NamedTuple):
+    """Adam's checked hyperparameters (see :func:`adam_config`)."""
+
+    b1: Hyper
+    b2: Hyper
+    eps: Hyper
+    eps_root: Hyper
+    amsgrad: bool
+    maximize: bool
+
+
+class AdamDecay(NamedTuple):
+    """The weight decay of :func:`adam_transform`: coupled (Adam's L2) or decoupled (AdamW's), with a mask."""
+
+    weight_decay: Hyper
+    decoupled: bool
+    mask: MaskOrFn | None = None
+
+
+def adam_config(
+    b1: Hyper, b2: Hyper, eps: Hyper, eps_root: Hyper, *, amsgrad: bool = False, maximize: bool = False
+) -> AdamConfig:
+    """Check Adam's hyperparameters (``TypeError``/``ValueError`` naming the argument) and group them."""
+    return AdamConfig(
+        b1=check_hyperparam(b1, "b1", minimum=0.0, below=1.0),
+        b2=check_hyperparam(b2, "b2", minimum=0.0, below=1.0),
+        eps=check_hyperparam(eps, "eps", minimum=0.0),
+        eps_root=check_hyperparam(eps_root, "eps_root", minimum=0.0),
+        amsgrad=check_bool(amsgrad, "amsgrad"),
+        maximize=check_bool(maximize, "maximize"),
+    )
+
+
+def _adam_moments(grads: Leaves, state: ScaleByAdamState, cfg: AdamConfig) -> tuple[Leaves, Leaves, Leaves | None]:
+    """The new ``mu`` (one ``lerp``), ``nu`` (``mul``, ``addcmul``) and, with ``amsgrad``, ``nu_max``."""
+    mu = foreach.lerp(state.mu, grads, 1.0 - cfg.b1)
+    nu = _ema_sq(state.nu, grads, cfg.b2)
+    nu_max = None if state.nu_max is None else foreach.maximum(state.nu_max, nu)  # present iff cfg.amsgrad
+    return mu, nu, nu_max
+
+
+def _adam_direction(
+    mu: Leaves, nu: Leaves, count: torch.Tensor, cfg: AdamConfig, lr: Hyper | None, like: Leaves
+) -> Leaves:
+    """``mu_hat / (sqrt(nu_hat + eps_root) + eps)``, times ``-lr`` when given, in fresh buffers.
+
+    ``sqrt(nu)/sqrt(bc2) + eps`` is computed as ``(sqrt(nu) + eps*sqrt(bc2)) / sqrt(bc2)``
+    with the outer division, ``1 / bc1`` and ``-lr`` folded into one final
+    multiply: the same number up to rounding, four kernels (``sqrt``, ``add``,
+    ``div``, ``mul``; one more with ``eps_root``). The result is written into the
+    denominator's buffers: one allocation fewer per step.
+    """
+    # Bias corrections on the tensor counter, in float64 (as torch.optim's Python floats).
+    dtype = foreach.scalar_dtype(count.device)
+    t = (count + 1).to(dtype)
+    bc1 = 1.0 - torch.pow(cfg.b1.to(dtype) if isinstance(cfg.b1, torch.Tensor) else cfg.b1, t)
+    bc2 = 1.0 - torch.pow(cfg.b2.to(dtype) if isinstance(cfg.b2, torch.Tensor) else cfg.b2, t)
+    bc2_sqrt = torch.sqrt(bc2)
+    if not is_zero(cfg.eps_root):
+        nu = foreach.add_scalar(nu, foreach.for_leaves(cfg.eps_root * bc2, like))
+    denom = foreach.add_scalar_(foreach.sqrt(nu), foreach.for_leaves(cfg.eps * bc2_sqrt, like))
+    step = bc2_sqrt / bc1
+    if lr is not None:
+        step = step * -lr
+    return foreach.mul_(foreach.div_into(mu, denom), foreach.for_leaves(step, like))
+
+
 def adam_transform(
-    b1: float | torch.Tensor,
-    b2: float | torch.Tensor,
-    eps: float | torch.Tensor,
-    eps_root: float | torch.Tensor,
-    amsgrad: bool,
-    *,
-    learning_rate: ScalarOrSchedule | None = None,
-    weight_decay: float | torch.Tensor = 0.0,
-    decoupled: bool = False,
-    mask: MaskOrFn | None = None,
-    maximize: bool = False,
+    cfg: AdamConfig, learning_rate: ScalarOrSchedule | None = None, decay: AdamDecay | None = None
 ) -> GradientTransformation:
     """The one Adam kernel behind :func:`scale_by_adam`, :func:`functopk.adam` and :func:`functopk.adamw`.
 
@@ -110,115 +158,58 @@ def adam_transform(
     With it, the emitted update is ``-learning_rate`` times that, plus the weight
     decay: coupled (``weight_decay * params`` added to the gradient first, as
     ``torch.optim.Adam``) or decoupled (``-learning_rate * weight_decay * params``
-    added to the update, as ``torch.optim.AdamW``), restricted to ``mask``.
-    ``maximize`` negates the gradient first.
+    added to the update, as ``torch.optim.AdamW``), the latter restricted to the
+    decay's mask. ``cfg.maximize`` negates the gradient first.
 
     Kernel count per step (Python hyperparameters, no decay): ``lerp``, ``mul``,
-    ``addcmul`` for the moments, ``sqrt``, ``add`` for the denominator, ``div``
-    and ``mul`` for the update: seven, one of them folding bias corrections and
-    the learning rate together. ``sqrt(nu)/sqrt(bc2) + eps`` is computed as
-    ``(sqrt(nu) + eps*sqrt(bc2)) / sqrt(bc2)`` with the outer division folded into
-    the final multiply: the same number up to rounding.
+    ``addcmul`` for the moments, ``sqrt``, ``add``, ``div``, ``mul`` for the
+    update: seven, the last folding bias corrections and the learning rate together.
     """
-    b1 = check_hyperparam(b1, "b1", minimum=0.0, below=1.0)
-    b2 = check_hyperparam(b2, "b2", minimum=0.0, below=1.0)
-    eps = check_hyperparam(eps, "eps", minimum=0.0)
-    eps_root = check_hyperparam(eps_root, "eps_root", minimum=0.0)
-    check_bool(amsgrad, "amsgrad")
-    check_bool(maximize, "maximize")
     if learning_rate is not None:
         learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
-    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
-    decay = not is_zero(weight_decay)
-    if decoupled and learning_rate is None:
-        raise ValueError("decoupled weight decay needs a learning_rate")
-    if mask is not None and not decoupled:
-        raise ValueError("mask applies to decoupled weight decay only")
+    if decay is not None:
+        decay = decay._replace(weight_decay=check_hyperparam(decay.weight_decay, "weight_decay", minimum=0.0))
+        if decay.decoupled and learning_rate is None:
+            raise ValueError("decoupled weight decay needs a learning_rate")
+        if decay.mask is not None and not decay.decoupled:
+            raise ValueError("mask applies to decoupled weight decay only")
+        if is_zero(decay.weight_decay):
+            decay = None
+    name = "scale_by_adam" if learning_rate is None else "adamw" if decay and decay.decoupled else "adam"
 
-    def init(params: Params) -> ScaleByAdamState:
-        if mask is not None:
-            resolve_mask(mask, params)
-        return ScaleByAdamState(
-            count=init_count(params),
-            mu=tree_zeros_like(params),
-            nu=tree_zeros_like(params),
-            nu_max=tree_zeros_like(params) if amsgrad else None,
+    def init(params: Leaves) -> ScaleByAdamState:
+        zeros = foreach.zeros_like
+        nu_max = zeros(params) if cfg.amsgrad else None
+        return ScaleByAdamState(count=init_count(params), mu=zeros(params), nu=zeros(params), nu_max=nu_max)
+
+    def make(flags: list[bool] | None) -> GradientTransformation:
+        def update(grads: Leaves, state: ScaleByAdamState, params: Leaves | None) -> tuple[Leaves, ScaleByAdamState]:
+            _check_optional(state.nu_max, cfg.amsgrad, name, "nu_max", "amsgrad")
+            if cfg.maximize:
+                grads = foreach.neg(grads)
+            if decay is not None and not decay.decoupled and params is not None:
+                grads = foreach.add_scaled(grads, decay.weight_decay, params)
+            mu, nu, nu_max = _adam_moments(grads, state, cfg)
+            lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+            out = _adam_direction(mu, nu if nu_max is None else nu_max, state.count, cfg, lr, grads)
+            if decay is not None and decay.decoupled and params is not None and lr is not None:
+                idx = selected(flags, out)
+                coef = foreach.for_leaves(-lr * decay.weight_decay, grads)
+                foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
+            return out, ScaleByAdamState(count=state.count + 1, mu=mu, nu=nu, nu_max=nu_max)
+
+        return leafwise(
+            name, update, init=init, state=ScaleByAdamState, tree_fields=("mu", "nu", "nu_max"),
+            needs_params=decay is not None,
         )
 
-    def update(
-        updates: Updates, state: ScaleByAdamState, params: Params | None = None
-    ) -> tuple[Updates, ScaleByAdamState]:
-        check_same_structure(state.mu, updates, name="updates", expected_name="the Adam state")
-        if decay:
-            params = require_params(params, "adamw" if decoupled else "adam with weight_decay")
-            check_same_structure(state.mu, params, name="params", expected_name="the Adam state")
-        grads, treedef = optree.tree_flatten(updates)
-        count = state.count
-        if not grads:
-            return updates, state._replace(count=count + 1)
-        p_leaves = optree.tree_leaves(params) if decay else []
-        mu, nu = optree.tree_leaves(state.mu), optree.tree_leaves(state.nu)
-
-        if maximize:
-            grads = list(torch._foreach_neg(grads))
-        if decay and not decoupled:
-            grads = add_scaled(grads, weight_decay, p_leaves)
-        new_mu = _ema(mu, grads, b1)
-        new_nu = _ema_sq(nu, grads, b2)
-        new_nu_max = None
-        denom_src = new_nu
-        if amsgrad:
-            new_nu_max = list(torch._foreach_maximum(optree.tree_leaves(state.nu_max), new_nu))
-            denom_src = new_nu_max
-
-        # Bias corrections on the tensor counter, in float64 (as torch.optim's Python floats).
-        dtype = scalar_dtype(count.device)
-        t = (count + 1).to(dtype)
-        bc1 = 1.0 - torch.pow(b1.to(dtype) if isinstance(b1, torch.Tensor) else b1, t)
-        bc2 = 1.0 - torch.pow(b2.to(dtype) if isinstance(b2, torch.Tensor) else b2, t)
-        bc2_sqrt = torch.sqrt(bc2)
-        if is_zero(eps_root):
-            denom = list(torch._foreach_sqrt(denom_src))
-        else:
-            denom = list(torch._foreach_sqrt(torch._foreach_add(denom_src, for_leaves(eps_root * bc2, grads))))
-        torch._foreach_add_(denom, for_leaves(eps * bc2_sqrt, grads))
-        step = bc2_sqrt / bc1
-        lr = None
-        if learning_rate is not None:
-            lr = learning_rate(count) if callable(learning_rate) else learning_rate
-            step = step * -lr
-        # The update is written into the denominator's buffers: one allocation fewer per step.
-        out = div_into(new_mu, denom)
-        torch._foreach_mul_(out, for_leaves(step, grads))
-        if decay and decoupled:
-            idx = list(range(len(out))) if mask is None else [i for i, f in enumerate(resolve_mask(mask, params)) if f]
-            coef = for_leaves(-lr * weight_decay, grads)
-            if idx and isinstance(coef, torch.Tensor):
-                torch._foreach_add_([out[i] for i in idx], torch._foreach_mul([p_leaves[i] for i in idx], coef))
-            elif idx:
-                torch._foreach_add_([out[i] for i in idx], [p_leaves[i] for i in idx], alpha=coef)
-
-        def tree(leaves: list[torch.Tensor]) -> PyTree:
-            return optree.tree_unflatten(treedef, leaves)
-
-        return tree(out), ScaleByAdamState(
-            count=count + 1,
-            mu=tree(new_mu),
-            nu=tree(new_nu),
-            nu_max=None if new_nu_max is None else tree(new_nu_max),
-        )
-
-    return GradientTransformation(init, update)
+    return with_mask(make, decay.mask if decay is not None else None, name)
 
 
 def scale_by_adam(
-    b1: float | torch.Tensor = 0.9,
-    b2: float | torch.Tensor = 0.999,
-    eps: float | torch.Tensor = 1e-8,
-    eps_root: float | torch.Tensor = 0.0,
-    amsgrad: bool = False,
+    b1: Hyper = 0.9, b2: Hyper = 0.999, eps: Hyper = 1e-8, eps_root: Hyper = 0.0, *, amsgrad: bool = False
 ) -> GradientTransformation:
-    """Rescale updates by Adam's bias-corrected moments (Kingma & Ba, 2015).
+    """Rescale updates by Adam's bias-corrected moments (Kingma & Ba, 2015), with optax's arguments.
 
     With ``mu = b1 * mu + (1 - b1) * g`` and ``nu = b2 * nu + (1 - b2) * g**2``
     (both from zero) and ``t`` the step number from 1, the update is
@@ -234,7 +225,8 @@ def scale_by_adam(
         eps: Added to the denominator outside the square root (torch's ``eps``).
         eps_root: Added inside the square root (0 in torch; useful when
             differentiating through the update).
-        amsgrad: Use the running maximum of the second moment.
+        amsgrad: Use the running maximum of the second moment (keyword only: optax
+            has a separate ``scale_by_amsgrad``).
 
     Example:
         >>> import torch, functopk as ft
@@ -243,7 +235,10 @@ def scale_by_adam(
         >>> updates["w"].round(decimals=4)    # the first step is the sign of the gradient, up to eps
         tensor([ 1., -1.])
     """
-    return adam_transform(b1, b2, eps, eps_root, amsgrad)
+    return adam_transform(adam_config(b1, b2, eps, eps_root, amsgrad=amsgrad))
+
+
+# --------------------------------------------------------------------------- RMSprop
 
 
 class ScaleByRmsState(NamedTuple):
@@ -259,71 +254,58 @@ class ScaleByRmsState(NamedTuple):
 
 
 def scale_by_rms(
-    decay: float | torch.Tensor = 0.99,
-    eps: float | torch.Tensor = 1e-8,
-    initial_scale: float | torch.Tensor = 0.0,
+    decay: Hyper = 0.9,
+    eps: Hyper = 1e-8,
+    initial_scale: Hyper = 0.0,
+    *,
+    eps_in_sqrt: bool = True,
     centered: bool = False,
-    eps_in_sqrt: bool = False,
 ) -> GradientTransformation:
     """Divide updates by the root of a running mean of their squares (RMSprop, Tieleman & Hinton, 2012).
 
-    ``nu = decay * nu + (1 - decay) * g**2`` and the update is ``g / (sqrt(nu) + eps)``,
-    as in ``torch.optim.RMSprop`` (``decay`` is its ``alpha``). With ``centered`` the
-    running mean ``mu`` of the gradients is kept too and the denominator is
-    ``sqrt(nu - mu**2) + eps`` (Graves, 2013). ``eps_in_sqrt=True`` puts ``eps``
-    inside the root instead (``g / sqrt(nu + eps)``, optax's default).
+    ``nu = decay * nu + (1 - decay) * g**2`` and the update is ``g / sqrt(nu + eps)``:
+    optax's ``scale_by_rms``, defaults included. ``eps_in_sqrt=False`` puts ``eps``
+    outside the root (``g / (sqrt(nu) + eps)``), as ``torch.optim.RMSprop`` does
+    (whose ``alpha`` is ``decay``; :func:`functopk.rmsprop` passes that form). With
+    ``centered`` the running mean ``mu`` of the gradients is kept too and
+    ``nu - mu**2`` replaces ``nu`` (Graves, 2013; optax's ``scale_by_stddev``).
 
     Args:
         decay: Decay of the running means, in ``[0, 1)``.
         eps: Keeps the denominator away from zero.
-        initial_scale: The starting value of ``nu`` (0 in torch).
+        initial_scale: The starting value of ``nu``.
+        eps_in_sqrt: Add ``eps`` under the square root (optax) or to it (torch).
         centered: Subtract the squared running mean of the gradients.
-        eps_in_sqrt: Add ``eps`` under the square root.
 
     Example:
         >>> import torch, functopk as ft
         >>> tx = ft.scale_by_rms(decay=0.75)
         >>> updates, _ = tx.update({"w": torch.tensor([2.0])}, tx.init({"w": torch.zeros(1)}))
-        >>> updates["w"]    # 2 / sqrt(0.25 * 4)
+        >>> updates["w"]    # 2 / sqrt(0.25 * 4 + 1e-8)
         tensor([2.])
     """
     decay = check_hyperparam(decay, "decay", minimum=0.0, below=1.0)
     eps = check_hyperparam(eps, "eps", minimum=0.0)
     initial_scale = check_hyperparam(initial_scale, "initial_scale", minimum=0.0)
-    check_bool(centered, "centered")
     check_bool(eps_in_sqrt, "eps_in_sqrt")
+    check_bool(centered, "centered")
 
-    def init(params: Params) -> ScaleByRmsState:
-        leaves, treedef = optree.tree_flatten(params)
-        nu = optree.tree_unflatten(treedef, full_like_leaves(leaves, initial_scale))
-        return ScaleByRmsState(nu=nu, mu=tree_zeros_like(params) if centered else None)
-
-    def update(
-        updates: Updates, state: ScaleByRmsState, params: Params | None = None
-    ) -> tuple[Updates, ScaleByRmsState]:
-        del params
-        check_same_structure(state.nu, updates, name="updates", expected_name="the RMS state")
-        grads, treedef = optree.tree_flatten(updates)
-        if not grads:
-            return updates, state
-        new_nu = _ema_sq(optree.tree_leaves(state.nu), grads, decay)
-        new_mu = None
-        square = new_nu
-        if centered:
-            new_mu = _ema(optree.tree_leaves(state.mu), grads, decay)
-            square = list(torch._foreach_addcmul(new_nu, new_mu, new_mu, value=-1.0))
-        if eps_in_sqrt:
-            denom = list(torch._foreach_sqrt(torch._foreach_add(square, eps)))
-        else:
-            denom = list(torch._foreach_sqrt(square))
-            torch._foreach_add_(denom, eps)
-        out = keep_dtypes(div_into(grads, denom), grads)
-        return optree.tree_unflatten(treedef, out), ScaleByRmsState(
-            nu=optree.tree_unflatten(treedef, new_nu),
-            mu=None if new_mu is None else optree.tree_unflatten(treedef, new_mu),
+    def init(params: Leaves) -> ScaleByRmsState:
+        return ScaleByRmsState(
+            nu=foreach.full_like(params, initial_scale), mu=foreach.zeros_like(params) if centered else None
         )
 
-    return GradientTransformation(init, update)
+    def update(grads: Leaves, state: ScaleByRmsState, params: Leaves | None) -> tuple[Leaves, ScaleByRmsState]:
+        _check_optional(state.mu, centered, "scale_by_rms", "mu", "centered")
+        nu = _ema_sq(state.nu, grads, decay)
+        mu = None if state.mu is None else foreach.lerp(state.mu, grads, 1.0 - decay)  # present iff centered
+        square = nu if mu is None else foreach.addcmul(nu, mu, mu, value=-1.0)
+        return foreach.div_into(grads, _root_plus_eps(square, eps, eps_in_sqrt)), ScaleByRmsState(nu=nu, mu=mu)
+
+    return leafwise("scale_by_rms", update, init=init, state=ScaleByRmsState, tree_fields=("nu", "mu"))
+
+
+# --------------------------------------------------------------------------- Adagrad
 
 
 class ScaleByRssState(NamedTuple):
@@ -333,46 +315,44 @@ class ScaleByRssState(NamedTuple):
 
 
 def scale_by_rss(
-    initial_accumulator_value: float | torch.Tensor = 0.0, eps: float | torch.Tensor = 1e-10
+    initial_accumulator_value: Hyper = 0.1, eps: Hyper = 1e-7, *, eps_in_sqrt: bool = True
 ) -> GradientTransformation:
     """Divide updates by the root of the sum of all squared gradients so far (Adagrad, Duchi et al., 2011).
 
-    ``s = s + g**2`` and the update is ``g / (sqrt(s) + eps)``, as in
-    ``torch.optim.Adagrad`` (whose defaults these are). optax's ``scale_by_rss``
-    puts ``eps`` under the root and starts at 0.1; this one follows torch.
+    ``s = s + g**2`` and the update is ``g / sqrt(s + eps)`` where ``s > 0`` and 0
+    where ``s == 0``: optax's ``scale_by_rss``, defaults included.
+    ``eps_in_sqrt=False`` gives ``torch.optim.Adagrad``'s form instead,
+    ``g / (sqrt(s) + eps)`` (:func:`functopk.adagrad` passes it, with torch's
+    defaults ``initial_accumulator_value=0``, ``eps=1e-10``).
 
     Args:
         initial_accumulator_value: The starting value of the sum, ``>= 0``.
-        eps: Added to the root of the sum.
+        eps: Keeps the denominator away from zero, ``>= 0``.
+        eps_in_sqrt: Add ``eps`` under the square root (optax) or to it (torch).
 
     Example:
         >>> import torch, functopk as ft
-        >>> tx = ft.scale_by_rss(eps=0.0)
-        >>> state = tx.init({"w": torch.zeros(1)})
+        >>> tx = ft.scale_by_rss(initial_accumulator_value=0.0, eps=0.0)
+        >>> state = tx.init({"w": torch.zeros(2)})
         >>> for g in (3.0, 4.0):
-        ...     updates, state = tx.update({"w": torch.tensor([g])}, state)
-        >>> updates["w"]    # 4 / sqrt(9 + 16)
-        tensor([0.8000])
+        ...     updates, state = tx.update({"w": torch.tensor([g, 0.0])}, state)
+        >>> updates["w"]    # 4 / sqrt(9 + 16), and 0 where the sum is 0
+        tensor([0.8000, 0.0000])
     """
-    initial_accumulator_value = check_hyperparam(initial_accumulator_value, "initial_accumulator_value", minimum=0.0)
+    initial_accumulator_value = check_hyperparam(
+        initial_accumulator_value, "initial_accumulator_value", minimum=0.0
+    )
     eps = check_hyperparam(eps, "eps", minimum=0.0)
+    check_bool(eps_in_sqrt, "eps_in_sqrt")
 
-    def init(params: Params) -> ScaleByRssState:
-        leaves, treedef = optree.tree_flatten(params)
-        return ScaleByRssState(optree.tree_unflatten(treedef, full_like_leaves(leaves, initial_accumulator_value)))
+    def init(params: Leaves) -> ScaleByRssState:
+        return ScaleByRssState(sum_of_squares=foreach.full_like(params, initial_accumulator_value))
 
-    def update(
-        updates: Updates, state: ScaleByRssState, params: Params | None = None
-    ) -> tuple[Updates, ScaleByRssState]:
-        del params
-        check_same_structure(state.sum_of_squares, updates, name="updates", expected_name="the RSS state")
-        grads, treedef = optree.tree_flatten(updates)
-        if not grads:
-            return updates, state
-        new_sum = list(torch._foreach_addcmul(optree.tree_leaves(state.sum_of_squares), grads, grads, value=1.0))
-        denom = list(torch._foreach_sqrt(new_sum))
-        torch._foreach_add_(denom, eps)
-        out = keep_dtypes(div_into(grads, denom), grads)
-        return optree.tree_unflatten(treedef, out), ScaleByRssState(optree.tree_unflatten(treedef, new_sum))
+    def update(grads: Leaves, state: ScaleByRssState, params: Leaves | None) -> tuple[Leaves, ScaleByRssState]:
+        total = foreach.addcmul(state.sum_of_squares, grads, grads)
+        out = foreach.div_into(grads, _root_plus_eps(total, eps, eps_in_sqrt))
+        if eps_in_sqrt:  # 0 where nothing was accumulated (0 / sqrt(0) would be NaN for eps == 0)
+            out = foreach.where_positive(total, out)
+        return out, ScaleByRssState(sum_of_squares=total)
 
-    return GradientTransformation(init, update)
+    return leafwise("scale_by_rss", update, init=init, state=ScaleByRssState, tree_fields=("sum_of_squares",))

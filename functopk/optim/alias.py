@@ -9,16 +9,21 @@ elementary transformations; ``adam`` and ``adamw`` are one fused transformation
 
 Every numeric hyperparameter may be a 0-d tensor, so every alias works under
 :func:`functopk.inject_hyperparams`; learning rates may also be schedules.
+
+Every argument after ``learning_rate`` is keyword-only: these follow
+``torch.optim``'s semantics and defaults, and optax's positional orders differ
+(optax's 5th positional argument of ``adam`` is ``eps_root``), so a positional
+call could silently mean something else.
 """
 
 from __future__ import annotations
 
 import torch
 
-from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
+from functopk._checks import check_bool, check_hyperparam, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule
 from functopk.combine import MaskOrFn, chain
-from functopk.optim.adaptive import adam_transform, scale_by_rms, scale_by_rss
+from functopk.optim.adaptive import AdamDecay, adam_config, adam_transform, scale_by_rms, scale_by_rss
 from functopk.optim.elementary import add_decayed_weights, scale, scale_by_learning_rate, scale_by_schedule, trace
 from functopk.tree.foreach import scalar_dtype
 
@@ -39,6 +44,7 @@ def _prefix(maximize: bool, weight_decay: Hyper) -> list[GradientTransformation]
 
 def sgd(
     learning_rate: ScalarOrSchedule,
+    *,
     momentum: Hyper = 0.0,
     nesterov: bool = False,
     dampening: Hyper = 0.0,
@@ -47,7 +53,7 @@ def sgd(
 ) -> GradientTransformation:
     """Stochastic gradient descent with optional momentum: ``torch.optim.SGD``.
 
-    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], [trace(momentum, nesterov, dampening)],
+    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], [trace(momentum, nesterov, dampening=dampening)],
     scale_by_learning_rate(learning_rate))``, where the bracketed parts appear only
     when needed (``maximize``, a non-zero weight decay, a momentum; a 0-d tensor
     counts as non-zero), so the state is the tuple of the present parts' states.
@@ -81,13 +87,14 @@ def sgd(
         raise ValueError("nesterov=True needs momentum > 0")
     parts = _prefix(maximize, weight_decay)
     if has_momentum:
-        parts.append(trace(momentum, nesterov, dampening))
+        parts.append(trace(momentum, nesterov, dampening=dampening))
     parts.append(scale_by_learning_rate(learning_rate))
     return chain(*parts)
 
 
 def adam(
     learning_rate: ScalarOrSchedule = 1e-3,
+    *,
     b1: Hyper = 0.9,
     b2: Hyper = 0.999,
     eps: Hyper = 1e-8,
@@ -99,7 +106,7 @@ def adam(
     """Adam (Kingma & Ba, 2015): ``torch.optim.Adam``.
 
     Equal to ``chain([scale(-1)], [add_decayed_weights(weight_decay)], scale_by_adam(b1, b2, eps,
-    eps_root, amsgrad), scale_by_learning_rate(learning_rate))`` up to rounding,
+    eps_root, amsgrad=amsgrad), scale_by_learning_rate(learning_rate))`` up to rounding,
     but computed as one transformation (state :class:`ScaleByAdamState`) so that
     the learning rate rides on Adam's last multiply. ``weight_decay`` is coupled
     (added to the gradient, L2), as in ``torch.optim.Adam``; see :func:`adamw`
@@ -123,14 +130,13 @@ def adam(
         >>> updates["w"]   # the first Adam step moves each coordinate by lr against its gradient's sign
         tensor([-0.1000,  0.1000])
     """
-    check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
-    return adam_transform(
-        b1, b2, eps, eps_root, amsgrad, learning_rate=learning_rate, weight_decay=weight_decay, maximize=maximize
-    )
+    cfg = adam_config(b1, b2, eps, eps_root, amsgrad=amsgrad, maximize=maximize)
+    return adam_transform(cfg, learning_rate, AdamDecay(weight_decay, decoupled=False))
 
 
 def adamw(
     learning_rate: ScalarOrSchedule = 1e-3,
+    *,
     b1: Hyper = 0.9,
     b2: Hyper = 0.999,
     eps: Hyper = 1e-8,
@@ -167,23 +173,13 @@ def adamw(
         >>> updates["w"]   # -0.1 * (1 + 0.5 * 2)
         tensor([-0.2000])
     """
-    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
-    return adam_transform(
-        b1,
-        b2,
-        eps,
-        eps_root,
-        amsgrad,
-        learning_rate=learning_rate,
-        weight_decay=weight_decay,
-        decoupled=True,
-        mask=mask,
-        maximize=maximize,
-    )
+    cfg = adam_config(b1, b2, eps, eps_root, amsgrad=amsgrad, maximize=maximize)
+    return adam_transform(cfg, learning_rate, AdamDecay(weight_decay, decoupled=True, mask=mask))
 
 
 def rmsprop(
     learning_rate: ScalarOrSchedule = 1e-2,
+    *,
     alpha: Hyper = 0.99,
     eps: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
@@ -193,9 +189,9 @@ def rmsprop(
 ) -> GradientTransformation:
     """RMSprop: ``torch.optim.RMSprop``.
 
-    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], scale_by_rms(alpha, eps, centered=centered),
-    [trace(momentum)], scale_by_learning_rate(learning_rate))``: ``eps`` outside the
-    square root, no bias correction, the momentum buffer starting at zero, all as
+    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], scale_by_rms(alpha, eps,
+    eps_in_sqrt=False, centered=centered), [trace(momentum)], scale_by_learning_rate(learning_rate))``:
+    ``eps`` outside the square root, no bias correction, the momentum buffer starting at zero, all as
     in torch (optax's ``rmsprop`` differs: ``eps`` inside the root, decay 0.9).
 
     Args:
@@ -218,7 +214,7 @@ def rmsprop(
     weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
     learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
     parts = _prefix(maximize, weight_decay)
-    parts.append(scale_by_rms(alpha, eps, centered=centered))
+    parts.append(scale_by_rms(alpha, eps, eps_in_sqrt=False, centered=centered))
     if not is_zero(momentum):
         parts.append(trace(momentum))
     parts.append(scale_by_learning_rate(learning_rate))
@@ -227,6 +223,7 @@ def rmsprop(
 
 def adagrad(
     learning_rate: ScalarOrSchedule = 1e-2,
+    *,
     lr_decay: Hyper = 0.0,
     weight_decay: Hyper = 0.0,
     initial_accumulator_value: Hyper = 0.0,
@@ -235,9 +232,10 @@ def adagrad(
 ) -> GradientTransformation:
     """Adagrad (Duchi et al., 2011): ``torch.optim.Adagrad``.
 
-    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], scale_by_rss(initial_accumulator_value, eps),
-    scale_by_learning_rate(lr_t))`` with ``lr_t = learning_rate / (1 + t * lr_decay)`` at
-    step ``t`` (from 0), torch's learning-rate decay.
+    ``chain([scale(-1)], [add_decayed_weights(weight_decay)], scale_by_rss(initial_accumulator_value,
+    eps, eps_in_sqrt=False), scale_by_learning_rate(lr_t))`` with ``lr_t = learning_rate / (1 + t * lr_decay)`` at
+    step ``t`` (from 0), torch's learning-rate decay. optax's ``adagrad`` differs:
+    ``eps`` inside the root (1e-7), ``initial_accumulator_value=0.1``.
 
     Args:
         learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
@@ -258,7 +256,7 @@ def adagrad(
     lr_decay = check_hyperparam(lr_decay, "lr_decay", minimum=0.0)
     weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
     parts = _prefix(maximize, weight_decay)
-    parts.append(scale_by_rss(initial_accumulator_value, eps))
+    parts.append(scale_by_rss(initial_accumulator_value, eps, eps_in_sqrt=False))
     if is_zero(lr_decay):
         parts.append(scale_by_learning_rate(learning_rate))
     else:

@@ -7,91 +7,28 @@ per leaf (there is no foreach ``where`` kernel; ``torch.compile`` fuses them).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
-import optree
 import torch
 
-from functopk._checks import check_hyperparam
+from functopk._checks import check_hyperparam, check_state
 from functopk.base import (
+    EmptyState,
     GradientTransformation,
     OptState,
     Params,
     Updates,
     check_transformation,
     init_count,
-    stateless,
+    leafwise,
 )
-from functopk.tree.foreach import keep_dtypes
-from functopk.tree.foreach import where as select_leaves
-from functopk.tree.maths import PyTree
+from functopk.optim._shared import check_count, step_or_skip
+from functopk.tree import foreach
+from functopk.tree.maths import all_finite
 
-__all__ = [
-    "ApplyIfFiniteState",
-    "all_finite",
-    "apply_if_finite",
-    "clip",
-    "clip_by_global_norm",
-    "global_norm",
-    "zero_nans",
-]
+__all__ = ["ApplyIfFiniteState", "apply_if_finite", "clip", "clip_by_global_norm", "zero_nans"]
 
-
-def _by_dtype(leaves: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for x in leaves:
-        groups.setdefault((x.device, x.dtype), []).append(x)
-    return groups
-
-
-def global_norm(tree: PyTree) -> torch.Tensor:
-    """The L2 norm of all leaves together, as a 0-d tensor (no host sync).
-
-    Computed like ``torch.nn.utils.clip_grad_norm_``: one ``torch._foreach_norm``
-    per (device, dtype) group, then the norm of the per-leaf norms, in the
-    promoted dtype of the leaves and float32 (half-precision leaves are summed in
-    float32, so their norm does not overflow). Any NaN gives NaN, any infinity ``inf``.
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> ft.tree.norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])})
-        tensor(5.)
-    """
-    leaves = optree.tree_leaves(tree)
-    if not leaves:
-        return torch.zeros(())
-    dtype = torch.float32
-    for x in leaves:
-        dtype = torch.promote_types(dtype, x.dtype)
-    device = leaves[0].device
-    norms = []
-    for (_, group_dtype), group in _by_dtype(leaves).items():
-        # fp16/bf16 norms are accumulated and returned in float32, so they cannot overflow.
-        norms.append(torch.stack(torch._foreach_norm(group, 2, dtype=torch.promote_types(group_dtype, torch.float32))))
-    return torch.linalg.vector_norm(torch.cat([n.to(device=device, dtype=dtype) for n in norms]))
-
-
-def all_finite(tree: PyTree) -> torch.Tensor:
-    """A 0-d bool tensor: True when no leaf holds a NaN or an infinity (no host sync).
-
-    One ``torch._foreach_norm(ord=inf)`` per (device, dtype) group (the largest
-    absolute value of each leaf: NaN if the leaf has a NaN, ``inf`` if it has an
-    infinity, and never an overflow), then one ``isfinite().all()`` per group.
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> ft.tree.all_finite({"a": torch.ones(2), "b": torch.tensor([1.0, float("nan")])})
-        tensor(False)
-    """
-    leaves = optree.tree_leaves(tree)
-    result = None
-    for group in _by_dtype(leaves).values():
-        ok = torch.stack(torch._foreach_norm(group, ord=math.inf)).isfinite().all()
-        result = ok if result is None else result.to(ok.device) & ok
-    if result is None:
-        return torch.ones((), dtype=torch.bool)
-    return result
+Leaves = list[torch.Tensor]
 
 
 def clip(max_delta: float | torch.Tensor) -> GradientTransformation:
@@ -112,18 +49,10 @@ def clip(max_delta: float | torch.Tensor) -> GradientTransformation:
     """
     max_delta = check_hyperparam(max_delta, "max_delta", minimum=0.0)
 
-    def fn(updates: Updates, params: Params | None) -> Updates:
-        leaves, treedef = optree.tree_flatten(updates)
-        if not leaves:
-            return updates
-        if isinstance(max_delta, torch.Tensor):
-            out = [torch.clamp(x, -max_delta, max_delta) for x in leaves]
-        else:
-            out = list(torch._foreach_clamp_min(leaves, -max_delta))
-            torch._foreach_clamp_max_(out, max_delta)
-        return optree.tree_unflatten(treedef, keep_dtypes(out, leaves))
+    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
+        return foreach.clamp(grads, -max_delta, max_delta), state
 
-    return stateless(fn)
+    return leafwise("clip", update)
 
 
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
@@ -132,9 +61,10 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     ``updates * min(1, max_norm / (norm + 1e-6))``, the rule of
     ``torch.nn.utils.clip_grad_norm_`` (so the result's norm is strictly below
     ``max_norm`` when clipped). Updates whose norm is already below are returned
-    unchanged in value. Non-finite input: a NaN anywhere makes every coordinate
-    NaN, an infinity gives NaN or 0 coordinates (``inf * 0``); guard with
-    :func:`zero_nans` or :func:`apply_if_finite` where that can happen.
+    unchanged in value. optax's rule differs slightly: ``updates * max_norm / norm``
+    where ``norm >= max_norm`` (no ``1e-6``). The norm is :func:`functopk.tree.norm`'s.
+    Non-finite input: a NaN anywhere makes every coordinate NaN, an infinity gives
+    NaN or 0 coordinates (``inf * 0``); guard with :func:`zero_nans` or :func:`apply_if_finite` where that can happen.
 
     Args:
         max_norm: The largest allowed global norm, ``>= 0``.
@@ -148,15 +78,11 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     """
     max_norm = check_hyperparam(max_norm, "max_norm", minimum=0.0)
 
-    def fn(updates: Updates, params: Params | None) -> Updates:
-        leaves, treedef = optree.tree_flatten(updates)
-        if not leaves:
-            return updates
-        norm = global_norm(updates)
-        factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        return optree.tree_unflatten(treedef, keep_dtypes(torch._foreach_mul(leaves, factor), leaves))
+    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
+        factor = torch.clamp(max_norm / (foreach.global_norm(grads) + 1e-6), max=1.0)
+        return foreach.mul(grads, factor), state
 
-    return stateless(fn)
+    return leafwise("clip_by_global_norm", update)
 
 
 def zero_nans() -> GradientTransformation:
@@ -171,12 +97,10 @@ def zero_nans() -> GradientTransformation:
         {'w': tensor([1., 0., inf])}
     """
 
-    def fn(updates: Updates, params: Params | None) -> Updates:
-        leaves, treedef = optree.tree_flatten(updates)
-        out = [torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf) for x in leaves]
-        return optree.tree_unflatten(treedef, out)
+    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
+        return foreach.nan_to_zero(grads), state
 
-    return stateless(fn)
+    return leafwise("zero_nans", update)
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -224,15 +148,7 @@ def apply_if_finite(
     """
     check_transformation(inner, "inner")
     if max_consecutive_errors is not None:
-        if isinstance(max_consecutive_errors, torch.Tensor):
-            if max_consecutive_errors.dim() != 0:
-                raise TypeError("max_consecutive_errors must be an int or a 0-d tensor")
-        elif isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
-            raise TypeError(
-                f"max_consecutive_errors must be an int or None, got {type(max_consecutive_errors).__name__}"
-            )
-        elif max_consecutive_errors < 0:
-            raise ValueError(f"max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
+        max_consecutive_errors = check_count(max_consecutive_errors, "max_consecutive_errors", minimum=0)
 
     def init(params: Params) -> ApplyIfFiniteState:
         count = init_count(params)
@@ -246,26 +162,19 @@ def apply_if_finite(
     def update(
         updates: Updates, state: ApplyIfFiniteState, params: Params | None = None
     ) -> tuple[Updates, ApplyIfFiniteState]:
-        if not isinstance(state, ApplyIfFiniteState):
-            raise ValueError(f"state must be an ApplyIfFiniteState, got {type(state).__name__}")
+        check_state(state, ApplyIfFiniteState, "apply_if_finite")
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
         finite = all_finite(new_updates).to(state.notfinite_count.device)
         apply = finite
         if max_consecutive_errors is not None:
             apply = finite | (state.notfinite_count >= max_consecutive_errors)
-        leaves, treedef = optree.tree_flatten(new_updates)
-        out = [torch.where(apply, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in leaves]
-        old_inner, inner_def = optree.tree_flatten(state.inner_state)
-        new_inner_leaves, new_def = optree.tree_flatten(new_inner)
-        if new_def != inner_def:
-            raise ValueError(f"inner transformation changed its state structure from {inner_def} to {new_def}")
-        kept_inner = optree.tree_unflatten(inner_def, select_leaves(apply, new_inner_leaves, old_inner))
+        out, inner_state = step_or_skip(apply, new_updates, new_inner, state.inner_state)
         notfinite = (~finite).to(state.notfinite_count.dtype)
-        return optree.tree_unflatten(treedef, out), ApplyIfFiniteState(
+        return out, ApplyIfFiniteState(
             notfinite_count=(state.notfinite_count + 1) * notfinite,
             last_finite=finite,
             total_notfinite=state.total_notfinite + notfinite,
-            inner_state=kept_inner,
+            inner_state=inner_state,
         )
 
     return GradientTransformation(init, update)

@@ -1,45 +1,29 @@
 """Elementary gradient transformations, the pieces optimizers are chained from.
 
-All tree maths here goes through ``torch._foreach_*`` kernels over the flat list
-of leaves, so a step costs a handful of kernel launches rather than one Python
-operation per parameter, and none of it reads a tensor back to the host.
+Each is written with :func:`functopk.leafwise` and the list maths of
+:mod:`functopk.tree.foreach`: a step costs a handful of foreach kernel launches
+rather than one Python operation per parameter, none of it reads a tensor back
+to the host, and the checks (state type, floating-point leaves, structure and
+shapes, params) are the same everywhere.
 
 The adaptive transformations (``scale_by_adam``, ``scale_by_rms``,
-``scale_by_rss``) live in :mod:`functopk.adaptive`; clipping and non-finite
-guards in :mod:`functopk.clipping`; gradient accumulation in
-:mod:`functopk.accumulate`.
+``scale_by_rss``) live in :mod:`functopk.optim.adaptive`; clipping and
+non-finite guards in :mod:`functopk.optim.clipping`; gradient accumulation in
+:mod:`functopk.optim.accumulate`.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import optree
 import torch
 
-from functopk._checks import (
-    check_bool,
-    check_hyperparam,
-    check_same_structure,
-    check_scalar_or_schedule,
-    is_zero,
-    require_params,
-)
-from functopk.base import (
-    EmptyState,
-    GradientTransformation,
-    Params,
-    ScalarOrSchedule,
-    Schedule,
-    Updates,
-    init_count,
-    stateless,
-)
-from functopk.combine import MaskOrFn, resolve_mask
-from functopk.tree.foreach import add_scaled, for_leaves, keep_dtypes, mul, scalar_dtype
+from functopk._checks import check_bool, check_callable, check_hyperparam, is_zero
+from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, leafwise
+from functopk.combine import MaskOrFn
+from functopk.optim._shared import selected, with_mask
+from functopk.tree import foreach
 from functopk.tree.maths import PyTree
-from functopk.tree.maths import scale as tree_scale
-from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = [
     "ScaleByScheduleState",
@@ -51,6 +35,16 @@ __all__ = [
     "trace",
 ]
 
+Leaves = list[torch.Tensor]
+
+
+def _scale(step_size: float | torch.Tensor, name: str) -> GradientTransformation:
+    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
+        return foreach.mul(grads, step_size), state
+
+    return leafwise(name, update)
+
+
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     """Multiply updates by a constant ``step_size``.
 
@@ -60,14 +54,25 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
         >>> tx.update({"w": torch.tensor([1.0, 3.0])}, tx.init(None))[0]
         {'w': tensor([-2., -6.])}
     """
-    step_size = check_hyperparam(step_size, "step_size")
-    return stateless(lambda updates, params: tree_scale(updates, step_size))
+    return _scale(check_hyperparam(step_size, "step_size"), "scale")
 
 
 class ScaleByScheduleState(NamedTuple):
     """State of :func:`scale_by_schedule`: the number of updates done so far."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]
+
+
+def _scale_by_schedule(schedule: Schedule, name: str) -> GradientTransformation:
+    def init(params: Leaves) -> ScaleByScheduleState:
+        return ScaleByScheduleState(count=init_count(params))
+
+    def update(
+        grads: Leaves, state: ScaleByScheduleState, params: Leaves | None
+    ) -> tuple[Leaves, ScaleByScheduleState]:
+        return foreach.mul(grads, schedule(state.count)), ScaleByScheduleState(count=state.count + 1)
+
+    return leafwise(name, update, init=init, state=ScaleByScheduleState)
 
 
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
@@ -85,20 +90,8 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
         >>> updates["w"]
         tensor([0.5000])
     """
-    if not callable(schedule):
-        raise TypeError(f"schedule must be callable (step -> value), got {type(schedule).__name__}")
-
-    def init(params: Params) -> ScaleByScheduleState:
-        return ScaleByScheduleState(count=init_count(params))
-
-    def update(
-        updates: Updates, state: ScaleByScheduleState, params: Params | None = None
-    ) -> tuple[Updates, ScaleByScheduleState]:
-        del params
-        factor = schedule(state.count)
-        return tree_scale(updates, factor), ScaleByScheduleState(count=state.count + 1)
-
-    return GradientTransformation(init, update)
+    check_callable(schedule, "schedule", "callable (step -> value)")
+    return _scale_by_schedule(schedule, "scale_by_schedule")
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -115,11 +108,10 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         {'w': tensor([-0.1000,  0.2000])}
     """
     learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
-    check_bool(flip_sign, "flip_sign")
-    sign = -1.0 if flip_sign else 1.0
+    sign = -1.0 if check_bool(flip_sign, "flip_sign") else 1.0
     if callable(learning_rate):
-        return scale_by_schedule(lambda count: sign * learning_rate(count))
-    return scale(sign * learning_rate)
+        return _scale_by_schedule(lambda count: sign * learning_rate(count), "scale_by_learning_rate")
+    return _scale(sign * learning_rate, "scale_by_learning_rate")
 
 
 class TraceState(NamedTuple):
@@ -131,13 +123,13 @@ class TraceState(NamedTuple):
     """
 
     trace: PyTree
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]
 
 
 def trace(
-    decay: float | torch.Tensor, nesterov: bool = False, dampening: float | torch.Tensor = 0.0
+    decay: float | torch.Tensor, nesterov: bool = False, *, dampening: float | torch.Tensor = 0.0
 ) -> GradientTransformation:
-    """Momentum, exactly as ``torch.optim.SGD`` keeps it.
+    """Momentum, exactly as ``torch.optim.SGD`` keeps it (optax's ``trace`` when ``dampening == 0``).
 
     ``trace = decay * trace + (1 - dampening) * updates`` and the emitted update
     is ``trace`` (or, with ``nesterov=True``, ``updates + decay * trace`` using the
@@ -151,7 +143,7 @@ def trace(
     Args:
         decay: The momentum coefficient, ``>= 0`` (a number or a 0-d tensor).
         nesterov: Use Nesterov momentum (``torch.optim.SGD`` needs ``dampening == 0`` for it; so does this).
-        dampening: Dampening of the gradient's contribution, ``>= 0``.
+        dampening: Dampening of the gradient's contribution, ``>= 0`` (keyword only: not in optax).
 
     Example:
         >>> import torch, functopk as ft
@@ -167,34 +159,24 @@ def trace(
     dampening = check_hyperparam(dampening, "dampening", minimum=0.0)
     if nesterov and not is_zero(dampening):
         raise ValueError(f"nesterov=True needs dampening == 0, got dampening={dampening}")
-    damped = not is_zero(dampening)
 
-    def init(params: Params) -> TraceState:
-        return TraceState(trace=tree_zeros_like(params), count=init_count(params))
+    def init(params: Leaves) -> TraceState:
+        return TraceState(trace=foreach.zeros_like(params), count=init_count(params))
 
-    def update(updates: Updates, state: TraceState, params: Params | None = None) -> tuple[Updates, TraceState]:
-        del params
-        check_same_structure(state.trace, updates, name="updates", expected_name="the trace state")
-        leaves, treedef = optree.tree_flatten(updates)
-        buf = optree.tree_leaves(state.trace)
-        if not leaves:
-            return updates, state._replace(count=state.count + 1)
-        if damped:
+    def update(grads: Leaves, state: TraceState, params: Leaves | None) -> tuple[Leaves, TraceState]:
+        if is_zero(dampening):
+            buf = foreach.add_scaled(grads, decay, state.trace)
+        else:
             # torch.optim.SGD clones the gradient into the buffer on the first step; with a
             # zero buffer that is the same as an undamped first step.
             first = state.count == 0
-            one = torch.ones((), dtype=scalar_dtype(first.device), device=first.device)
-            factor = for_leaves(torch.where(first, one, 1.0 - dampening), leaves)
-            new_buf = keep_dtypes(torch._foreach_add(torch._foreach_mul(buf, decay), mul(leaves, factor)), buf)
-        else:
-            new_buf = keep_dtypes(add_scaled(leaves, decay, buf), buf)
-        out = add_scaled(leaves, decay, new_buf) if nesterov else new_buf
-        return (
-            optree.tree_unflatten(treedef, list(out)),
-            TraceState(trace=optree.tree_unflatten(treedef, list(new_buf)), count=state.count + 1),
-        )
+            one = torch.ones((), dtype=foreach.scalar_dtype(first.device), device=first.device)
+            factor = foreach.for_leaves(torch.where(first, one, 1.0 - dampening), grads)
+            buf = foreach.add(foreach.mul(state.trace, decay), foreach.mul(grads, factor))
+        out = foreach.add_scaled(grads, decay, buf) if nesterov else buf
+        return out, TraceState(trace=buf, count=state.count + 1)
 
-    return GradientTransformation(init, update)
+    return leafwise("trace", update, init=init, state=TraceState, tree_fields=("trace",))
 
 
 def add_decayed_weights(
@@ -226,28 +208,17 @@ def add_decayed_weights(
         {'w': tensor([2.]), 'b': tensor([1.])}
     """
     weight_decay = check_hyperparam(weight_decay, "weight_decay")
-    if mask is not None and not callable(mask):
-        optree.tree_structure(mask)  # an unflattenable mask fails here, early
 
-    def init(params: Params) -> EmptyState:
-        if mask is not None:
-            resolve_mask(mask, params)
-        return EmptyState()
+    def make(flags: list[bool] | None) -> GradientTransformation:
+        def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
+            if is_zero(weight_decay) or params is None:  # params: never None here (needs_params)
+                return grads, state
+            idx = selected(flags, grads)
+            out = list(grads)
+            for i, x in zip(idx, foreach.add_scaled([grads[i] for i in idx], weight_decay, [params[i] for i in idx])):
+                out[i] = x
+            return out, state
 
-    def update(updates: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
-        params = require_params(params, "add_decayed_weights")
-        check_same_structure(params, updates, name="updates", expected_name="params")
-        if is_zero(weight_decay):
-            return updates, state
-        leaves, treedef = optree.tree_flatten(updates)
-        p_leaves = optree.tree_leaves(params)
-        idx = list(range(len(leaves))) if mask is None else [i for i, f in enumerate(resolve_mask(mask, params)) if f]
-        if not idx:
-            return updates, state
-        out = list(leaves)
-        decayed = add_scaled([leaves[i] for i in idx], weight_decay, [p_leaves[i] for i in idx])
-        for i, x in zip(idx, decayed):
-            out[i] = x
-        return optree.tree_unflatten(treedef, out), state
+        return leafwise("add_decayed_weights", update, needs_params=True)
 
-    return GradientTransformation(init, update)
+    return with_mask(make, mask, "add_decayed_weights")

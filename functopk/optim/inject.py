@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from functopk._checks import check_callable, check_state
 from functopk.base import GradientTransformation, OptState, Params, Updates, init_count
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
@@ -26,19 +27,46 @@ class InjectHyperparamsState(NamedTuple):
 
     Attributes:
         count: Number of updates done (0-d int64 tensor); schedules are evaluated on it.
-        hyperparams: The current value of each injected hyperparameter (0-d float32 tensors).
+        hyperparams: The current value of each injected hyperparameter: a 0-d int64 tensor for
+            one given as an int or an integer tensor (so a count such as ``k`` stays exact),
+            a 0-d float32 tensor otherwise.
             Replace an entry to change it: the next update uses the new value
             (entries given as schedules are recomputed from ``count`` at every update).
         inner_state: The state of the wrapped transformation.
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]
     hyperparams: dict[str, torch.Tensor]
     inner_state: OptState
 
 
-def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(value, dtype=torch.float32, device=device)
+def _dtype_of(value: Any) -> torch.dtype:
+    """int64 for an int (not a bool) or an integer tensor, so counts stay exact; float32 for the rest."""
+    if isinstance(value, torch.Tensor):
+        return torch.float32 if value.is_floating_point() else torch.int64
+    return torch.int64 if isinstance(value, numbers.Integral) else torch.float32
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (not a bool) or a 0-d real tensor: what is injected."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _split(kwargs: dict[str, Any], static: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The keyword arguments sorted into injected numbers, schedules and the ones passed through."""
+    injected, schedules, passthrough = {}, {}, {}
+    for name, value in kwargs.items():
+        if name in static:
+            passthrough[name] = value
+        elif _is_number(value):
+            injected[name] = value
+        elif callable(value) and not isinstance(value, GradientTransformation):
+            schedules[name] = value
+        else:
+            passthrough[name] = value
+    return injected, schedules, passthrough
 
 
 def inject_hyperparams(
@@ -46,16 +74,18 @@ def inject_hyperparams(
 ) -> Callable[..., GradientTransformation]:
     """Wrap a transformation factory so that its numeric hyperparameters live in the state.
 
-    Keyword arguments that are real numbers (not bools), 0-d tensors or
+    Keyword arguments that are real numbers (not bools), 0-d real tensors or
     callables (schedules ``step -> value``) are *injected*: stored as 0-d
-    float32 tensors in :class:`InjectHyperparamsState` and passed to ``factory``
-    as tensors at every update. Everything else (bools, strings, ``None``,
-    transformations), positional arguments, and names listed in
-    ``static_args`` are passed through unchanged. The factory must accept 0-d
-    tensors for the injected arguments; every functopk factory does, integer ones
-    (``multi_steps``'s ``every_k``) included. Every callable is taken for a
-    schedule: list function-valued arguments that are not schedules (masks,
-    ``partition`` labels) in ``static_args``.
+    tensors in :class:`InjectHyperparamsState` and passed to ``factory`` as
+    tensors at every update. An int (or an integer tensor) is stored as int64, so a
+    count such as ``topk``'s ``k`` stays exact at any size; every other number as
+    float32 (a schedule's value likewise, at every step). Everything else (bools, strings, ``None``, transformations),
+    positional arguments, and names listed in ``static_args`` are passed through
+    unchanged. The factory must accept 0-d tensors for the injected arguments;
+    every functopk factory does (the optimizers take an integer tensor for a real
+    hyperparameter given as an int, e.g. ``weight_decay=0``). Every callable is
+    taken for a schedule: list function-valued arguments that are not schedules
+    (masks, ``partition`` labels) in ``static_args``.
 
     Args:
         factory: A function returning a :class:`GradientTransformation`, e.g. ``ft.sgd``.
@@ -74,50 +104,33 @@ def inject_hyperparams(
         >>> updates["w"]
         tensor([-0.5000, -0.5000])
     """
-    if not callable(factory):
-        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
+    check_callable(factory, "factory")
     static = frozenset(static_args)
 
     def wrapped(*args: Any, **kwargs: Any) -> GradientTransformation:
-        injected, schedules, passthrough = {}, {}, {}
-        for name, value in kwargs.items():
-            if name in static:
-                passthrough[name] = value
-            elif isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
-                injected[name] = value
-            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-                injected[name] = value
-            elif callable(value) and not isinstance(value, GradientTransformation):
-                schedules[name] = value
-            else:
-                passthrough[name] = value
+        injected, schedules, passthrough = _split(kwargs, static)
         # Build once with plain values so that argument errors surface now, not at init.
         factory(*args, **passthrough, **injected, **{n: s(0) for n, s in schedules.items()})
+        expected = set(injected) | set(schedules)
+
+        def as_tensors(values: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+            return {n: torch.as_tensor(v, dtype=_dtype_of(v), device=device) for n, v in values.items()}
 
         def hyperparams_at(count: torch.Tensor, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            values = dict(stored)
-            for name, schedule in schedules.items():
-                values[name] = _as_tensor(schedule(count), count.device)
-            return values
+            return {**stored, **as_tensors({n: s(count) for n, s in schedules.items()}, count.device)}
 
         def init(params: Params) -> InjectHyperparamsState:
-            device = init_count(params).device
             count = init_count(params)
-            hyperparams = {name: _as_tensor(v, device) for name, v in injected.items()}
-            hyperparams = hyperparams_at(count, hyperparams)
+            hyperparams = hyperparams_at(count, as_tensors(injected, count.device))
             inner = factory(*args, **passthrough, **hyperparams)
             return InjectHyperparamsState(count=count, hyperparams=hyperparams, inner_state=inner.init(params))
 
         def update(
             updates: Updates, state: InjectHyperparamsState, params: Params | None = None
         ) -> tuple[Updates, InjectHyperparamsState]:
-            if not isinstance(state, InjectHyperparamsState):
-                raise ValueError(f"state must be an InjectHyperparamsState, got {type(state).__name__}")
-            expected = set(injected) | set(schedules)
+            check_state(state, InjectHyperparamsState, "inject_hyperparams")
             if set(state.hyperparams) != expected:
-                raise ValueError(
-                    f"state.hyperparams has keys {sorted(state.hyperparams)}, expected {sorted(expected)}"
-                )
+                raise ValueError(f"state.hyperparams has keys {sorted(state.hyperparams)}, expected {sorted(expected)}")
             hyperparams = hyperparams_at(state.count, state.hyperparams)
             inner = factory(*args, **passthrough, **hyperparams)
             updates, inner_state = inner.update(updates, state.inner_state, params)

@@ -30,15 +30,6 @@ STEPS = 20
 RTOL = float(__import__("os").environ.get("PARITY_RTOL", "1e-6"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread avoids OpenMP hand-offs (20x faster on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def assert_step_close(ours, theirs, before, where, rtol=RTOL):
     """New parameters equal to ``rtol`` relative to their value, or to the size of the step.
 
@@ -295,3 +286,35 @@ def test_weight_decay_needs_params(factory):
         state = tx.init(params)
     with pytest.raises(ValueError, match="needs the parameters"):
         tx.update({"w": torch.ones(2)}, state)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"learning_rate": "0.1"}, TypeError, "learning_rate must be a real number"),
+        ({"learning_rate": None}, TypeError, "learning_rate"),
+        ({"learning_rate": float("nan")}, ValueError, "learning_rate must not be NaN"),
+        ({"learning_rate": 0.1, "momentum": -0.5}, ValueError, "momentum must be >= 0"),
+        ({"learning_rate": 0.1, "nesterov": True}, ValueError, "nesterov=True needs momentum > 0"),
+        ({"learning_rate": 0.1, "momentum": 0.9, "nesterov": 1}, TypeError, "nesterov must be a bool"),
+    ],
+)
+def test_sgd_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        ft.sgd(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ft.sgd(0.1, 0.9),
+        lambda: ft.adam(1e-3, 0.9, 0.999, 1e-8, 1e-8),  # optax's 5th positional is eps_root: no silent weight decay
+        lambda: ft.adamw(1e-3, 0.9),
+        lambda: ft.rmsprop(1e-2, 0.9),
+        lambda: ft.adagrad(1e-2, 0.1),
+    ],
+    ids=["sgd", "adam", "adamw", "rmsprop", "adagrad"],
+)
+def test_arguments_after_learning_rate_are_keyword_only(call):
+    with pytest.raises(TypeError, match="positional argument"):
+        call()

@@ -71,7 +71,7 @@ def test_static_args_and_passthrough():
 
 
 def test_errors():
-    with pytest.raises(TypeError, match="factory must be callable"):
+    with pytest.raises(TypeError, match="factory must be a callable"):
         ft.inject_hyperparams(3)
     with pytest.raises(ValueError, match="momentum must be >= 0"):
         ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=-1.0)
@@ -79,7 +79,52 @@ def test_errors():
     state = tx.init(PARAMS)
     with pytest.raises(ValueError, match="hyperparams has keys"):
         tx.update(PARAMS, state._replace(hyperparams={}), PARAMS)
-    with pytest.raises(ValueError, match="InjectHyperparamsState"):
+    with pytest.raises(TypeError, match=r"state must be a InjectHyperparamsState \(the state inject_hyperparams"):
         tx.update(PARAMS, (), PARAMS)
     with pytest.raises(TypeError, match="0-d float tensor"):
         ft.sgd(torch.ones(2))
+
+
+def test_integer_hyperparameters_are_stored_exactly():
+    """A count injected as an int is an int64 tensor: 2**24 + 1 (not a float32) reaches the factory exactly."""
+    K = 2**24 + 1
+    assert float(torch.tensor(K, dtype=torch.float32)) != K  # what float32 storage would lose
+    seen = []
+
+    def factory(k, learning_rate):
+        seen.append(k)
+        return ft.sgd(learning_rate)
+
+    tx = ft.inject_hyperparams(factory)(k=K, learning_rate=0.5)
+    state = tx.init(PARAMS)
+    assert state.hyperparams["k"].dtype == torch.int64 and int(state.hyperparams["k"]) == K
+    assert state.hyperparams["learning_rate"].dtype == torch.float32
+    tx.update(grads_at(0), state, PARAMS)
+    assert seen[0] == K and all(int(k) == K and k.dtype == torch.int64 for k in seen[1:]) and len(seen) == 3
+    # integer tensors too; bools are passed through
+    tx = ft.inject_hyperparams(lambda k, flag: ft.identity())(k=torch.tensor(K, dtype=torch.int32), flag=True)
+    assert set(tx.init(PARAMS).hyperparams) == {"k"} and tx.init(PARAMS).hyperparams["k"].dtype == torch.int64
+
+
+def test_injected_topk_keeps_k_exact():
+    """inject_hyperparams(ft.topk)(k=K) stores K as int64 and selects exactly K coordinates."""
+    K = 2**24 + 1
+    tx = ft.inject_hyperparams(ft.topk)(k=K)
+    assert int(tx.init(PARAMS).hyperparams["k"]) == K  # stored exactly (no selection run at this size)
+    tx = ft.inject_hyperparams(ft.topk)(k=2)
+    state = tx.init(PARAMS)
+    assert state.hyperparams["k"].dtype == torch.int64
+    u, _ = tx.update(PARAMS, state, PARAMS)
+    assert torch.equal(u["w"], torch.tensor([0.0, -2.0, 3.0])) and torch.equal(u["b"], torch.zeros(1))
+
+
+def test_int_given_for_a_real_hyperparameter_works():
+    """weight_decay=0, momentum=1-style ints become int64 tensors; the optimizers use them as the floats they are."""
+    plain = ft.adamw(1, weight_decay=0, b1=0)
+    injected = ft.inject_hyperparams(ft.adamw)(learning_rate=1, weight_decay=0, b1=0)
+    s1, s2 = plain.init(PARAMS), injected.init(PARAMS)
+    assert all(v.dtype == torch.int64 for v in s2.hyperparams.values())
+    for i in range(3):
+        u1, s1 = plain.update(grads_at(i), s1, PARAMS)
+        u2, s2 = injected.update(grads_at(i), s2, PARAMS)
+        assert_tree_close(u2, u1, rtol=1e-6, atol=0)

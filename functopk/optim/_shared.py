@@ -1,0 +1,80 @@
+"""Pieces shared by the modules of :mod:`functopk.optim`: masks, the skip-step branch, count arguments.
+
+* :func:`with_mask`: a leafwise transformation whose leaf maths needs a mask's
+  flags (``add_decayed_weights``, AdamW's decay), resolved on the parameter tree;
+* :func:`selected`: the leaves a mask keeps;
+* :func:`step_or_skip`: the branch of the wrappers that may skip a step
+  (``apply_if_finite``, ``multi_steps``): the inner update and state, or zeros
+  and the old state, chosen on device;
+* :func:`check_count`: an int argument that may also be a 0-d tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import optree
+import torch
+
+from functopk._checks import check_int, check_leaves, check_scalar_tensor, require_params
+from functopk.base import GradientTransformation, OptState, Params, Updates
+from functopk.combine import MaskOrFn, resolve_mask
+from functopk.tree import foreach
+from functopk.tree.maths import flatten_like
+
+T = TypeVar("T")
+
+
+def with_mask(
+    make: Callable[[list[bool] | None], GradientTransformation], mask: MaskOrFn | None, name: str
+) -> GradientTransformation:
+    """``make(flags)``, with ``flags`` the mask's Python bools in the parameters' flat order (``None``: no mask).
+
+    A mask given as a function is evaluated on the parameter tree, which the
+    leaf maths of :func:`functopk.leafwise` does not see: it is resolved here,
+    at init (so a bad mask fails early) and at every update (on the parameters,
+    which are then required), and the transformation is made for those flags.
+    """
+    if mask is None:
+        return make(None)
+    if not callable(mask):
+        optree.tree_structure(mask)  # an unflattenable mask fails here, early
+
+    def init(params: Params) -> OptState:
+        return make(resolve_mask(mask, params)).init(params)
+
+    def update(updates: Updates, state: OptState, params: Params | None = None) -> tuple[Updates, OptState]:
+        flags = resolve_mask(mask, require_params(params, name))
+        return make(flags).update(updates, state, params)
+
+    return GradientTransformation(init, update)
+
+
+def selected(flags: list[bool] | None, leaves: list[T]) -> list[int]:
+    """The indices of the leaves the mask keeps (all for ``None``)."""
+    return list(range(len(leaves))) if flags is None else [i for i, keep in enumerate(flags) if keep]
+
+
+def step_or_skip(
+    take: torch.Tensor, updates: Updates, new_inner: OptState, old_inner: OptState
+) -> tuple[Updates, OptState]:
+    """``(updates, new_inner)`` where the 0-d bool ``take`` holds, else ``(zeros, old_inner)``, without a host sync.
+
+    Raises:
+        ValueError: if the inner transformation returned a state of another structure than it was given.
+    """
+    leaves, treedef = check_leaves(updates, "the inner transformation's updates")
+    old, inner_def = optree.tree_flatten(old_inner)
+    new = flatten_like(new_inner, inner_def, "the inner transformation's new state", "its old state")
+    return (
+        optree.tree_unflatten(treedef, foreach.where_zero(take, leaves)),
+        optree.tree_unflatten(inner_def, foreach.where(take, new, old)),
+    )
+
+
+def check_count(value: Any, name: str, *, minimum: int) -> int | torch.Tensor:
+    """An int ``>= minimum``, or a 0-d real tensor (from ``inject_hyperparams``; its value is not read)."""
+    if isinstance(value, torch.Tensor):
+        return check_scalar_tensor(value, name, kind="real", expected="an int or a 0-d tensor")
+    return check_int(value, name, minimum=minimum)
