@@ -270,3 +270,26 @@ def check_callable(value: Any, name: str, what: str = "a callable") -> Callable[
     if not callable(value):
         raise TypeError(f"{name} must be {what}, got {describe(value)}")
     return value
+
+
+def check_like(
+    expected: Any,
+    leaves: Sequence[torch.Tensor],
+    treedef: optree.PyTreeSpec,
+    *,
+    name: str,
+    expected_name: str,
+) -> list[Any]:
+    """The leaves of ``expected`` (a state tree, the parameters), checked against flattened ``leaves``.
+
+    ``ValueError`` naming the first differing leaf path when ``expected`` does
+    not have the structure ``treedef`` of the tree ``leaves`` come from, or a
+    leaf's shape differs from its counterpart's (no broadcasting).
+    """
+    expected_leaves, expected_def = optree.tree_flatten(expected)
+    if expected_def != treedef:
+        raise ValueError(
+            f"{name} does not have the tree structure of {expected_name}: {first_difference(expected_def, treedef)}"
+        )
+    check_shapes(treedef, leaves, expected_leaves, name=name, expected_name=expected_name)
+    return expected_leaves

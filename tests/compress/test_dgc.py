@@ -180,9 +180,9 @@ def test_momentum_correction_errors():
         tx.update({"x": torch.zeros(4)}, state)
     with pytest.raises(ValueError, match="shape"):
         tx.update({"w": torch.zeros(5)}, state)
-    with pytest.raises(ValueError, match="MomentumCorrectionState"):
+    with pytest.raises(TypeError, match="MomentumCorrectionState"):
         tx.update({"w": torch.zeros(4)}, ft.EmptyState())
-    with pytest.raises(ValueError, match="needs params in update"):
+    with pytest.raises(ValueError, match="dgc with weight_decay > 0 needs the parameters"):
         d = ft.dgc(0.1, weight_decay=0.1, density=0.5)
         d.update({"w": torch.ones(4)}, d.init({"w": torch.zeros(4)}))
 
@@ -231,7 +231,7 @@ def test_clipping_threshold_as_tensor_and_non_finite_behaviour():
 def test_clipping_errors():
     with pytest.raises(ValueError, match="max_norm must be > 0"):
         ft.dgc_local_clipping(0.0)
-    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
         ft.dgc_local_clipping(1.0, num_workers=0)
     with pytest.raises(TypeError, match="per_leaf must be a bool"):
         ft.dgc_local_clipping(1.0, per_leaf=1)
