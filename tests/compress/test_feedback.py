@@ -182,3 +182,24 @@ def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
         assert_tree_bitwise_equal(u_c, u_e)
         assert_tree_bitwise_equal(state_c, state_e)
     assert optree.tree_structure(state_c) == optree.tree_structure(tx.init(params))
+
+
+def test_gradient_of_another_shape_is_an_error_naming_the_leaf_not_a_broadcast():
+    tx = ft.error_feedback(ft.topk(2))
+    state = tx.init({"layer": {"w": torch.zeros(3, 4)}})
+    with pytest.raises(ValueError, match=r"updates leaf at \['layer'\]\['w'\] has shape \(1, 4\).*\(3, 4\)"):
+        tx.update({"layer": {"w": torch.ones(1, 4)}}, state)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_gradients_are_a_type_error(dtype):
+    tx = ft.error_feedback(ft.topk(1))
+    state = tx.init({"w": torch.zeros(3)})
+    with pytest.raises(TypeError, match=r"updates leaf at \['w'\] has dtype .*floating-point"):
+        tx.update({"w": torch.ones(3, dtype=dtype)}, state)
+
+
+def test_inner_output_of_another_shape_is_an_error():
+    bad = ft.error_feedback(ft.stateless(lambda u, p: {"w": u["w"][:2]}))
+    with pytest.raises(ValueError, match=r"inner transformation's output leaf at \['w'\] has shape \(2,\)"):
+        bad.update({"w": torch.zeros(3)}, bad.init({"w": torch.zeros(3)}))

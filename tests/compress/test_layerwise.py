@@ -68,3 +68,13 @@ def test_layerwise_topk_errors():
 
 def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     check_compiled(ft.layerwise_topk(density=0.2, min_size=8, method="torch"), tree_of((6, 5), (4,), (3, 3)))
+
+
+def test_layerwise_topk_rejects_integer_gradients_and_foreign_states():
+    tx = ft.layerwise_topk(1, min_size=0)
+    with pytest.raises(TypeError, match=r"updates leaf at \['w'\] has dtype torch.int64"):
+        tx.update({"w": torch.ones(3, dtype=torch.int64)}, tx.init(None))
+    with pytest.raises(TypeError, match="floating-point"):
+        tx.init({"w": torch.ones(3, dtype=torch.int32)})
+    with pytest.raises(TypeError, match="EmptyState"):
+        tx.update({"w": torch.ones(3)}, ft.randk(1).init(None))

@@ -200,3 +200,15 @@ def test_randk_keys_under_inductor_equal_eager(fresh_dynamo):
     for step in (0, 1, 2**33 + 5):
         t = torch.tensor(step)
         assert torch.equal(keys(t), randk_keys(5000, 2**40 + 17, t))
+
+
+def test_randk_update_of_another_shape_than_params_is_an_error_naming_the_leaf():
+    params = {"w": torch.zeros(3, 4)}
+    tx = ft.randk(2)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"updates leaf at \['w'\] has shape \(1, 4\), but params has shape \(3, 4\)"):
+        tx.update({"w": torch.ones(1, 4)}, state, params)
+    with pytest.raises(TypeError, match=r"updates leaf at \['w'\] has dtype torch.int64"):
+        tx.update({"w": torch.ones(3, 4, dtype=torch.int64)}, state, params)
+    out, _ = tx.update({"w": torch.ones(1, 4)}, state)  # without params there is nothing to compare with
+    assert int((out["w"] != 0).sum()) == 2

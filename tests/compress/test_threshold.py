@@ -67,3 +67,8 @@ def test_threshold_errors():
 )
 def test_compiles_fullgraph_without_recompiling(make, fresh_dynamo):
     check_compiled(make(), tree_of((6, 5), (4,), (3, 3)))
+
+
+def test_threshold_rejects_a_foreign_state():
+    with pytest.raises(TypeError, match="EmptyState"):
+        ft.threshold(0.1).update({"w": torch.ones(2)}, ft.randk(1).init(None))
