@@ -14,7 +14,7 @@ def tree_of(*shapes, dtype=torch.float32, seed=0):
 
 
 def check_compiled(tx, params, steps=3, backend="aot_eager"):
-    """``tx.update`` compiled with ``fullgraph=True`` equals eager bit for bit and compiles once."""
+    """``tx.update`` compiled with ``fullgraph=True`` equals eager bit for bit and compiles once; the last state."""
     state_e = state_c = tx.init(params)
     update_c = torch.compile(tx.update, fullgraph=True, backend=backend)
     for i in range(steps):
@@ -27,3 +27,4 @@ def check_compiled(tx, params, steps=3, backend="aot_eager"):
                 u_c, state_c = update_c(grads, state_c, params)
         assert_tree_bitwise_equal(u_c, u_e)
         assert_tree_bitwise_equal(state_c, state_e)
+    return state_c

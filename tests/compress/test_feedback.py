@@ -10,6 +10,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
+from tests.compress.helpers import check_compiled
 from tests.helpers import assert_tree_bitwise_equal, clone_tree, ref_leaf_topk_mask
 
 SHAPES = [(6, 5), (7,), (2, 2, 3)]
@@ -169,18 +170,7 @@ def test_errors():
 def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     params = normal_tree(0)
     tx = ft.chain(ft.error_feedback(ft.topk(density=0.1, method="torch")), ft.sgd(0.1, momentum=0.9))
-    update_c = torch.compile(tx.update, fullgraph=True, backend="aot_eager")
-    state_e = state_c = tx.init(params)
-    for i in range(3):
-        g = normal_tree(i + 1)
-        u_e, state_e = tx.update(g, state_e, params)
-        if i == 0:
-            u_c, state_c = update_c(g, state_c, params)
-        else:
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                u_c, state_c = update_c(g, state_c, params)
-        assert_tree_bitwise_equal(u_c, u_e)
-        assert_tree_bitwise_equal(state_c, state_e)
+    state_c = check_compiled(tx, params)
     assert optree.tree_structure(state_c) == optree.tree_structure(tx.init(params))
 
 
