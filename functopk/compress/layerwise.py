@@ -22,6 +22,11 @@ def check_method(method: Any) -> str:
     """A top-k selection method for :func:`functopk.topk_sparsify`: ``None`` is its default, ``"exact"``.
 
     An unknown name is a ``ValueError`` now rather than at the first update.
+
+    Example:
+        >>> from functopk.compress.layerwise import check_method
+        >>> check_method(None), check_method("torch")
+        ('exact', 'torch')
     """
     if method is None:
         return "exact"
