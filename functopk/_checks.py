@@ -341,3 +341,26 @@ def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[i
                 f"{name} leaves at {where(a[4])} and {where(b[4])} share memory, so an in-place add would write "
                 "some elements twice; each leaf needs its own memory (the same tensor twice?)"
             )
+
+
+def check_like(
+    expected: Any,
+    leaves: Sequence[torch.Tensor],
+    treedef: optree.PyTreeSpec,
+    *,
+    name: str,
+    expected_name: str,
+) -> list[Any]:
+    """The leaves of ``expected`` (a state tree, the parameters), checked against flattened ``leaves``.
+
+    ``ValueError`` naming the first differing leaf path when ``expected`` does
+    not have the structure ``treedef`` of the tree ``leaves`` come from, or a
+    leaf's shape differs from its counterpart's (no broadcasting).
+    """
+    expected_leaves, expected_def = optree.tree_flatten(expected)
+    if expected_def != treedef:
+        raise ValueError(
+            f"{name} does not have the tree structure of {expected_name}: {first_difference(expected_def, treedef)}"
+        )
+    check_shapes(treedef, leaves, expected_leaves, name=name, expected_name=expected_name)
+    return expected_leaves

@@ -21,79 +21,113 @@ accuracy, by four techniques on top of top-k with a local residual:
 4. **Warm-up**: a learning-rate warm-up and an exponentially falling density in
    the first epochs: :func:`functopk.dgc_density_warmup`.
 
-:func:`momentum_correction` does 1 and 2 around any sparsifier; :func:`dgc`
-chains clipping, momentum correction around ``topk`` (global, or per leaf with
-small leaves dense as in the reference implementation), the reference's local
-weight decay, and the learning rate.
+:func:`momentum_correction` does 1 and 2 around any sparsifier, composed of
+the existing pieces: :func:`functopk.trace` keeps the velocity ``u``,
+:func:`functopk.error_feedback` keeps the residual ``v`` (``v += delta; sent =
+inner(v); v -= sent``), :func:`functopk.masked` keeps leaves under ``min_size``
+away from the sparsifier, and one small step clears ``v`` (and, masking, ``u``)
+where ``sent != 0``. :func:`dgc` chains clipping, momentum correction around
+``topk`` (global, or per leaf with small leaves dense as in the reference
+implementation), the reference's local weight decay (a :func:`functopk.trace`
+of ``weight_decay * params``), and the learning rate.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from functopk._checks import check_same_structure
-from functopk._checks import path_str as _path_str
+from functopk._checks import (
+    check_bool,
+    check_hyperparam,
+    check_int,
+    check_leaves,
+    check_like,
+    check_state,
+    is_zero,
+    require_params,
+)
 from functopk.base import (
+    EmptyState,
     GradientTransformation,
     OptState,
     Params,
     ScalarOrSchedule,
     Updates,
     check_transformation,
-    stateless,
+    leafwise,
 )
-from functopk.combine import chain
-from functopk.compress.sparsifiers import _method_kwargs, float_leaves, layerwise_topk
+from functopk.combine import chain, masked
+from functopk.compress.feedback import ErrorFeedbackState, error_feedback
+from functopk.compress.layerwise import check_method, layerwise_topk
 from functopk.compress.topk import topk
-from functopk.optim.elementary import check_hyperparam, scale_by_learning_rate
-from functopk.tree.foreach import keep_dtypes
+from functopk.optim import TraceState, clip_by_global_norm, scale_by_learning_rate, trace
+from functopk.tree import foreach
 from functopk.tree.maths import PyTree
-from functopk.tree.maths import zeros_like as tree_zeros_like
+from functopk.tree.maths import add as tree_add
+from functopk.tree.maths import scale as tree_scale
 
 __all__ = ["LocalWeightDecayState", "MomentumCorrectionState", "dgc", "dgc_local_clipping", "momentum_correction"]
-
-
-def _axpy(a: list[torch.Tensor], scalar: float | torch.Tensor, b: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``a + scalar * b`` over lists of tensors, without a host sync for a tensor scalar."""
-    if isinstance(scalar, torch.Tensor):
-        return list(torch._foreach_add(a, torch._foreach_mul(b, scalar)))
-    return list(torch._foreach_add(a, b, alpha=scalar))
-
-
-def _check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_min_size(min_size: Any) -> int:
-    if isinstance(min_size, bool) or not isinstance(min_size, numbers.Integral):
-        raise TypeError(f"min_size must be an int, got {type(min_size).__name__} {min_size!r}")
-    if min_size < 0:
-        raise ValueError(f"min_size must be >= 0, got {min_size}")
-    return int(min_size)
 
 
 # --------------------------------------------------------------------------- momentum correction + masking
 
 
 class MomentumCorrectionState(NamedTuple):
-    """State of :func:`momentum_correction`.
+    """State of :func:`momentum_correction`: the states of the two pieces it is made of.
 
     Attributes:
-        velocity: The momentum buffer ``u`` (the paper's "velocity"), a tree like the parameters.
-        residual: The accumulated, not yet sent velocity ``v``; zero on dense leaves.
-        inner_state: The state of the sparsifier.
+        trace: The state of ``ft.trace(momentum, nesterov=nesterov)``: the
+            velocity ``u`` (the paper's symbol; ``trace.trace``, a tree like the
+            parameters) and the step count.
+        feedback: The state of ``ft.error_feedback(ft.masked(inner, large leaves))``:
+            the residual ``v`` (``feedback.residual``, the accumulated velocity
+            not yet sent; zero on leaves under ``min_size``) and the sparsifier's
+            state (``feedback.inner_state.inner_state``).
+
+    The properties ``velocity``, ``residual`` and ``inner_state`` read them.
     """
 
-    velocity: PyTree
-    residual: PyTree
-    inner_state: OptState
+    trace: TraceState
+    feedback: ErrorFeedbackState
+
+    @property
+    def velocity(self) -> PyTree:
+        """The momentum buffer ``u``, a tree like the parameters."""
+        return self.trace.trace
+
+    @property
+    def residual(self) -> PyTree:
+        """The accumulated, not yet sent velocity ``v``; zero on leaves under ``min_size``."""
+        return self.feedback.residual
+
+    @property
+    def inner_state(self) -> OptState:
+        """The sparsifier's state."""
+        return self.feedback.inner_state.inner_state
+
+
+def _clear_sent(
+    state: MomentumCorrectionState, sent: Updates, compressed: list[bool], masking: bool
+) -> MomentumCorrectionState:
+    """Zero the residual where ``sent != 0`` and, with ``masking``, the velocity of compressed leaves there.
+
+    Where a finite value was sent, error feedback's ``v - sent`` is already
+    exactly 0 (kept values are copies); a sent NaN or infinity leaves NaN
+    (``inf - inf``), which this clears, as the paper's rule ``v = 0`` says.
+    """
+    sent_leaves, treedef = optree.tree_flatten(sent)
+    v = [torch.where(s != 0, 0.0, x) for s, x in zip(sent_leaves, optree.tree_leaves(state.feedback.residual))]
+    u = optree.tree_leaves(state.trace.trace)
+    if masking:
+        u = [torch.where(s != 0, 0.0, x) if c else x for s, x, c in zip(sent_leaves, u, compressed)]
+    return MomentumCorrectionState(
+        trace=state.trace._replace(trace=optree.tree_unflatten(treedef, u)),
+        feedback=state.feedback._replace(residual=optree.tree_unflatten(treedef, v)),
+    )
 
 
 def momentum_correction(
@@ -122,6 +156,11 @@ def momentum_correction(
     ``threshold``, ``randk`` without ``unbiased``): the residual is zeroed, not
     reduced by the sent value.
 
+    It is composed of ``ft.trace(momentum, nesterov=nesterov)`` (``u`` and
+    ``delta``), ``ft.error_feedback(ft.masked(inner, large))`` (``v``, ``sent``)
+    and a step that clears ``v`` and ``u`` where ``sent != 0``; see
+    :class:`MomentumCorrectionState` for the state.
+
     Leaves with fewer than ``min_size`` coordinates are not compressed: they get
     plain momentum SGD (``delta`` is their output, as ``ft.trace`` computes it),
     their residual stays zero, and ``inner`` sees ``None`` in their place (so a
@@ -140,6 +179,13 @@ def momentum_correction(
         masking: Zero the velocity at sent coordinates (momentum factor masking).
         min_size: Leaves with fewer coordinates stay dense with plain momentum.
 
+    Raises:
+        ValueError: at ``init`` without parameters, or when ``min_size`` leaves
+            no leaf to compress; at ``update``, when a gradient leaf's shape or
+            the tree's structure differs from the state's (naming the leaf).
+        TypeError: a state from another transformation; a gradient leaf that
+            is not a floating-point tensor.
+
     Example:
         >>> import torch, functopk as ft
         >>> tx = ft.momentum_correction(ft.topk(1), momentum=0.5)
@@ -153,84 +199,33 @@ def momentum_correction(
     """
     check_transformation(inner, "inner")
     momentum = check_hyperparam(momentum, "momentum", minimum=0.0)
-    nesterov = _check_bool(nesterov, "nesterov")
-    masking = _check_bool(masking, "masking")
-    min_size = _check_min_size(min_size)
-
-    def compressed_flags(leaves: list[torch.Tensor]) -> list[bool]:
-        return [leaf.numel() >= min_size for leaf in leaves]
-
-    def inner_tree(treedef: optree.PyTreeSpec, leaves: list[torch.Tensor], flags: list[bool]) -> PyTree:
-        if all(flags):
-            return optree.tree_unflatten(treedef, leaves)
-        return optree.tree_unflatten(treedef, [x if f else None for x, f in zip(leaves, flags)])
+    nesterov = check_bool(nesterov, "nesterov")
+    masking = check_bool(masking, "masking")
+    min_size = check_int(min_size, "min_size", minimum=0)
+    velocity = trace(momentum, nesterov=nesterov)
+    memory = error_feedback(masked(inner, lambda tree: optree.tree_map(lambda x: x.numel() >= min_size, tree)))
 
     def init(params: Params) -> MomentumCorrectionState:
         if params is None:
             raise ValueError("momentum_correction needs the parameters at init: they shape its buffers")
-        leaves, treedef = float_leaves(params, "params")
-        flags = compressed_flags(leaves)
-        if leaves and not any(flags):
+        leaves, _ = check_leaves(params, "params", floating=True)
+        if leaves and all(x.numel() < min_size for x in leaves):
             raise ValueError(f"min_size={min_size} leaves no leaf to compress (the largest has "
                              f"{max(x.numel() for x in leaves)} coordinates)")
-        return MomentumCorrectionState(
-            velocity=tree_zeros_like(params),
-            residual=tree_zeros_like(params),
-            inner_state=inner.init(inner_tree(treedef, leaves, flags)),
-        )
+        return MomentumCorrectionState(trace=velocity.init(params), feedback=memory.init(params))
 
     def update(
         updates: Updates, state: MomentumCorrectionState, params: Params | None = None
     ) -> tuple[Updates, MomentumCorrectionState]:
-        if not isinstance(state, MomentumCorrectionState):
-            raise ValueError(f"state must be a MomentumCorrectionState, got {type(state).__name__}")
-        check_same_structure(state.velocity, updates, name="updates", expected_name="the velocity state")
-        g, treedef = float_leaves(updates, "updates")
-        u = optree.tree_leaves(state.velocity)
-        v = optree.tree_leaves(state.residual)
-        for path, x, y in zip(treedef.paths(), g, u):
-            if x.shape != y.shape:
-                raise ValueError(f"updates leaf at {_path_str(path)} has shape {tuple(x.shape)}, but the velocity "
-                                 f"state has shape {tuple(y.shape)}")
+        check_state(state, MomentumCorrectionState, "momentum_correction")
+        g, treedef = check_leaves(updates, "updates", floating=True)
+        check_like(state.trace.trace, g, treedef, name="updates", expected_name="momentum_correction's velocity")
         if not g:
             return updates, state
-        flags = compressed_flags(g)
-        u_new = keep_dtypes(_axpy(g, momentum, u), u)
-        delta = keep_dtypes(_axpy(g, momentum, u_new), g) if nesterov else u_new
-        v_acc = keep_dtypes(torch._foreach_add(v, delta), v)
-        if params is None or all(flags):
-            inner_params = params
-        else:
-            inner_params = inner_tree(treedef, optree.tree_leaves(params), flags)
-        sent_tree, inner_state = inner.update(inner_tree(treedef, v_acc, flags), state.inner_state, inner_params)
-        sent_c = optree.tree_leaves(sent_tree)
-        if len(sent_c) != sum(flags):
-            raise ValueError(
-                f"the inner transformation returned {len(sent_c)} leaves for {sum(flags)} compressed leaves; "
-                "momentum_correction needs a dense tree like its input"
-            )
-        sent_iter = iter(sent_c)
-        out, v_out, u_out = [], [], []
-        for path, f, gi, ui, di, v_old, vi in zip(treedef.paths(), flags, g, u_new, delta, v, v_acc):
-            if not f:  # a dense leaf: plain momentum, its residual stays zero
-                out.append(di)
-                v_out.append(v_old)
-                u_out.append(ui)
-                continue
-            si = next(sent_iter)
-            if si.shape != gi.shape:
-                raise ValueError(f"the inner transformation returned shape {tuple(si.shape)} at {_path_str(path)} "
-                                 f"for a leaf of shape {tuple(gi.shape)}; it must return a dense tree like its input")
-            sent_mask = si != 0
-            out.append(si)
-            v_out.append(torch.where(sent_mask, 0.0, vi))
-            u_out.append(torch.where(sent_mask, 0.0, ui) if masking else ui)
-        new_state = MomentumCorrectionState(
-            velocity=optree.tree_unflatten(treedef, u_out),
-            residual=optree.tree_unflatten(treedef, v_out),
-            inner_state=inner_state,
-        )
-        return optree.tree_unflatten(treedef, out), new_state
+        delta, trace_state = velocity.update(updates, state.trace)
+        sent, feedback_state = memory.update(delta, state.feedback, params)
+        new = MomentumCorrectionState(trace=trace_state, feedback=feedback_state)
+        return sent, _clear_sent(new, sent, [x.numel() >= min_size for x in g], masking)
 
     return GradientTransformation(init, update)
 
@@ -250,7 +245,8 @@ def dgc_local_clipping(
 
     ``per_leaf=True`` clips each leaf by its own norm, as the reference
     implementation does per tensor; ``per_leaf=False`` clips the whole tree by
-    its global norm, as the paper's text describes. Either way a leaf (or tree)
+    its global norm, as the paper's text describes, and is
+    ``ft.clip_by_global_norm(max_norm / sqrt(N))``. Either way a leaf (or tree)
     whose norm is at most the threshold is returned bit for bit, and otherwise
     it is multiplied by ``threshold / (norm + 1e-6)``, so its norm ends
     below the threshold. Norms are computed in float32 or wider.
@@ -274,46 +270,38 @@ def dgc_local_clipping(
     max_norm = check_hyperparam(max_norm, "max_norm")
     if not isinstance(max_norm, torch.Tensor) and max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral) or num_workers < 1:
-        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-    per_leaf = _check_bool(per_leaf, "per_leaf")
-    scale = 1.0 / math.sqrt(num_workers)
+    num_workers = check_int(num_workers, "num_workers", minimum=1)
+    thr = max_norm * (1.0 / math.sqrt(num_workers))
+    if not check_bool(per_leaf, "per_leaf"):
+        return clip_by_global_norm(max_norm=thr)
 
-    def fn(updates: Updates, params: Params | None) -> Updates:
-        del params
-        leaves, treedef = float_leaves(updates, "updates")
-        if not leaves:
-            return updates
-        thr = max_norm * scale
-        norms = list(torch._foreach_norm(leaves, 2, dtype=_norm_dtype(leaves)))
-        if per_leaf:
-            factors = torch._foreach_clamp_max(
-                torch._foreach_mul(torch._foreach_reciprocal(torch._foreach_add(norms, 1e-6)), thr), 1.0
-            )
-            out = torch._foreach_mul(leaves, list(factors))
-        else:
-            total = torch.linalg.vector_norm(torch.stack(norms))
-            factor = torch.clamp_max(thr / (total + 1e-6), 1.0)
-            out = torch._foreach_mul(leaves, factor)
-        return optree.tree_unflatten(treedef, keep_dtypes(out, leaves))
+    def update(
+        grads: list[torch.Tensor], state: EmptyState, params: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], EmptyState]:
+        norms = foreach.norms(grads)
+        factors = foreach.clamp(foreach.div(foreach.full_like(norms, thr), foreach.add_scalar(norms, 1e-6)), 0.0, 1.0)
+        return foreach.mul_list(grads, factors), state
 
-    return stateless(fn)
-
-
-def _norm_dtype(leaves: list[torch.Tensor]) -> torch.dtype:
-    dtype = torch.float32
-    for leaf in leaves:
-        dtype = torch.promote_types(dtype, leaf.dtype)
-    return dtype
+    return leafwise("dgc_local_clipping", update)
 
 
 # --------------------------------------------------------------------------- the reference's local weight decay
 
 
 class LocalWeightDecayState(NamedTuple):
-    """State of DGC's local weight decay: a momentum buffer for the decay term."""
+    """State of DGC's local weight decay: the state of ``ft.trace`` run on ``weight_decay * params``.
 
-    trace: PyTree
+    Attributes:
+        momentum: The :class:`~functopk.optim.TraceState` of the decay term;
+            its buffer is also readable as ``trace``.
+    """
+
+    momentum: TraceState
+
+    @property
+    def trace(self) -> PyTree:
+        """The momentum buffer of the decay term, a tree like the parameters."""
+        return self.momentum.trace
 
 
 def _local_weight_decay(
@@ -325,27 +313,20 @@ def _local_weight_decay(
     dense, with its own momentum buffer, and compresses only the loss gradient:
     the decay term is known to every rank, so it need not be communicated.
     """
+    decay_trace = trace(momentum, nesterov=nesterov)
 
     def init(params: Params) -> LocalWeightDecayState:
-        return LocalWeightDecayState(trace=tree_zeros_like(params))
+        return LocalWeightDecayState(momentum=decay_trace.init(params))
 
     def update(
         updates: Updates, state: LocalWeightDecayState, params: Params | None = None
     ) -> tuple[Updates, LocalWeightDecayState]:
-        if params is None:
-            raise ValueError("dgc with weight_decay > 0 needs params in update")
-        leaves, treedef = optree.tree_flatten(updates)
-        buf = optree.tree_leaves(state.trace)
-        p = optree.tree_leaves(params)
-        if len(p) != len(leaves):
-            raise ValueError("params and updates must have the same structure")
-        if not leaves:
-            return updates, state
-        decay = torch._foreach_mul(p, weight_decay)
-        new_buf = keep_dtypes(_axpy(list(decay), momentum, buf), buf)
-        term = _axpy(list(decay), momentum, new_buf) if nesterov else new_buf
-        out = keep_dtypes(torch._foreach_add(leaves, term), leaves)
-        return optree.tree_unflatten(treedef, out), LocalWeightDecayState(optree.tree_unflatten(treedef, new_buf))
+        check_state(state, LocalWeightDecayState, "dgc's local weight decay")
+        params = require_params(params, "dgc with weight_decay > 0")
+        leaves, treedef = check_leaves(updates, "updates", floating=True)
+        check_like(params, leaves, treedef, name="updates", expected_name="params")
+        term, new = decay_trace.update(tree_scale(params, weight_decay), state.momentum)
+        return tree_add(updates, term), LocalWeightDecayState(momentum=new)
 
     return GradientTransformation(init, update)
 
@@ -380,7 +361,9 @@ def dgc(
     (plain momentum SGD for them); ``min_size=4096`` does the same for every
     bias and normalisation weight of torchvision's ResNets. Weight decay, when
     given, follows the reference too: added locally and densely with its own
-    momentum buffer, after the sparsification, since every rank can compute it.
+    momentum buffer (``ft.trace`` of ``weight_decay * params``, state
+    :class:`LocalWeightDecayState`), after the sparsification, since every
+    rank can compute it.
 
     ``density`` may be a schedule of the step (DGC's warm-up:
     :func:`functopk.dgc_density_warmup`) where ``ft.topk`` accepts one; each
@@ -409,20 +392,17 @@ def dgc(
         tensor([-0.0000,  0.2000, -0.0000, -0.3000])
     """
     weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
-    layerwise = _check_bool(layerwise, "layerwise")
-    nesterov = _check_bool(nesterov, "nesterov")
-    method_kw = _method_kwargs(method)
-    if layerwise:
+    if check_bool(layerwise, "layerwise"):
         sparsifier = layerwise_topk(density=density, min_size=0, method=method)
     else:
-        sparsifier = topk(density=density, **method_kw)
+        sparsifier = topk(density=density, method=check_method(method))
     parts = []
     if max_norm is not None:
         parts.append(dgc_local_clipping(max_norm, num_workers=num_workers))
-    elif isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral) or num_workers < 1:
-        raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+    else:
+        check_int(num_workers, "num_workers", minimum=1)
     parts.append(momentum_correction(sparsifier, momentum, nesterov=nesterov, masking=masking, min_size=min_size))
-    if isinstance(weight_decay, torch.Tensor) or weight_decay > 0:
+    if not is_zero(weight_decay):
         parts.append(_local_weight_decay(weight_decay, momentum, nesterov))
     parts.append(scale_by_learning_rate(learning_rate))
     return chain(*parts)

@@ -53,13 +53,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import optree
-import torch
 
-from functopk._checks import check_same_structure
-from functopk._checks import path_str as _path_str
+from functopk._checks import check_leaves, check_like, check_shapes, check_state
 from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
-from functopk.tree.foreach import keep_dtypes
-from functopk.tree.maths import PyTree
+from functopk.tree import foreach
+from functopk.tree.maths import PyTree, flatten_like
 from functopk.tree.maths import zeros_like as tree_zeros_like
 
 __all__ = ["ErrorFeedbackState", "error_feedback"]
@@ -92,7 +90,9 @@ def error_feedback(inner: GradientTransformation) -> GradientTransformation:
     Raises:
         ValueError: at ``init``, when no parameters are given (they shape the
             residual); at ``update``, when the updates or the inner output do
-            not match the residual's structure and shapes.
+            not match the residual's structure and shapes (naming the leaf).
+        TypeError: at ``update``, for a state from another transformation or a
+            leaf that is not a floating-point tensor.
 
     Example:
         >>> import torch, functopk as ft
@@ -115,36 +115,19 @@ def error_feedback(inner: GradientTransformation) -> GradientTransformation:
     def update(
         updates: Updates, state: ErrorFeedbackState, params: Params | None = None
     ) -> tuple[Updates, ErrorFeedbackState]:
-        if not isinstance(state, ErrorFeedbackState):
-            raise ValueError(f"state must be an ErrorFeedbackState, got {type(state).__name__}")
-        check_same_structure(state.residual, updates, name="updates", expected_name="the residual")
-        leaves, treedef = optree.tree_flatten(updates)
-        residual = optree.tree_leaves(state.residual)
-        _check_shapes(treedef, leaves, residual, "updates", "the residual")
-        if not leaves:
-            sent, inner_state = inner.update(updates, state.inner_state, params)
-            return sent, ErrorFeedbackState(state.residual, inner_state)
-        corrected = keep_dtypes(torch._foreach_add(leaves, residual), leaves)
+        check_state(state, ErrorFeedbackState, "error_feedback")
+        leaves, treedef = check_leaves(updates, "updates", floating=True)
+        residual = check_like(state.residual, leaves, treedef, name="updates",
+                              expected_name="error_feedback's residual")
+        corrected = foreach.add(leaves, residual)
         sent, inner_state = inner.update(optree.tree_unflatten(treedef, corrected), state.inner_state, params)
-        sent_leaves, sent_def = optree.tree_flatten(sent)
-        if sent_def != treedef:
-            raise ValueError(
-                f"the inner transformation returned a tree of structure {sent_def}; error_feedback needs its "
-                f"input's structure {treedef} (a dense tree, zero where nothing was sent)"
-            )
-        _check_shapes(treedef, sent_leaves, corrected, "the inner transformation's output", "its input")
-        new_residual = keep_dtypes(torch._foreach_sub(corrected, sent_leaves), residual)
+        sent_leaves = flatten_like(
+            sent, treedef, "the inner transformation's output",
+            "its input (error_feedback needs a dense tree like its input, zero where nothing was sent)",
+        )
+        check_shapes(treedef, sent_leaves, corrected, name="the inner transformation's output",
+                     expected_name="its input")
+        new_residual = foreach.keep_dtypes(foreach.sub(corrected, sent_leaves), residual)
         return sent, ErrorFeedbackState(optree.tree_unflatten(treedef, new_residual), inner_state)
 
     return GradientTransformation(init, update)
-
-
-def _check_shapes(
-    treedef: optree.PyTreeSpec, leaves: list[torch.Tensor], expected: list[torch.Tensor], name: str, expected_name: str
-) -> None:
-    for path, x, y in zip(treedef.paths(), leaves, expected):
-        if x.shape != y.shape:
-            raise ValueError(
-                f"{name} leaf at {_path_str(path)} has shape {tuple(x.shape)}, but {expected_name} has "
-                f"shape {tuple(y.shape)}"
-            )

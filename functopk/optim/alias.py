@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from functopk._checks import check_bool, check_hyperparam, is_zero
+from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule
 from functopk.combine import MaskOrFn, chain
 from functopk.optim.adaptive import AdamDecay, adam_config, adam_transform, scale_by_rms, scale_by_rss

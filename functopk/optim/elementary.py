@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from functopk._checks import check_bool, check_callable, check_hyperparam, is_zero
+from functopk._checks import check_bool, check_callable, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, leafwise
 from functopk.combine import MaskOrFn
 from functopk.optim._shared import selected, with_mask

@@ -9,6 +9,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
+from functopk.combine import MaskedState
 from tests.helpers import (
     assert_tree_bitwise_equal,
     assert_tree_close,
@@ -180,11 +181,59 @@ def test_momentum_correction_errors():
         tx.update({"x": torch.zeros(4)}, state)
     with pytest.raises(ValueError, match="shape"):
         tx.update({"w": torch.zeros(5)}, state)
-    with pytest.raises(ValueError, match="MomentumCorrectionState"):
+    with pytest.raises(TypeError, match="MomentumCorrectionState"):
         tx.update({"w": torch.zeros(4)}, ft.EmptyState())
-    with pytest.raises(ValueError, match="needs params in update"):
+    with pytest.raises(ValueError, match="dgc with weight_decay > 0 needs the parameters"):
         d = ft.dgc(0.1, weight_decay=0.1, density=0.5)
         d.update({"w": torch.ones(4)}, d.init({"w": torch.zeros(4)}))
+
+
+def test_gradient_of_another_shape_is_an_error_naming_the_leaf_not_a_broadcast():
+    """A (1, 4) gradient against a (3, 4) state: today's momentum would broadcast it; it must raise."""
+    params = {"layer": {"w": torch.zeros(3, 4)}, "b": torch.zeros(4)}
+    grads = {"layer": {"w": torch.ones(1, 4)}, "b": torch.ones(4)}
+    match = r"updates leaf at \['layer'\]\['w'\] has shape \(1, 4\), but momentum_correction's velocity has shape"
+    tx = ft.momentum_correction(ft.topk(2), 0.9)
+    with pytest.raises(ValueError, match=match):
+        tx.update(grads, tx.init(params), params)
+    for d in (ft.dgc(0.1, density=0.5), ft.dgc(0.1, density=0.5, max_norm=1.0, weight_decay=0.1, min_size=5)):
+        with pytest.raises(ValueError, match=match):
+            d.update(grads, d.init(params), params)
+
+
+def test_integer_gradients_are_a_type_error():
+    params = {"w": torch.zeros(4)}
+    grads = {"w": torch.ones(4, dtype=torch.int64)}
+    for tx in (ft.momentum_correction(ft.topk(2), 0.9), ft.dgc(0.1, density=0.5, max_norm=1.0),
+               ft.dgc_local_clipping(1.0)):
+        with pytest.raises(TypeError, match=r"updates leaf at \['w'\] has dtype torch.int64"):
+            tx.update(grads, tx.init(params), params)
+    with pytest.raises(TypeError, match="floating-point"):
+        ft.momentum_correction(ft.topk(2), 0.9).init({"w": torch.zeros(4, dtype=torch.int64)})
+
+
+def test_local_weight_decay_checks_params_against_updates():
+    tx = ft.dgc(0.1, density=1.0, weight_decay=0.1)
+    params = {"w": torch.zeros(4)}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"updates leaf at \['w'\] has shape \(4,\), but params has shape \(5,\)"):
+        tx.update({"w": torch.ones(4)}, state, {"w": torch.zeros(5)})
+
+
+def test_state_structure_is_the_pieces_states():
+    """momentum_correction's state holds trace's and error_feedback(masked(inner))'s states; dgc's decay a trace."""
+    params = normal_tree(0)
+    tx = ft.dgc(0.1, momentum=0.9, density=0.25, weight_decay=1e-3, min_size=4)
+    state = tx.init(params)
+    _, state = tx.update(normal_tree(1), state, params)
+    mc, decay = state[0], state[1]
+    assert isinstance(mc, ft.compress.MomentumCorrectionState)
+    assert isinstance(mc.trace, ft.optim.TraceState) and mc.velocity is mc.trace.trace
+    assert isinstance(mc.feedback, ft.compress.ErrorFeedbackState) and mc.residual is mc.feedback.residual
+    assert isinstance(mc.feedback.inner_state, MaskedState)
+    assert mc.inner_state is mc.feedback.inner_state.inner_state
+    assert isinstance(decay, ft.compress.LocalWeightDecayState) and decay.trace is decay.momentum.trace
+    assert int(mc.trace.count) == 1
 
 
 # --------------------------------------------------------------------------- local gradient clipping
@@ -231,7 +280,7 @@ def test_clipping_threshold_as_tensor_and_non_finite_behaviour():
 def test_clipping_errors():
     with pytest.raises(ValueError, match="max_norm must be > 0"):
         ft.dgc_local_clipping(0.0)
-    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
+    with pytest.raises(ValueError, match="num_workers must be >= 1"):
         ft.dgc_local_clipping(1.0, num_workers=0)
     with pytest.raises(TypeError, match="per_leaf must be a bool"):
         ft.dgc_local_clipping(1.0, per_leaf=1)

@@ -1,4 +1,4 @@
-"""randk, threshold and layerwise_topk against independent references."""
+"""randk and randk_mask: the counter-based hash against Python integers, selection laws, errors, compile."""
 
 from __future__ import annotations
 
@@ -12,18 +12,13 @@ from pathlib import Path
 import optree
 import pytest
 import torch
-import torch._dynamo
 
 import functopk as ft
-from functopk.compress.sparsifiers import _fmix32, _mul32, randk_keys
-from tests.helpers import assert_tree_bitwise_equal, bits, clone_tree, ref_leaf_topk_mask
+from functopk.compress.randk import _fmix32, _mul32, randk_keys
+from tests.compress.helpers import check_compiled, tree_of
+from tests.helpers import assert_tree_bitwise_equal, clone_tree
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tree_of(*shapes, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {f"p{i}": torch.randn(*s, generator=g).to(dtype) for i, s in enumerate(shapes)}
 
 
 def flat_true_indices(mask_tree) -> list[int]:
@@ -170,7 +165,7 @@ def test_randk_errors():
         ft.randk(2.0)
     with pytest.raises(ValueError, match="density must be in"):
         ft.randk(density=1.5)
-    with pytest.raises(ValueError, match="seed must be in"):
+    with pytest.raises(ValueError, match="seed must be >= 0"):
         ft.randk(1, seed=-1)
     with pytest.raises(TypeError, match="seed must be an int"):
         ft.randk(1, seed="a")
@@ -185,148 +180,17 @@ def test_randk_errors():
     with pytest.raises(TypeError, match="floating-point"):
         ft.compress.randk_mask({"w": torch.zeros(4, dtype=torch.int64)}, 1, seed=0, step=0)
     tx = ft.randk(1)
-    with pytest.raises(ValueError, match="RandKState"):
+    with pytest.raises(TypeError, match="RandKState"):
         tx.update({"w": torch.zeros(4)}, ft.EmptyState())
-
-
-# --------------------------------------------------------------------------- threshold
-
-
-def test_threshold_matches_reference_and_keeps_nan_and_inf():
-    x = {
-        "a": torch.tensor([0.5, -1.0, 1.0, -0.999, 2.0, 0.0, -0.0]),
-        "b": torch.tensor([[float("nan"), float("inf")], [-float("inf"), 0.25]]),
-        "c": torch.tensor([1.0, -3.0], dtype=torch.float64),
-    }
-    before = clone_tree(x)
-    tx = ft.threshold(1.0)
-    out, state = tx.update(x, tx.init(None))
-    assert_tree_bitwise_equal(x, before)
-
-    def ref(leaf):
-        vals = [v if (math.isnan(v) or abs(v) >= 1.0) else 0.0 for v in leaf.reshape(-1).tolist()]
-        return torch.tensor(vals, dtype=leaf.dtype).reshape(leaf.shape)
-
-    assert_tree_bitwise_equal(out, ft.tree.map(ref, x))
-
-
-def test_threshold_zero_keeps_everything_and_tensor_v_equals_number():
-    x = tree_of((5, 3), (4,))
-    out, _ = ft.threshold(0.0).update(x, ft.EmptyState())
-    assert_tree_bitwise_equal(out, x)
-    a, _ = ft.threshold(0.7).update(x, ft.EmptyState())
-    b, _ = ft.threshold(torch.tensor(0.7)).update(x, ft.EmptyState())
-    assert_tree_bitwise_equal(a, b)
-
-
-def test_threshold_with_inject_hyperparams():
-    tx = ft.inject_hyperparams(ft.threshold)(v=0.5)
-    x = {"w": torch.tensor([0.2, 0.6, -1.0])}
-    state = tx.init(x)
-    out, state = tx.update(x, state)
-    assert out["w"].tolist() == [0.0, pytest.approx(0.6), -1.0]
-    state = state._replace(hyperparams={"v": torch.tensor(0.8)})
-    out, state = tx.update(x, state)
-    assert out["w"].tolist() == [0.0, 0.0, -1.0]
-
-
-def test_threshold_errors():
-    with pytest.raises(ValueError, match="v must be >= 0"):
-        ft.threshold(-1.0)
-    with pytest.raises(TypeError, match="v must be a real number"):
-        ft.threshold("0.1")
-    with pytest.raises(TypeError, match="floating-point"):
-        ft.threshold(0.1).update({"w": torch.ones(2, dtype=torch.int32)}, ft.EmptyState())
-
-
-# --------------------------------------------------------------------------- layerwise top-k
-
-
-def test_layerwise_topk_matches_per_leaf_brute_force_with_ties_and_nan():
-    tree = {
-        "big": torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 0.5, float("nan"), 1.0]),
-        "ties": torch.tensor([[2.0, -2.0, 2.0], [1.0, -2.0, 0.0]]),
-        "mixed": torch.tensor([0.1, 5.0, -5.0, 0.3, 0.2], dtype=torch.float16),
-        "small": torch.tensor([9.0, 8.0]),
-    }
-    before = clone_tree(tree)
-    tx = ft.layerwise_topk(3, min_size=5)
-    out, _ = tx.update(tree, tx.init(tree))
-    assert_tree_bitwise_equal(tree, before)
-    for name in ("big", "ties", "mixed"):
-        expected = torch.where(ref_leaf_topk_mask(tree[name], 3), tree[name], 0.0)
-        assert torch.equal(bits(out[name]), bits(expected)), name
-    assert torch.equal(out["small"], tree["small"])  # below min_size: dense
-
-
-@pytest.mark.parametrize("density", [0.01, 0.1, 0.5, 1.0])
-def test_layerwise_topk_density_keeps_k_from_density_per_leaf(density):
-    tree = tree_of((30, 20), (7, 7), (5,), (100,))
-    tx = ft.layerwise_topk(density=density, min_size=10)
-    out, _ = tx.update(tree, tx.init(tree))
-    for name, leaf in tree.items():
-        n = leaf.numel()
-        if n < 10:
-            assert torch.equal(out[name], leaf)
-        else:
-            k = ft.sparse.k_from_density(density, n)
-            assert torch.equal(out[name] != 0, ref_leaf_topk_mask(leaf, k)), name
-
-
-def test_layerwise_topk_min_size_boundary_and_small_k():
-    tree = {"a": torch.randn(10), "b": torch.randn(9), "c": torch.randn(2)}
-    out, _ = ft.layerwise_topk(2, min_size=10).update(tree, ft.EmptyState())
-    assert int((out["a"] != 0).sum()) == 2  # numel == min_size: sparsified
-    assert torch.equal(out["b"], tree["b"])  # numel < min_size: dense
-    out, _ = ft.layerwise_topk(5, min_size=0).update(tree, ft.EmptyState())
-    assert torch.equal(out["c"], tree["c"])  # numel <= k: kept whole
-    assert int((out["b"] != 0).sum()) == 5
-
-
-def test_layerwise_topk_errors():
-    with pytest.raises(TypeError, match="numeric density"):
-        ft.layerwise_topk(density=lambda step: 0.1)
-    with pytest.raises(ValueError, match="min_size must be >= 0"):
-        ft.layerwise_topk(1, min_size=-1)
-    with pytest.raises(TypeError, match="min_size must be an int"):
-        ft.layerwise_topk(1, min_size=1.5)
-    with pytest.raises(ValueError, match="method"):
-        ft.layerwise_topk(1, method="no-such-method")
-    with pytest.raises(ValueError, match="exactly one of k or density"):
-        ft.layerwise_topk()
-
-
-# --------------------------------------------------------------------------- compile
-
-
-def _check_compiled(tx, params, steps=3, backend="aot_eager"):
-    state_e = state_c = tx.init(params)
-    update_c = torch.compile(tx.update, fullgraph=True, backend=backend)
-    for i in range(steps):
-        grads = tree_of(*[p.shape for p in params.values()], seed=100 + i)
-        u_e, state_e = tx.update(grads, state_e, params)
-        if i == 0:
-            u_c, state_c = update_c(grads, state_c, params)
-        else:
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                u_c, state_c = update_c(grads, state_c, params)
-        assert_tree_bitwise_equal(u_c, u_e)
-        assert_tree_bitwise_equal(state_c, state_e)
 
 
 @pytest.mark.parametrize(
     "make",
-    [
-        lambda: ft.randk(density=0.1, seed=4),
-        lambda: ft.randk(5, seed=4, unbiased=True),
-        lambda: ft.threshold(0.5),
-        lambda: ft.inject_hyperparams(ft.threshold)(v=0.5),
-        lambda: ft.layerwise_topk(density=0.2, min_size=8, method="torch"),
-    ],
-    ids=["randk", "randk-unbiased", "threshold", "threshold-injected", "layerwise"],
+    [lambda: ft.randk(density=0.1, seed=4), lambda: ft.randk(5, seed=4, unbiased=True)],
+    ids=["randk", "randk-unbiased"],
 )
 def test_compiles_fullgraph_without_recompiling(make, fresh_dynamo):
-    _check_compiled(make(), tree_of((6, 5), (4,), (3, 3)))
+    check_compiled(make(), tree_of((6, 5), (4,), (3, 3)))
 
 
 @pytest.mark.slow
@@ -336,3 +200,15 @@ def test_randk_keys_under_inductor_equal_eager(fresh_dynamo):
     for step in (0, 1, 2**33 + 5):
         t = torch.tensor(step)
         assert torch.equal(keys(t), randk_keys(5000, 2**40 + 17, t))
+
+
+def test_randk_update_of_another_shape_than_params_is_an_error_naming_the_leaf():
+    params = {"w": torch.zeros(3, 4)}
+    tx = ft.randk(2)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"updates leaf at \['w'\] has shape \(1, 4\), but params has shape \(3, 4\)"):
+        tx.update({"w": torch.ones(1, 4)}, state, params)
+    with pytest.raises(TypeError, match=r"updates leaf at \['w'\] has dtype torch.int64"):
+        tx.update({"w": torch.ones(3, 4, dtype=torch.int64)}, state, params)
+    out, _ = tx.update({"w": torch.ones(1, 4)}, state)  # without params there is nothing to compare with
+    assert int((out["w"] != 0).sum()) == 2
