@@ -27,10 +27,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check functopk tests benchmarks examples docs
 	$(PY) -m mypy
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: lint
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 DEMO_ARGS ?=

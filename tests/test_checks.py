@@ -39,8 +39,11 @@ def test_hyperparams_accept_0d_float_tensors_unread():
     expected = r"lr must be a real number or a 0-d float tensor, got a tensor of shape \(2,\)"
     with pytest.raises(TypeError, match=expected):
         C.check_hyperparam(torch.ones(2), "lr")
+    # an int injected by inject_hyperparams arrives as int64 and is used as the float it stands for
+    as_float = C.check_hyperparam(torch.tensor(0), "weight_decay")
+    assert as_float.dtype == torch.float32 and as_float.item() == 0.0
     with pytest.raises(TypeError, match="0-d float tensor"):
-        C.check_hyperparam(torch.tensor(1), "lr")
+        C.check_hyperparam(torch.tensor(True), "lr")
     sched = C.check_scalar_or_schedule(lambda c: 0.1, "lr")
     assert callable(sched)
 

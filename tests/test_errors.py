@@ -101,7 +101,6 @@ def test_state_of_another_transformation_is_a_type_error_naming_the_expected_sta
         distributed_topk(k=1).update(grads, sgd.init(params))
 
 
-@pytest.mark.xfail(reason="adam's own check_state comes with worker optim's leafwise rewrite", strict=False)
 def test_adam_given_an_sgd_state_names_the_expected_state():
     _, params = model_and_params()
     grads = ft.tree.map(torch.ones_like, params)
@@ -117,7 +116,6 @@ def test_all_none_gradients_say_so_in_distributed_topk():
         distributed_topk(density=0.1).init({"w": None, "b": None})
 
 
-@pytest.mark.xfail(reason="topk moves onto sparse.api.resolve_k with worker sparse's rewrite", strict=False)
 def test_all_none_gradients_say_so_through_chain_topk_sgd():
     tx = ft.chain(ft.topk(1), ft.sgd(0.1))
     params = {"w": torch.zeros(2), "b": torch.zeros(1)}

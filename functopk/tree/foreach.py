@@ -132,7 +132,8 @@ def clamp(xs: Leaves, low: Scalar, high: Scalar) -> list[torch.Tensor]:
     if not xs:
         return []
     if isinstance(low, torch.Tensor) or isinstance(high, torch.Tensor):  # no foreach clamp takes tensor bounds
-        return keep_dtypes([torch.clamp(x, low, high) for x in xs], xs)
+        lo, hi = torch.as_tensor(low), torch.as_tensor(high)
+        return keep_dtypes([torch.clamp(x, lo.to(x.device), hi.to(x.device)) for x in xs], xs)
     return keep_dtypes(torch._foreach_clamp_max(torch._foreach_clamp_min(list(xs), low), high), xs)
 
 

@@ -146,7 +146,7 @@ class FlatLayout:
         """Cut a flat vector into per-leaf views shaped like the leaves (dtype unchanged)."""
         if flat.dim() != 1 or flat.shape[0] != self.numel:
             raise ValueError(f"flat must be a 1-d tensor of {self.numel} elements, got shape {tuple(flat.shape)}")
-        return [chunk.view(shape) for chunk, shape in zip(torch.split(flat, self.numels), self.shapes)]
+        return [chunk.view(shape) for chunk, shape in zip(torch.split(flat, list(self.numels)), self.shapes)]
 
     def unravel(self, flat: torch.Tensor, *, cast: bool = True) -> PyTree:
         """The tree whose leaves are the pieces of ``flat`` (views where no cast is needed).

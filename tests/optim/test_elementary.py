@@ -103,7 +103,7 @@ def test_chain_state_mismatch():
     tx = ft.chain(ft.topk(1), ft.sgd(0.1, momentum=0.9))
     state = tx.init(PARAMS)
     before = clone_tree(state)
-    with pytest.raises(ValueError, match="tuple of 2 states"):
+    with pytest.raises(TypeError, match="tuple of 2 states"):
         tx.update(GRADS, state[:1], PARAMS)
     with pytest.raises(ValueError, match="trace's state"):
         tx.update({"w": GRADS["w"]}, state, PARAMS)
