@@ -219,7 +219,10 @@ def check_leaves(
             raise TypeError(f"{name} leaf at {path_str(path)} is {describe(leaf)}; expected a torch.Tensor")
         if dtypes is not None and leaf.dtype not in dtypes:
             allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise TypeError(f"{name} leaf at {path_str(path)} has dtype {leaf.dtype}; expected one of {allowed}")
+            raise TypeError(
+                f"{name} leaf at {path_str(path)} has dtype {leaf.dtype}; expected a floating-point tensor of "
+                f"dtype {allowed}"
+            )
         if floating and not leaf.is_floating_point():
             raise TypeError(
                 f"{name} leaf at {path_str(path)} has dtype {leaf.dtype}; expected a floating-point tensor "

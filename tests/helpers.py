@@ -203,3 +203,19 @@ def ref_leaf_topk_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     keep = torch.zeros(len(mags), dtype=torch.bool)
     keep[order[:k]] = True
     return keep.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------- the mixed tree of the contract tests
+
+# every float dtype class (fp32 matrix, fp16 vector, 0-d scalar) and a frozen None leaf: 9 coordinates
+MIXED = {
+    "w": torch.tensor([[1.0, -2.0], [3.0, 0.5]]),
+    "h": torch.tensor([0.5, -1.5, 2.0], dtype=torch.float16),
+    "s": torch.tensor(0.25),
+    "frozen": None,
+}
+
+
+def mixed_grads(i):
+    g = torch.Generator().manual_seed(i)
+    return ft.tree.map(lambda p: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype), MIXED)

@@ -96,7 +96,7 @@ def topk(
             step = check_state(state, TopKState, "topk").count
             kk, state = count_of(leaves, step, "updates"), TopKState(count=step + 1)
         else:
-            kk = count_of(leaves, None, "updates")
+            kk, state = count_of(leaves, None, "updates"), check_state(state, EmptyState, "topk")
         return optree.tree_unflatten(treedef, dispatch.select(leaves, kk, method).dense(leaves)), state
 
     return GradientTransformation(init, update)

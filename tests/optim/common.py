@@ -28,19 +28,3 @@ def run_pure(tx, params=PARAMS, grads=GRADS, steps=3):
 def grads_at(i, like=PARAMS):
     g = torch.Generator().manual_seed(100 + i)
     return ft.tree.map(lambda p: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype), like)
-
-
-MIXED = {
-    "w": torch.tensor([[1.0, -2.0], [3.0, 0.5]]),
-    "h": torch.tensor([0.5, -1.5, 2.0], dtype=torch.float16),
-    "s": torch.tensor(0.25),
-    "frozen": None,
-}
-
-
-def mixed_grads(i):
-    g = torch.Generator().manual_seed(i)
-    return ft.tree.map(lambda p: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype), MIXED)
-
-
-# (id, factory, keyword arguments, static_args for inject_hyperparams)
