@@ -59,12 +59,7 @@ def check_int(value: Any, name: str, *, minimum: int | None = None, below: int |
     """``value`` as an int after checking its type (not bool) and range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {describe(value)}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if below is not None and value >= below:
-        raise ValueError(f"{name} must be < {below}, got {value}")
-    return value
+    return _in_range(int(value), name, minimum, below)
 
 
 def check_number(value: Any, name: str, *, minimum: float | None = None, below: float | None = None) -> float:
@@ -74,6 +69,10 @@ def check_number(value: Any, name: str, *, minimum: float | None = None, below: 
     value = float(value)
     if math.isnan(value):
         raise ValueError(f"{name} must not be NaN")
+    return _in_range(value, name, minimum, below)
+
+
+def _in_range(value: Any, name: str, minimum: float | None, below: float | None) -> Any:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if below is not None and value >= below:
