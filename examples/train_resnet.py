@@ -8,10 +8,10 @@ disk. Every method starts from the same weights, sees the same mini-batches in
 the same order and uses the same learning-rate schedule; only the update rule
 differs:
 
-* ``dense``: momentum SGD, ``ft.sgd(lr, momentum)``;
-* ``topk``: ``ft.chain(ft.topk(k), ft.sgd(lr, momentum))``: every step applies
+* ``dense``: momentum SGD, ``ft.sgd(lr, momentum=m)``;
+* ``topk``: ``ft.chain(ft.topk(k), ft.sgd(lr, momentum=m))``: every step applies
   the k largest gradient coordinates of the whole model and drops the rest;
-* ``topk+ef``: ``ft.chain(ft.error_feedback(ft.topk(k)), ft.sgd(lr, momentum))``:
+* ``topk+ef``: ``ft.chain(ft.error_feedback(ft.topk(k)), ft.sgd(lr, momentum=m))``:
   what was not applied is remembered and added to the next gradient;
 * ``dgc``: ``ft.dgc(lr, momentum, density=ft.dgc_density_warmup(...))``: Deep
   Gradient Compression (momentum correction, momentum factor masking and an

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol, Union
 import optree
 import torch
 
-from functopk._checks import check_leaves, check_shapes, check_state, require_params
+from functopk._checks import check_leaves, check_shapes, check_state, check_tree, require_params
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
 
@@ -200,6 +200,7 @@ def leafwise(
 
     def init_fn(params: Params) -> Any:
         if init is None:
+            check_tree(params, "params")  # model.parameters() is an iterator: say so even when unused
             return EmptyState()
         if params is None and tree_fields:
             raise ValueError(f"{name} needs the parameters at init: they give its state its shapes")

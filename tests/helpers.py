@@ -219,3 +219,66 @@ MIXED = {
 def mixed_grads(i):
     g = torch.Generator().manual_seed(i)
     return ft.tree.map(lambda p: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype), MIXED)
+
+
+# --------------------------------------------------------------------------- compiled steps against eager
+
+
+def assert_steps_compile_like_eager(step, carry, inputs, *, backend="inductor", compare=None):
+    """A step function compiled with ``fullgraph=True`` follows its eager twin, and compiles once.
+
+    Both run ``carry = step(*carry, *args)`` for each ``args`` in ``inputs``
+    from the same starting ``carry``; after every step ``compare(compiled,
+    eager)`` (default: bit for bit) checks the carries; from the second step
+    on a recompilation is an error. Returns the compiled run's last carry.
+    """
+    compare = compare or assert_tree_bitwise_equal
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    eager = comp = carry
+    for i, args in enumerate(inputs):
+        eager = step(*eager, *args)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            comp = compiled(*comp, *args)
+        compare(comp, eager)
+    return comp
+
+
+def assert_updates_compile_like_eager(txs, params, grads, *, steps=3, backend="aot_eager", compare=None):
+    """Compiled updates of transformations equal eager ones, step after step, and compile once.
+
+    One step function runs ``tx.update`` of every transformation in ``txs``
+    side by side (one compilation for all keeps this fast: dynamo's cost is per
+    traced op) through :func:`assert_steps_compile_like_eager`; ``compare``
+    sees ``(states, updates)`` pairs. ``grads(i)`` is step ``i``'s gradient
+    tree. Returns the compiled run's final states, one per transformation.
+    """
+
+    def run_all(states, updates, g):
+        outs = [tx.update(g, s, params) for tx, s in zip(txs, states)]
+        return [o[1] for o in outs], [o[0] for o in outs]
+
+    start = ([tx.init(params) for tx in txs], None)
+    states, _ = assert_steps_compile_like_eager(
+        run_all, start, [(grads(i),) for i in range(steps)], backend=backend, compare=compare
+    )
+    return states
+
+
+# --------------------------------------------------------------------------- leaves that cannot be written in place
+
+
+def unwritable_cases():
+    """Leaves an in-place add must refuse, with the message expected: ``({case: (leaf, message)}, base)``."""
+    base = torch.zeros(6)
+    return {
+        "expanded": (torch.zeros(3).expand(2, 3), "share memory"),
+        "as_strided": (torch.zeros(6).as_strided((2, 3), (1, 1)), "share memory"),
+        "broadcast_to": (torch.zeros(1, 3).broadcast_to(4, 3), "share memory"),
+        "inference": (inference_zeros(2, 3), "inference tensor"),
+        "alias": (base.view(2, 3), r"leaves at \['a'\] and \['z'\] share memory"),
+    }, base
+
+
+def inference_zeros(*shape):
+    with torch.inference_mode():
+        return torch.zeros(*shape)

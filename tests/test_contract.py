@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from tests.helpers import MIXED, assert_tree_bitwise_equal, clone_tree, mixed_grads
+from tests.helpers import MIXED, assert_tree_bitwise_equal, assert_updates_compile_like_eager, clone_tree, mixed_grads
 
 TRANSFORMS = [
     ("scale", ft.scale, {"step_size": -0.5}, ()),
@@ -106,33 +106,15 @@ def test_inject_hyperparams_gives_the_same_updates(name, factory, kwargs, static
             torch.testing.assert_close(b, a, rtol=tol, atol=tol * float(a.abs().max()))
 
 
-def check_compiled(txs, backend, steps=3, params=MIXED, grads=mixed_grads):
-    """One compiled function runs every transformation in ``txs`` side by side.
-
-    ``fullgraph=True`` makes any graph break in any of them an error; the results
-    must equal eager ones, and steps 2 and 3 must not recompile (states keep their
-    shapes and dtypes, and nothing depends on a tensor's value). One compilation
-    for all keeps the test fast: dynamo's cost is per traced op, not per function.
-    """
-
-    def run_all(grads, states, params):
-        outs = [tx.update(grads, s, params) for tx, s in zip(txs, states)]
-        return [o[0] for o in outs], [o[1] for o in outs]
-
-    compiled = torch.compile(run_all, fullgraph=True, backend=backend)
-    s_e = s_c = [tx.init(params) for tx in txs]
-    for i in range(steps):
-        g = grads(i)
-        u_e, s_e = run_all(g, s_e, params)
-        with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            u_c, s_c = compiled(g, s_c, params)
-        for a, b in zip(ft.tree.leaves((u_c, s_c)), ft.tree.leaves((u_e, s_e))):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            if a.is_floating_point():
-                tol = 2e-3 if a.dtype == torch.float16 else 1e-5
-                torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
-            else:
-                assert torch.equal(a, b)
+def close_per_dtype(got, expected):
+    """Equal shapes and dtypes; float16 to 2e-3 and the rest to 1e-5 of the tensor's scale; integers exactly."""
+    for a, b in zip(ft.tree.leaves(got), ft.tree.leaves(expected)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.is_floating_point():
+            tol = 2e-3 if a.dtype == torch.float16 else 1e-5
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+        else:
+            assert torch.equal(a, b)
 
 
 def test_every_transformation_compiles_fullgraph_without_recompiling(fresh_dynamo):
@@ -143,7 +125,7 @@ def test_every_transformation_compiles_fullgraph_without_recompiling(fresh_dynam
         if "learning_rate" in kwargs:
             kwargs = {**kwargs, "learning_rate": ft.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10)}
         txs.append(ft.inject_hyperparams(factory, static_args=static)(**kwargs))
-    check_compiled(txs, "aot_eager")
+    assert_updates_compile_like_eager(txs, MIXED, mixed_grads, compare=close_per_dtype)
 
 
 @pytest.mark.slow
@@ -153,7 +135,8 @@ def test_optimizers_compile_with_inductor(fresh_dynamo):
         ft.apply_if_finite(ft.adamw(0.01, weight_decay=0.1, amsgrad=True)),
         ft.multi_steps(ft.chain(ft.clip_by_global_norm(1.0), ft.sgd(0.1, momentum=0.9, nesterov=True)), 2),
     ]
-    check_compiled(txs, "inductor", params=params, grads=lambda i: ft.tree.map(lambda p: torch.randn_like(p), params))
+    grads = lambda i: ft.tree.map(lambda p: torch.randn_like(p), params)  # noqa: E731
+    assert_updates_compile_like_eager(txs, params, grads, backend="inductor", compare=close_per_dtype)
 
 
 # ---------------------------------------------------------------- what every transformation rejects

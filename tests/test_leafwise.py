@@ -93,3 +93,10 @@ def test_empty_tree_runs_the_maths_on_empty_lists():
     state = tx.init({})
     out, state = tx.update({}, state)
     assert out == {} and int(state.count) == 1
+
+
+def test_stateless_init_refuses_an_iterator_too():
+    tx = ft.leafwise("negate", lambda g, s, p: (foreach.neg(g), s))
+    with pytest.raises(TypeError, match=r"dict\(model.named_parameters\(\)\)"):
+        tx.init(torch.nn.Linear(2, 2).parameters())
+    assert tx.init(None) == ft.EmptyState()

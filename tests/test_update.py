@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import functopk as ft
-from tests.helpers import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, unwritable_cases
 
 
 def make():
@@ -86,26 +86,10 @@ def test_non_floating_updates_and_non_tensor_leaves_are_rejected(fn):
     assert_tree_bitwise_equal(params, p0)
 
 
-def _unwritable_cases():
-    base = torch.zeros(6)
-    return {
-        "expanded": (torch.zeros(3).expand(2, 3), "share memory"),
-        "as_strided": (torch.zeros(6).as_strided((2, 3), (1, 1)), "share memory"),
-        "broadcast_to": (torch.zeros(1, 3).broadcast_to(4, 3), "share memory"),
-        "inference": (_inference_zeros(2, 3), "inference tensor"),
-        "alias": (base.view(2, 3), r"leaves at \['a'\] and \['z'\] share memory"),
-    }, base
-
-
-def _inference_zeros(*shape):
-    with torch.inference_mode():
-        return torch.zeros(*shape)
-
-
 @pytest.mark.parametrize("case", ["expanded", "as_strided", "broadcast_to", "inference", "alias"])
 def test_apply_updates_inplace_is_all_or_nothing(case):
     """A leaf that cannot take the write, last in flat order: no leaf before it is written."""
-    cases, base = _unwritable_cases()
+    cases, base = unwritable_cases()
     bad, message = cases[case]
     first = base if case == "alias" else torch.arange(6.0)
     params = {"a": first, "m": torch.ones(4, dtype=torch.bfloat16), "z": bad}

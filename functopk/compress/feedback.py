@@ -27,7 +27,7 @@ in the chain, and that choice matters as soon as the learning rate changes:
   This is the form the convergence proofs analyse. Recommended whenever the
   compressor is the last transformation before the update and the learning
   rate is scheduled (warm-up, decay).
-* ``chain(error_feedback(topk(k)), sgd(lr, momentum))`` keeps it in *gradient
+* ``chain(error_feedback(topk(k)), sgd(lr, momentum=m))`` keeps it in *gradient
   units*: a coordinate that waited ``s`` steps is applied with the learning
   rate of the step it is sent at, not the steps it was computed at. Under a
   constant learning rate the two are the same up to the factor ``lr``; under a

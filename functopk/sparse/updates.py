@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from functopk._checks import check_hyperparam, check_leaves, path_str
+from functopk._checks import check_hyperparam, check_leaves, check_writable, path_str
 from functopk.base import Params
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
@@ -264,7 +264,10 @@ def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | 
     **Mutates** ``params`` (under ``torch.no_grad``, so ``nn.Parameter`` leaves
     are fine). It reads how many indices fall in each leaf on the host (one
     small transfer; free on CPU), checks the same contract as
-    :func:`apply_sparse_updates` before writing anything, and is eager-only.
+    :func:`apply_sparse_updates` and that every leaf it writes can take an
+    in-place add (not an inference tensor, no elements or leaves sharing
+    memory, as :func:`functopk.apply_updates_`) before writing anything, and
+    is eager-only.
     Non-contiguous leaves are updated through a temporary copy.
 
     Args:
@@ -280,12 +283,15 @@ def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | 
         tensor([ 1., -1.,  1.])
     """
     vals = _scaled(sparse, scale) if isinstance(sparse, SparseUpdates) else None
-    leaves, _ = _checked(sparse, params, "params")
+    leaves, treedef = _checked(sparse, params, "params")
     idx = sparse.indices
+    bounds = FlatLayout.from_tree(leaves).bounds(idx, name="sparse.indices")
+    touched = [i for i, (_, lo, hi) in enumerate(bounds) if hi > lo]
+    # every leaf that will be written must take an in-place add: checked before the first write
+    check_writable([leaves[i] for i in touched], "params", lambda j: path_str(treedef.paths()[touched[j]]))
     with torch.no_grad():
-        for leaf, (off, lo, hi) in zip(leaves, FlatLayout.from_tree(leaves).bounds(idx, name="sparse.indices")):
-            if hi == lo:
-                continue
+        for i in touched:
+            leaf, (off, lo, hi) = leaves[i], bounds[i]
             src = vals[lo:hi].to(leaf.dtype)
             if leaf.is_contiguous():
                 leaf.view(-1).index_add_(0, idx[lo:hi] - off, src)

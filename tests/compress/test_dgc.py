@@ -11,6 +11,7 @@ import torch._dynamo
 import functopk as ft
 from functopk.combine import MaskedState
 from tests.helpers import (
+    assert_steps_compile_like_eager,
     assert_tree_bitwise_equal,
     assert_tree_close,
     batch,
@@ -385,18 +386,10 @@ def test_dgc_with_inject_hyperparams_equals_plain():
 def test_dgc_training_step_compiles_fullgraph_without_recompiling(fresh_dynamo):
     model_fn, params, buffers = ft.nn.functionalize(small_cnn())
     tx = ft.dgc(0.1, momentum=0.9, density=0.05, max_norm=1.0, weight_decay=1e-4, min_size=8, method="torch")
-    step = make_step(model_fn, tx)
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    eager = comp = (params, buffers, tx.init(params))
-    for i in range(3):
-        x, y = batch(seed=i)
-        eager = step(*eager, x, y)
-        if i == 0:
-            comp = compiled(*comp, x, y)
-        else:
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                comp = compiled(*comp, x, y)
-        assert_tree_close(comp, eager, rtol=1e-5, atol=1e-6)
+    comp = assert_steps_compile_like_eager(
+        make_step(model_fn, tx), (params, buffers, tx.init(params)), [batch(seed=i) for i in range(3)],
+        backend="aot_eager", compare=lambda got, expected: assert_tree_close(got, expected, rtol=1e-5, atol=1e-6),
+    )
     assert not torch.equal(comp[0]["7.weight"], params["7.weight"])
 
 

@@ -16,6 +16,7 @@ from tests.helpers import (
     clone_tree,
     numel,
     trees_st,
+    unwritable_cases,
 )
 
 
@@ -168,3 +169,18 @@ def test_sparse_paths_compile():
         (got,) = assert_compiles_like_eager(lambda g, f=fn: tuple(f(g)[:2]), [(TREE,)], bitwise=True)
         expected = ft.topk_indices(TREE, 5, method=method)
         assert torch.equal(got[0], expected.indices) and torch.equal(got[1], expected.values)
+
+
+@pytest.mark.parametrize("case", ["expanded", "as_strided", "broadcast_to", "inference", "alias"])
+def test_sparse_apply_inplace_is_all_or_nothing(case):
+    """A leaf that cannot take an in-place add, last in flat order: no leaf before it is written."""
+    cases, base = unwritable_cases()
+    bad, message = cases[case]
+    first = base if case == "alias" else torch.arange(6.0)
+    params = {"a": first, "m": torch.ones(4, dtype=torch.bfloat16), "z": bad}
+    grads = ft.tree.map(lambda p: torch.ones(p.shape), params)
+    sparse = ft.topk_indices(grads, 16)  # every coordinate: the last leaf is written too
+    p0 = clone_tree(params)
+    with pytest.raises(ValueError, match=message):
+        ft.apply_sparse_updates_(params, sparse, -0.5)
+    assert_tree_bitwise_equal(params, p0)
