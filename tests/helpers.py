@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import optree
+import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
@@ -267,6 +268,18 @@ def assert_updates_compile_like_eager(txs, params, grads, *, steps=3, backend="a
 # --------------------------------------------------------------------------- leaves that cannot be written in place
 
 
+UNWRITABLE = ["expanded", "as_strided", "broadcast_to", "inference", "alias"]
+"""The cases of :func:`unwritable_params`."""
+
+
+def unwritable_params(case: str):
+    """``(params, message)``: a tree whose last leaf (in flat order) refuses an in-place add, and the error."""
+    cases, base = unwritable_cases()
+    bad, message = cases[case]
+    first = base if case == "alias" else torch.arange(6.0)
+    return {"a": first, "m": torch.ones(4, dtype=torch.bfloat16), "z": bad}, message
+
+
 def unwritable_cases():
     """Leaves an in-place add must refuse, with the message expected: ``({case: (leaf, message)}, base)``."""
     base = torch.zeros(6)
@@ -282,3 +295,33 @@ def unwritable_cases():
 def inference_zeros(*shape):
     with torch.inference_mode():
         return torch.zeros(*shape)
+
+
+# --------------------------------------------------------------------------- bad counts (5-coordinate trees)
+
+
+def bad_k_cases(where: str):
+    """``pytest.param(k, exception, message)`` rows of invalid ``k`` for a tree of 5 coordinates.
+
+    ``where`` is how the too-large message names the tree (``"the tree"``, ``"params"``).
+    """
+    rows = [
+        ("float", 2.0, TypeError, "k must be an int"),
+        ("bool", True, TypeError, "k must be an int"),
+        ("1d-tensor", torch.tensor([2]), TypeError, "k must be an int or a 0-d"),
+        ("complex-tensor", torch.tensor(2.0 + 1j), TypeError, "k must be an int or a 0-d"),
+        ("str", "3", TypeError, "k must be an int"),
+        ("zero", 0, ValueError, "k must be >= 1"),
+        ("negative", -1, ValueError, "k must be >= 1"),
+        ("too-large", 6, ValueError, rf"k=6 exceeds the number of coordinates in {where} \(5\)"),
+    ]
+    return [pytest.param(k, exc, match, id=name) for name, k, exc, match in rows]
+
+
+def non_float_leaves():
+    """``pytest.param`` leaves that are not gradients: integer, bool and complex tensors."""
+    return [
+        pytest.param(torch.ones(3, dtype=torch.int64), id="int"),
+        pytest.param(torch.ones(3, dtype=torch.bool), id="bool"),
+        pytest.param(torch.ones(3, dtype=torch.complex64), id="complex"),
+    ]

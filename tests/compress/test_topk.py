@@ -11,7 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopk as ft
-from tests.helpers import assert_compiles_like_eager, assert_tree_bitwise_equal, clone_tree, numel, trees_st
+from tests.helpers import (
+    assert_compiles_like_eager,
+    assert_tree_bitwise_equal,
+    bad_k_cases,
+    clone_tree,
+    non_float_leaves,
+    numel,
+    trees_st,
+)
 
 GOOD = {"w": torch.ones(3), "b": torch.ones(2)}
 
@@ -45,20 +53,7 @@ def test_sparse_flag_is_gone():
         ft.topk(2, sparse=True)
 
 
-@pytest.mark.parametrize(
-    "k, exc, match",
-    [
-        (2.0, TypeError, "k must be an int"),
-        (True, TypeError, "k must be an int"),
-        (torch.tensor([2]), TypeError, "k must be an int or a 0-d"),
-        (torch.tensor(2.0 + 1j), TypeError, "k must be an int or a 0-d"),
-        ("3", TypeError, "k must be an int"),
-        (0, ValueError, "k must be >= 1"),
-        (-1, ValueError, "k must be >= 1"),
-        (6, ValueError, r"k=6 exceeds the number of coordinates in params \(5\)"),
-    ],
-    ids=["float", "bool", "1d-tensor", "complex-tensor", "str", "zero", "negative", "too-large"],
-)
+@pytest.mark.parametrize("k, exc, match", bad_k_cases("params"))
 def test_bad_k(k, exc, match):
     before = clone_tree(GOOD)
     with pytest.raises(exc, match=match):
@@ -98,11 +93,7 @@ def test_k_and_density_exclusive():
         ft.topk()
 
 
-@pytest.mark.parametrize(
-    "leaf",
-    [torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.complex64)],
-    ids=["int", "bool", "complex"],
-)
+@pytest.mark.parametrize("leaf", non_float_leaves())
 def test_non_float_leaves_rejected(leaf):
     tree = {"w": torch.ones(3), "bad": leaf}
     tx = ft.topk(1)

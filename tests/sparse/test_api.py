@@ -16,8 +16,10 @@ from functopk.sparse.kernels.base import common_dtype
 from tests.helpers import (
     assert_compiles_like_eager,
     assert_tree_bitwise_equal,
+    bad_k_cases,
     bits,
     clone_tree,
+    non_float_leaves,
     numel,
     reference_mask,
     reference_sparsify,
@@ -205,20 +207,7 @@ def test_resolve_k():
 GOOD = {"w": torch.ones(3), "b": torch.ones(2)}
 
 
-@pytest.mark.parametrize(
-    "k, exc, match",
-    [
-        (2.0, TypeError, "k must be an int"),
-        (True, TypeError, "k must be an int"),
-        (torch.tensor([2]), TypeError, "k must be an int or a 0-d"),
-        (torch.tensor(2.0 + 1j), TypeError, "k must be an int or a 0-d"),
-        ("3", TypeError, "k must be an int"),
-        (0, ValueError, "k must be >= 1"),
-        (-1, ValueError, "k must be >= 1"),
-        (6, ValueError, r"k=6 exceeds the number of coordinates in the tree \(5\)"),
-    ],
-    ids=["float", "bool", "1d-tensor", "complex-tensor", "str", "zero", "negative", "too-large"],
-)
+@pytest.mark.parametrize("k, exc, match", bad_k_cases("the tree"))
 def test_bad_k(k, exc, match):
     before = clone_tree(GOOD)
     with pytest.raises(exc, match=match):
@@ -230,11 +219,7 @@ def test_bad_k(k, exc, match):
     assert_tree_bitwise_equal(GOOD, before)
 
 
-@pytest.mark.parametrize(
-    "leaf",
-    [torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.complex64)],
-    ids=["int", "bool", "complex"],
-)
+@pytest.mark.parametrize("leaf", non_float_leaves())
 def test_non_float_leaves_rejected(leaf):
     tree = {"w": torch.ones(3), "bad": leaf}
     with pytest.raises(TypeError, match=r"leaf at \['bad'\] has dtype"):

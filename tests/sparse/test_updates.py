@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 
 import functopk as ft
 from tests.helpers import (
+    UNWRITABLE,
     assert_compiles_like_eager,
     assert_tree_bitwise_equal,
     assert_tree_close,
     clone_tree,
     numel,
     trees_st,
-    unwritable_cases,
+    unwritable_params,
 )
 
 
@@ -171,13 +172,10 @@ def test_sparse_paths_compile():
         assert torch.equal(got[0], expected.indices) and torch.equal(got[1], expected.values)
 
 
-@pytest.mark.parametrize("case", ["expanded", "as_strided", "broadcast_to", "inference", "alias"])
+@pytest.mark.parametrize("case", UNWRITABLE)
 def test_sparse_apply_inplace_is_all_or_nothing(case):
     """A leaf that cannot take an in-place add, last in flat order: no leaf before it is written."""
-    cases, base = unwritable_cases()
-    bad, message = cases[case]
-    first = base if case == "alias" else torch.arange(6.0)
-    params = {"a": first, "m": torch.ones(4, dtype=torch.bfloat16), "z": bad}
+    params, message = unwritable_params(case)
     grads = ft.tree.map(lambda p: torch.ones(p.shape), params)
     sparse = ft.topk_indices(grads, 16)  # every coordinate: the last leaf is written too
     p0 = clone_tree(params)
