@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol, Union
 import optree
 import torch
 
-from functopk._checks import check_leaves, check_shapes, check_state, check_tree, require_params
+from functopk._checks import check_leaves, check_like, check_shapes, check_state, check_tree, require_params
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
 
@@ -217,8 +217,7 @@ def leafwise(
         for f in tree_fields:
             tree = getattr(state, f)
             if tree is not None:
-                lists[f] = flatten_like(tree, treedef, "updates", f"{name}'s state ({f})")
-                check_shapes(treedef, grads, lists[f], name="updates", expected_name=f"{name}'s state ({f})")
+                lists[f] = check_like(tree, grads, treedef, name="updates", expected_name=f"{name}'s state ({f})")
         p = None
         if needs_params:
             p = flatten_like(require_params(params, name), treedef, "params", "updates")

@@ -13,6 +13,7 @@ import torch
 
 from functopk._checks import check_int, check_k_or_density, describe
 from functopk.base import EmptyState, GradientTransformation, leafwise
+from functopk.sparse import dispatch
 from functopk.sparse.api import k_from_density, topk_sparsify
 
 __all__ = ["check_method", "layerwise_topk"]
@@ -32,8 +33,7 @@ def check_method(method: Any) -> str:
         return "exact"
     if not isinstance(method, str):
         raise TypeError(f"method must be a str or None, got {describe(method)}")
-    topk_sparsify(torch.zeros(1), 1, method=method)
-    return method
+    return dispatch.check_method(method)
 
 
 def layerwise_topk(
