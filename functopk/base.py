@@ -87,11 +87,24 @@ class GradientTransformation(NamedTuple):
 
 
 class EmptyState(NamedTuple):
-    """The state of a transformation that keeps none."""
+    """The state of a transformation that keeps none.
+
+    Example:
+        >>> import functopk as ft
+        >>> ft.scale(2.0).init(None)
+        EmptyState()
+    """
 
 
 def identity() -> GradientTransformation:
-    """The transformation that returns its updates unchanged."""
+    """The transformation that returns its updates unchanged.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.identity()
+        >>> tx.update({"w": torch.tensor([1.0, -2.0])}, tx.init(None))[0]
+        {'w': tensor([ 1., -2.])}
+    """
 
     def init(params: Params) -> EmptyState:
         del params

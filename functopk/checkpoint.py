@@ -44,7 +44,18 @@ FileLike = Union[str, "os.PathLike[str]", IO[bytes]]
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: unreadable, or not matching the expected state."""
+    """A checkpoint that cannot be loaded: unreadable, or not matching the expected state.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.sgd(0.1, momentum=0.9)
+        >>> saved = ft.state_to_dict(tx.init({"w": torch.zeros(2)}))
+        >>> try:
+        ...     ft.state_from_dict(saved, tx.init({"w": torch.zeros(3)}))
+        ... except ft.CheckpointError as err:
+        ...     print(type(err).__name__, isinstance(err, ValueError))
+        CheckpointError True
+    """
 
 
 def _leaf_paths(treedef: optree.PyTreeSpec) -> list[str]:

@@ -43,6 +43,15 @@ class FunctionalModel:
     ``train=True``/``False`` runs the module in training/evaluation mode for this
     call only (the module's own flag is restored afterwards); ``None`` uses the
     module's current mode.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> model_fn, params, buffers = ft.nn.functionalize(torch.nn.Linear(2, 1))
+        >>> type(model_fn).__name__
+        'FunctionalModel'
+        >>> out, new_buffers = model_fn(params, buffers, torch.zeros(3, 2))
+        >>> out.shape, new_buffers
+        (torch.Size([3, 1]), {})
     """
 
     def __init__(self, module: nn.Module) -> None:

@@ -25,6 +25,20 @@ def test_every_public_name_has_a_docstring():
     assert missing == [], f"public names without a docstring: {missing}"
 
 
+def test_every_public_function_and_class_has_a_signature_and_an_example():
+    """Namespaces included (``ft.tree.add``, ``ft.optim.TraceState``, ...); type aliases and modules excepted."""
+    text, _ = load_generator().render()
+    sections = re.split(r"^### ", text, flags=re.M)[1:]
+    lacking = []
+    for section in sections:
+        heading = section.splitlines()[0]
+        if heading.endswith("(function)") or heading.endswith("(class)"):
+            if "(" not in heading.split("`")[1] or "**Example**" not in section:
+                lacking.append(heading.split("`")[1].split("(")[0])
+    assert len(sections) > 100
+    assert lacking == [], f"public functions or classes without a signature or an example: {lacking}"
+
+
 def test_api_reference_is_current():
     text, _ = load_generator().render()
     assert (ROOT / "docs" / "api.md").read_text() == text, "docs/api.md is stale: run `python docs/gen_api.py`"

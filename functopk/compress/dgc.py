@@ -89,6 +89,12 @@ class MomentumCorrectionState(NamedTuple):
             state (``feedback.inner_state.inner_state``).
 
     The properties ``velocity``, ``residual`` and ``inner_state`` read them.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> state = ft.momentum_correction(ft.topk(1), momentum=0.9).init({"w": torch.zeros(2)})
+        >>> state.velocity, state.residual
+        ({'w': tensor([0., 0.])}, {'w': tensor([0., 0.])})
     """
 
     trace: TraceState
@@ -294,6 +300,13 @@ class LocalWeightDecayState(NamedTuple):
     Attributes:
         momentum: The :class:`~functopk.optim.TraceState` of the decay term;
             its buffer is also readable as ``trace``.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.dgc(0.1, momentum=0.9, density=0.5, weight_decay=1e-4)
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> type(state[1]).__name__, state[1].trace
+        ('LocalWeightDecayState', {'w': tensor([0., 0.])})
     """
 
     momentum: TraceState

@@ -69,6 +69,13 @@ class ErrorFeedbackState(NamedTuple):
     Attributes:
         residual: What the compressor has not sent yet, a tree like the parameters.
         inner_state: The state of the wrapped compressor.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> tx = ft.error_feedback(ft.topk(1))
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> state.residual
+        {'w': tensor([0., 0.])}
     """
 
     residual: PyTree

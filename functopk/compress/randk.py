@@ -160,7 +160,13 @@ def randk_mask(tree: PyTree, k: int, *, seed: int, step: torch.Tensor | int) -> 
 
 
 class RandKState(NamedTuple):
-    """State of :func:`randk`: the step counter that, with the seed, fixes the selection."""
+    """State of :func:`randk`: the step counter that, with the seed, fixes the selection.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.randk(1, seed=3).init({"w": torch.zeros(4)})
+        RandKState(count=tensor(0))
+    """
 
     count: torch.Tensor  # type: ignore[assignment]
 

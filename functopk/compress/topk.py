@@ -18,7 +18,13 @@ __all__ = ["TopKState", "topk"]
 
 
 class TopKState(NamedTuple):
-    """State of :func:`topk` when ``k`` or ``density`` is a schedule: the number of updates done."""
+    """State of :func:`topk` when ``k`` or ``density`` is a schedule: the number of updates done.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.topk(lambda count: 1 + count).init({"w": torch.zeros(4)})
+        TopKState(count=tensor(0))
+    """
 
     count: torch.Tensor  # type: ignore[assignment]
 

@@ -28,6 +28,12 @@ class HookStats(NamedTuple):
         coords: All coordinates of the buckets.
 
     Adding two ``HookStats`` adds them field by field.
+
+    Example:
+        >>> from functopk.distributed import HookStats
+        >>> step = HookStats(bytes_sent=8, coords_sent=1, coords=100)
+        >>> step + step
+        HookStats(bytes_sent=16, bytes_gathered=0, bytes_dense=0, coords_sent=2, coords=200)
     """
 
     bytes_sent: int = 0

@@ -32,6 +32,12 @@ class DistributedTopKState(NamedTuple):
             averaged update (float32, 0-d): between ``k / n`` (all ranks chose
             the same coordinates) and ``P * k / n``; at most ``k / n`` with
             ``reselect=True``.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> state = ft.distributed.distributed_topk(2).init({"w": torch.zeros(3), "b": torch.zeros(1)})
+        >>> state.residual, state.count
+        (tensor([0., 0., 0., 0.]), tensor(0))
     """
 
     residual: torch.Tensor

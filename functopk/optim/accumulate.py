@@ -34,6 +34,12 @@ class MultiStepsState(NamedTuple):
         gradient_step: Inner steps taken so far (0-d int64).
         inner_state: The inner transformation's state.
         acc_grads: The sum of the gradients accumulated since the last inner step.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> state = ft.multi_steps(ft.sgd(0.1), every_k=4).init({"w": torch.zeros(2)})
+        >>> state.mini_step, state.acc_grads
+        (tensor(0), {'w': tensor([0., 0.])})
     """
 
     mini_step: torch.Tensor

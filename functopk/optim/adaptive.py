@@ -74,6 +74,12 @@ class ScaleByAdamState(NamedTuple):
         mu: First moment (running mean of the gradients), a tree like the parameters.
         nu: Second moment (running mean of the squared gradients).
         nu_max: With ``amsgrad``, the running maximum of ``nu``; ``None`` otherwise.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> state = ft.adam(0.1).init({"w": torch.zeros(2)})
+        >>> state.count, state.mu, state.nu_max
+        (tensor(0), {'w': tensor([0., 0.])}, None)
     """
 
     count: torch.Tensor  # type: ignore[assignment]
@@ -247,6 +253,11 @@ class ScaleByRmsState(NamedTuple):
     Attributes:
         nu: Running mean of the squared gradients.
         mu: With ``centered``, the running mean of the gradients; ``None`` otherwise.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.scale_by_rms().init({"w": torch.zeros(2)})
+        ScaleByRmsState(nu={'w': tensor([0., 0.])}, mu=None)
     """
 
     nu: PyTree
@@ -309,7 +320,13 @@ def scale_by_rms(
 
 
 class ScaleByRssState(NamedTuple):
-    """State of :func:`scale_by_rss`: the running sum of squared gradients."""
+    """State of :func:`scale_by_rss`: the running sum of squared gradients.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.scale_by_rss().init({"w": torch.zeros(2)})
+        ScaleByRssState(sum_of_squares={'w': tensor([0.1000, 0.1000])})
+    """
 
     sum_of_squares: PyTree
 

@@ -111,6 +111,12 @@ class ApplyIfFiniteState(NamedTuple):
         last_finite: Whether the last step's updates were finite (0-d bool).
         total_notfinite: All non-finite (skipped or forced) steps so far (0-d int64).
         inner_state: The inner transformation's state, as of the last applied step.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> state = ft.apply_if_finite(ft.sgd(0.1)).init({"w": torch.zeros(2)})
+        >>> state.notfinite_count, state.last_finite
+        (tensor(0), tensor(True))
     """
 
     notfinite_count: torch.Tensor

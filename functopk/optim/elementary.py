@@ -58,7 +58,13 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
 
 
 class ScaleByScheduleState(NamedTuple):
-    """State of :func:`scale_by_schedule`: the number of updates done so far."""
+    """State of :func:`scale_by_schedule`: the number of updates done so far.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.scale_by_schedule(lambda count: 0.5 ** count).init({"w": torch.zeros(2)})
+        ScaleByScheduleState(count=tensor(0))
+    """
 
     count: torch.Tensor  # type: ignore[assignment]
 
@@ -120,6 +126,11 @@ class TraceState(NamedTuple):
     Attributes:
         trace: The momentum buffer, a tree like the parameters (zeros at first).
         count: The number of updates done (0-d int64 tensor); dampening skips the first one.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.trace(0.9).init({"w": torch.zeros(2)})
+        TraceState(trace={'w': tensor([0., 0.])}, count=tensor(0))
     """
 
     trace: PyTree

@@ -33,6 +33,12 @@ class InjectHyperparamsState(NamedTuple):
             Replace an entry to change it: the next update uses the new value
             (entries given as schedules are recomputed from ``count`` at every update).
         inner_state: The state of the wrapped transformation.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> state = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1).init({"w": torch.zeros(2)})
+        >>> state.hyperparams
+        {'learning_rate': tensor(0.1000)}
     """
 
     count: torch.Tensor  # type: ignore[assignment]

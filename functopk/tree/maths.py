@@ -39,7 +39,13 @@ __all__ = [
 
 
 def leaves(tree: PyTree) -> list[torch.Tensor]:
-    """The tensor leaves of ``tree`` in flat order (``None`` nodes skipped)."""
+    """The tensor leaves of ``tree`` in flat order (``None`` nodes skipped; dict keys sorted).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.tree.leaves({"w": torch.ones(1), "b": torch.zeros(1), "frozen": None})
+        [tensor([0.]), tensor([1.])]
+    """
     return optree.tree_leaves(tree)
 
 
