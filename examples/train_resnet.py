@@ -58,23 +58,32 @@ INDEX_BYTES = 4  # int32 flat indices (a ResNet-18 has fewer than 2**31 coordina
 # --------------------------------------------------------------------------- options
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, except where there is none to show (``None``, a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=description or __doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n")[0], formatter_class=_Help)
     sel = parser.add_mutually_exclusive_group()
     sel.add_argument("--k", type=_positive_int, default=None, help="coordinates applied per step (global top-k)")
     sel.add_argument("--density", type=_fraction, default=None,
-                     help="fraction of coordinates applied per step (default 0.001 when --k is not given)")
-    parser.add_argument("--methods", type=_methods, default=METHODS, help=f"comma-separated subset of {METHODS}")
-    parser.add_argument("--epochs", type=_positive_int, default=4)
-    parser.add_argument("--batch-size", type=_positive_int, default=64)
+                     help="fraction of coordinates applied per step (0.001 when --k is not given either)")
+    parser.add_argument("--methods", type=_methods, default=",".join(METHODS),
+                        help=f"comma-separated subset of {', '.join(METHODS)}")
+    parser.add_argument("--epochs", type=_positive_int, default=4, help="passes over the training images")
+    parser.add_argument("--batch-size", type=_positive_int, default=64, help="images per step")
     parser.add_argument("--lr", type=_positive_float, default=0.05, help="peak learning rate (cosine decay to 0)")
-    parser.add_argument("--momentum", type=_fraction_or_zero, default=0.9)
+    parser.add_argument("--momentum", type=_fraction_or_zero, default=0.9, help="momentum of every method's SGD")
     parser.add_argument("--warmup-epochs", type=_non_negative_float, default=1.0,
                         help="DGC: length of the exponential density warm-up (4 stages)")
-    parser.add_argument("--dataset", choices=("digits", "cifar10"), default="digits")
+    parser.add_argument("--dataset", choices=("digits", "cifar10"), default="digits",
+                        help="scikit-learn's handwritten digits (shipped), or CIFAR-10 from --data-dir")
     parser.add_argument("--data-dir", default=os.path.join(ROOT, "data"),
                         help="where CIFAR-10 already is (torchvision's cifar-10-batches-py layout); never downloaded")
     parser.add_argument("--train-size", type=_positive_int, default=None,
@@ -83,8 +92,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--device", type=_device, default=torch.device("cpu"), help="cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--compile", action="store_true",
                         help="compile the whole training step with torch.compile(fullgraph=True)")
-    parser.add_argument("--threads", type=_non_negative_int, default=0, help="torch intra-op threads (0: default)")
-    parser.add_argument("--seed", type=_non_negative_int, default=0)
+    parser.add_argument("--threads", type=_non_negative_int, default=0,
+                        help="torch intra-op threads; 0 keeps torch's choice")
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="initial weights and batch order")
     parser.add_argument("--out", default=os.path.join(ROOT, "out", "train_resnet"),
                         help="directory for curves.png, results.md and results.json")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -222,16 +232,11 @@ def train(method: str, args: argparse.Namespace, data: tuple, progress: bool) ->
     model_fn, params, buffers = ft.nn.functionalize(model)
     numel = sum(p.numel() for p in params.values())
     n = len(y_train)
-    steps_per_epoch = max(1, n // args.batch_size)  # every batch full: one shape, no recompiles
-    if args.steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, args.steps_per_epoch)
+    steps_per_epoch = steps_per_epoch_of(n, args)
     total_steps = steps_per_epoch * args.epochs
     k = args.k if args.k is not None else ft.sparse.k_from_density(args.density, numel)
     k = min(k, numel)
-    density = k / numel
-    # DGC's warm-up: 4 stages, each a quarter of --warmup-epochs, density falling exponentially to k / numel
-    stage_steps = max(1, round(args.warmup_epochs * steps_per_epoch / 4))
-    warmup = ft.dgc_density_warmup(density, stage_steps, 4 if args.warmup_epochs > 0 else 0)
+    warmup = dgc_warmup(k / numel, steps_per_epoch, args)
     lr = ft.cosine_decay_schedule(args.lr, total_steps)
     tx = make_tx(method, lr, args.momentum, k, warmup)
 
@@ -269,7 +274,10 @@ def train(method: str, args: argparse.Namespace, data: tuple, progress: bool) ->
         losses = []
         for i in range(steps_per_epoch):
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+            t0 = time.perf_counter()
             params, buffers, state, loss = step(params, buffers, state, x_train[idx], y_train[idx])
+            if epoch == 0 and i == 0:  # with --compile: the compilation
+                hist["first_step_s"] = time.perf_counter() - t0
             losses.append(loss)
             t = epoch * steps_per_epoch + i
             coords_sent += numel if method == "dense" else _sent_at(method, t, k, warmup, numel)
@@ -288,6 +296,38 @@ def train(method: str, args: argparse.Namespace, data: tuple, progress: bool) ->
                 bytes_per_step=wire_bytes(coords_sent / total_steps, numel, method == "dense"),
                 dense_bytes_per_step=wire_bytes(numel, numel, True))  # fmt: skip
     return hist
+
+
+def steps_per_epoch_of(n: int, args: argparse.Namespace) -> int:
+    """Full batches per epoch (one shape: no recompiles), capped by ``--steps-per-epoch``."""
+    steps = max(1, n // args.batch_size)
+    return min(steps, args.steps_per_epoch) if args.steps_per_epoch else steps
+
+
+def dgc_warmup(density: float, steps_per_epoch: int, args: argparse.Namespace) -> ft.base.Schedule:
+    """DGC's warm-up: 4 stages, each a quarter of ``--warmup-epochs``, density falling exponentially to ``density``."""
+    stage_steps = max(1, round(args.warmup_epochs * steps_per_epoch / 4))
+    return ft.dgc_density_warmup(density, stage_steps, 4 if args.warmup_epochs > 0 else 0)
+
+
+def warmup_warning(k: int, numel: int, n: int, args: argparse.Namespace) -> str | None:
+    """A warning when DGC's density warm-up outlasts the run (DGC then never sends as few as ``k``)."""
+    if "dgc" not in args.methods or args.warmup_epochs <= 0:
+        return None
+    steps_per_epoch = steps_per_epoch_of(n, args)
+    total = steps_per_epoch * args.epochs
+    schedule = dgc_warmup(k / numel, steps_per_epoch, args)
+    last = ft.sparse.k_from_density(float(schedule(torch.tensor(total - 1))), numel)
+    if last <= k:
+        return None
+    return (f"warning: DGC's density warm-up ({args.warmup_epochs:g} {plural(args.warmup_epochs, 'epoch')}) "
+            f"outlasts the {total}-step run: its last step still sends {last:,} coordinates, "
+            f"{last / k:.0f}x k; lower --warmup-epochs or raise --epochs to compare it at k")
+
+
+def plural(count: float, word: str) -> str:
+    """``word`` or ``word + "s"`` for ``count``."""
+    return word if count == 1 else word + "s"
 
 
 def _sent_at(method: str, t: int, k: int, warmup: ft.base.Schedule, numel: int) -> int:
@@ -399,14 +439,21 @@ def main(argv: Sequence[str] | None = None, *, defaults: dict[str, Any] | None =
         parser.error(f"--k {k} exceeds the model's {numel:,} coordinates")
     header = (
         f"ResNet-18 (small-image stem, {numel:,} parameters) on {args.dataset}: {len(data[1])} train / "
-        f"{len(data[3])} test images; {args.epochs} epochs, batch {args.batch_size}, momentum SGD "
-        f"{args.momentum}, lr {args.lr} cosine to 0; k = {k:,} ({k / numel:.3%}) per step; seed {args.seed}"
+        f"{len(data[3])} test images; {args.epochs} {plural(args.epochs, 'epoch')}, batch {args.batch_size}, "
+        f"momentum SGD {args.momentum}, lr {args.lr} cosine to 0; k = {k:,} ({k / numel:.3%}) per step; "
+        f"seed {args.seed}"
     )
     print(header)
     print(f"torch {torch.__version__}, device {args.device}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads{', compiled' if args.compile else ''}", flush=True)
 
+    warning = warmup_warning(k, numel, len(data[1]), args)
+    if warning:
+        print(warning, flush=True)
     results = [train(m, args, data, progress=not args.no_progress) for m in args.methods]
+    if args.compile:
+        print("compile time (first step, compilation included): "
+              + ", ".join(f"{h['method']} {h['first_step_s']:.1f} s" for h in results), flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     md = table(results)

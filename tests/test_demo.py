@@ -47,6 +47,7 @@ def test_demo_runs_and_writes_the_table_and_the_plot(tmp_path):
     results = json.loads((out / "results.json").read_text())["results"]
     assert [h["method"] for h in results] == ["dense", "topk", "topk+ef", "dgc"]
     assert all(h["steps"] == 2 and len(h["step_loss"]) == 2 and h["numel"] == numel for h in results)
+    assert all(0 < h["first_step_s"] < h["wall_s"] for h in results)  # what --compile reports as compile time
     # every method starts from the same weights: the same test accuracy before the first step
     assert len({h["test_acc"][0] for h in results}) == 1
     # DGC's density warm-up sends more than k in its first steps
@@ -115,3 +116,25 @@ def test_ddp_example_runs_under_torchrun_with_two_gloo_ranks():
     report = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, report
     assert "replicas identical: True" in proc.stdout and "kB sent per rank" in proc.stdout, report
+
+
+def test_help_shows_every_default_once_and_no_none():
+    text = train_resnet.build_parser().format_help()
+    text = text[text.index("options:"):]  # the option list, not the usage line
+    assert "(default: None)" not in text and "default 0.001" not in text
+    for option, default in (("--epochs", "4"), ("--batch-size", "64"), ("--momentum", "0.9"), ("--seed", "0"),
+                            ("--threads", "0"), ("--methods", "dense,topk,topk+ef,dgc"), ("--dataset", "digits")):
+        block = text[text.index(option + " "):]
+        assert f"(default: {default})" in " ".join(block.split("\n  --")[0].split()), option
+
+
+def test_dgc_warmup_longer_than_the_run_is_a_warning_with_the_numbers():
+    args = train_resnet.build_parser().parse_args(["--k", "1000", "--epochs", "1", "--batch-size", "64"])
+    numel = 11_172_810
+    warning = train_resnet.warmup_warning(1000, numel, 128, args)  # 2 steps, all inside the 1-epoch warm-up
+    assert warning is not None and "outlasts the 2-step run" in warning and "1 epoch)" in warning
+    args = train_resnet.build_parser().parse_args(["--k", "1000", "--epochs", "4", "--batch-size", "64"])
+    assert train_resnet.warmup_warning(1000, numel, 1797, args) is None  # the demo's own setting: warm-up ends
+    args = train_resnet.build_parser().parse_args(["--k", "1000", "--epochs", "1", "--methods", "topk"])
+    assert train_resnet.warmup_warning(1000, numel, 128, args) is None  # no DGC, nothing to say
+    assert train_resnet.plural(1, "epoch") == "epoch" and train_resnet.plural(2, "epoch") == "epochs"
