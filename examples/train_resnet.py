@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
 import torch.nn.functional as F
 import torchvision
@@ -207,12 +208,14 @@ def make_tx(method: str, lr: ft.base.ScalarOrSchedule, momentum: float, k: int, 
     """The update rule of ``method``; ``k`` coordinates per step for the sparse ones."""
     if method == "dense":
         return ft.sgd(lr, momentum=momentum)
+    stats = ft.compress.compression_stats  # records what each compressor kept; the updates are unchanged
     if method == "topk":
-        return ft.chain(ft.topk(k), ft.sgd(lr, momentum=momentum))
+        return ft.chain(stats(ft.topk(k)), ft.sgd(lr, momentum=momentum))
     if method == "topk+ef":
-        return ft.chain(ft.error_feedback(ft.topk(k)), ft.sgd(lr, momentum=momentum))
-    if method == "dgc":
-        return ft.dgc(lr, momentum=momentum, density=density_warmup)
+        return ft.chain(ft.error_feedback(stats(ft.topk(k))), ft.sgd(lr, momentum=momentum))
+    if method == "dgc":  # ft.dgc(lr, momentum=momentum, density=density_warmup), spelt out to measure its top-k
+        return ft.chain(ft.momentum_correction(stats(ft.topk(density=density_warmup)), momentum=momentum),
+                        ft.scale_by_learning_rate(lr))
     raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
 
 
@@ -265,6 +268,8 @@ def train(method: str, args: argparse.Namespace, data: tuple, progress: bool) ->
     state = tx.init(params)
     hist: dict[str, Any] = {"method": method, "epoch": [0], "test_acc": [evaluate(params, buffers)],
                             "epoch_loss": [math.nan], "step_loss": []}  # fmt: skip
+    hist["energy_sent"] = []  # per step: the share of the compressor's input squared norm that it sent
+    sent_stats: list[torch.Tensor] = []
     coords_sent = 0
     generator = torch.Generator().manual_seed(args.seed)
     bar = _progress(total_steps, f"{method:8s}", progress)
@@ -279,11 +284,15 @@ def train(method: str, args: argparse.Namespace, data: tuple, progress: bool) ->
             if epoch == 0 and i == 0:  # with --compile: the compilation
                 hist["first_step_s"] = time.perf_counter() - t0
             losses.append(loss)
+            sent_stats.extend(s.energy for s in compression_stats_in(state))
             t = epoch * steps_per_epoch + i
             coords_sent += numel if method == "dense" else _sent_at(method, t, k, warmup, numel)
             bar.update(1)
         epoch_losses = torch.stack(losses).tolist()  # one host sync per epoch
         hist["step_loss"].extend(epoch_losses)
+        if sent_stats:
+            hist["energy_sent"].extend(torch.stack(sent_stats).tolist())
+            sent_stats = []
         hist["epoch"].append(epoch + 1)
         hist["epoch_loss"].append(sum(epoch_losses) / len(epoch_losses))
         hist["test_acc"].append(evaluate(params, buffers))
@@ -328,6 +337,12 @@ def warmup_warning(k: int, numel: int, n: int, args: argparse.Namespace) -> str 
 def plural(count: float, word: str) -> str:
     """``word`` or ``word + "s"`` for ``count``."""
     return word if count == 1 else word + "s"
+
+
+def compression_stats_in(state: Any) -> list[ft.compress.CompressionStats]:
+    """The statistics of every ``compression_stats`` wrapper inside an optimizer state."""
+    nodes = optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, ft.compress.CompressionStatsState))
+    return [x.stats for x in nodes if isinstance(x, ft.compress.CompressionStatsState)]
 
 
 def _sent_at(method: str, t: int, k: int, warmup: ft.base.Schedule, numel: int) -> int:
@@ -384,14 +399,18 @@ def _human(nbytes: float) -> str:
 
 
 def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
-    """Training loss per step (smoothed) and test accuracy per epoch."""
+    """Training loss per step (smoothed), test accuracy per epoch, and what each top-k step sent."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     for h in results:
+        if h.get("energy_sent"):
+            energy = torch.tensor(h["energy_sent"])
+            steps_per_epoch = len(energy) / max(1, h["epoch"][-1])
+            ax3.plot([(i + 1) / steps_per_epoch for i in range(len(energy))], energy.tolist(), label=h["method"])
         losses = torch.tensor(h["step_loss"])
         width = max(1, len(losses) // 20)
         smooth = torch.nn.functional.avg_pool1d(losses[None, None], width, stride=1)[0, 0] if width > 1 else losses
@@ -400,7 +419,8 @@ def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
         ax2.plot(h["epoch"], h["test_acc"], marker="o", label=h["method"])
     ax1.set(xlabel="epoch", ylabel="training loss (running mean)", yscale="log")
     ax2.set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(0, 100))
-    for ax in (ax1, ax2):
+    ax3.set(xlabel="epoch", ylabel="share of |top-k input|^2 sent per step", yscale="log")
+    for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(textwrap.fill(title, 150), fontsize=9)

@@ -44,6 +44,7 @@ TRANSFORMS = [
     ("layerwise_topk", ft.layerwise_topk, {"k": 1, "min_size": 2}, ("k", "min_size")),
     ("randk", ft.randk, {"k": 3, "seed": 1}, ("k", "seed")),
     ("threshold", ft.threshold, {"v": 0.5}, ()),
+    ("compression_stats", ft.compress.compression_stats, {"inner": ft.topk(3)}, ()),
     ("error_feedback", ft.error_feedback, {"inner": ft.topk(3)}, ()),
     ("momentum_correction", ft.momentum_correction, {"inner": ft.topk(3), "momentum": 0.9, "min_size": 2},
      ("min_size",)),
@@ -143,7 +144,7 @@ def test_optimizers_compile_with_inductor(fresh_dynamo):
 
 STATELESS = {
     "scale", "scale_by_learning_rate", "scale_by_schedule", "clip", "clip_by_global_norm", "zero_nans",
-    "topk", "topk_density", "topk_schedule", "layerwise_topk", "threshold", "dgc_local_clipping",
+    "topk", "topk_density", "topk_schedule", "layerwise_topk", "threshold", "dgc_local_clipping", "compression_stats",
 }
 """Transformations that keep no per-leaf state and do not need the parameters: a map of the gradient alone."""
 

@@ -8,6 +8,7 @@ Each returns a tree like its input, zero except at the coordinates it keeps
 * :mod:`~functopk.compress.threshold`: ``threshold``;
 * :mod:`~functopk.compress.layerwise`: ``layerwise_topk`` (per-leaf top-k);
 * :mod:`~functopk.compress.feedback`: ``error_feedback``;
+* :mod:`~functopk.compress.stats`: ``compression_stats``, what a compressor kept at each step;
 * :mod:`~functopk.compress.dgc`: Deep Gradient Compression: ``momentum_correction``,
   ``dgc_local_clipping``, ``dgc``, composed of ``trace``, ``error_feedback`` and ``masked``.
 """
@@ -22,15 +23,19 @@ from functopk.compress.dgc import (
 from functopk.compress.feedback import ErrorFeedbackState, error_feedback
 from functopk.compress.layerwise import layerwise_topk
 from functopk.compress.randk import RandKState, randk, randk_mask
+from functopk.compress.stats import CompressionStats, CompressionStatsState, compression_stats
 from functopk.compress.threshold import threshold
 from functopk.compress.topk import TopKState, topk
 
 __all__ = [
+    "CompressionStats",
+    "CompressionStatsState",
     "ErrorFeedbackState",
     "LocalWeightDecayState",
     "MomentumCorrectionState",
     "RandKState",
     "TopKState",
+    "compression_stats",
     "dgc",
     "dgc_local_clipping",
     "error_feedback",
