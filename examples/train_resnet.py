@@ -407,16 +407,19 @@ def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     for h in results:
+        color = f"C{METHODS.index(h['method'])}"  # one colour per method in every panel
         if h.get("energy_sent"):
             energy = torch.tensor(h["energy_sent"])
             steps_per_epoch = len(energy) / max(1, h["epoch"][-1])
-            ax3.plot([(i + 1) / steps_per_epoch for i in range(len(energy))], energy.tolist(), label=h["method"])
+            ax3.plot([(i + 1) / steps_per_epoch for i in range(len(energy))], energy.tolist(), label=h["method"],
+                     color=color)
         losses = torch.tensor(h["step_loss"])
         width = max(1, len(losses) // 20)
         smooth = torch.nn.functional.avg_pool1d(losses[None, None], width, stride=1)[0, 0] if width > 1 else losses
         steps_per_epoch = len(losses) / max(1, h["epoch"][-1])
-        ax1.plot([(i + width) / steps_per_epoch for i in range(len(smooth))], smooth.tolist(), label=h["method"])
-        ax2.plot(h["epoch"], h["test_acc"], marker="o", label=h["method"])
+        ax1.plot([(i + width) / steps_per_epoch for i in range(len(smooth))], smooth.tolist(), label=h["method"],
+                 color=color)
+        ax2.plot(h["epoch"], h["test_acc"], marker="o", label=h["method"], color=color)
     ax1.set(xlabel="epoch", ylabel="training loss (running mean)", yscale="log")
     ax2.set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(0, 100))
     ax3.set(xlabel="epoch", ylabel="share of |top-k input|^2 sent per step", yscale="log")

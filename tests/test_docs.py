@@ -91,3 +91,15 @@ def test_readme_example_moves_exactly_k_coordinates_every_step():
         assert sum(int((new_params[n] != params[n]).sum()) for n in params) == 1000
         assert not torch.equal(new_buffers["bn1.running_mean"], buffers["bn1.running_mean"])
         params, buffers = new_params, new_buffers
+
+
+def test_readme_demo_table_is_the_committed_demo_output():
+    """The README's results are what ``make demo`` wrote (benchmarks/results/demo/), not numbers typed by hand."""
+    results = (ROOT / "benchmarks" / "results" / "demo" / "results.md").read_text()
+    table = [line for line in results.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 4  # header, separator, one row per method
+    readme = (ROOT / "README.md").read_text()
+    assert "\n".join(table) in readme
+    assert "(benchmarks/results/demo/curves.png)" in readme
+    header = results.splitlines()[0]
+    assert "4 epochs, batch 64" in header and "k = 11,173 (0.100%)" in header  # the demo's defaults
