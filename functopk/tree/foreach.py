@@ -77,11 +77,6 @@ def add_scaled(xs: Leaves, scalar: Scalar, ys: Leaves) -> list[torch.Tensor]:
     return keep_dtypes(torch._foreach_add(list(xs), list(ys), alpha=scalar), xs)
 
 
-def axpby(a: Scalar, xs: Leaves, b: Scalar, ys: Leaves) -> list[torch.Tensor]:
-    """``a * x + b * y`` leaf by leaf, in the dtypes of ``xs``."""
-    return add_scaled(mul(xs, a), b, ys)
-
-
 def lerp(xs: Leaves, ys: Leaves, weight: Scalar) -> list[torch.Tensor]:
     """``x + weight * (y - x)`` with one ``lerp`` kernel, as torch.optim computes running means."""
     if not xs:
