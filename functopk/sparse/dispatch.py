@@ -1,25 +1,32 @@
 """The one dispatch point of the top-k engine: which kernel runs, and what ``k`` it gets.
 
-:func:`select` is the only place that decides between the eager CPU kernels
-(which read sizes and thresholds on the host) and the static ones, and the only
-place that turns a tensor ``k`` into what a kernel takes:
+:func:`select` is the only place that decides between the exact CPU kernel
+(which reads sizes and thresholds on the host), its custom-operator form for
+compiled graphs, and the static kernels, and the only place that turns a tensor
+``k`` into what a kernel takes. The route (:func:`route`) depends on where the
+leaves are and how the code runs:
 
-==============  ==========================================  ===========================================
-``method``      eager, CPU, no leaf requiring grad           compiling, other devices, or requires grad
-==============  ==========================================  ===========================================
-``"exact"``     :func:`~.kernels.exact.select_exact`          :func:`~.kernels.static.mask_static`
-                -> :class:`~.selection.Indices`               -> :class:`~.selection.Mask`
-``"torch"``     :func:`~.kernels.static.mask_static` -> ``Mask`` (everywhere)
-``"approx"``    :func:`~.kernels.approx.sample_threshold`     the same threshold
-                -> :class:`~.selection.HostThreshold`         -> :class:`~.selection.Threshold`
-``"gaussian"``  :func:`~.kernels.approx.gaussian_threshold_flat`, as ``"approx"``
-==============  ==========================================  ===========================================
+=============  ===================================  =====================================  =========================================
+``method``     ``"eager"``: eager, CPU              ``"op"``: compiling, CPU               ``"static"``: other devices, or a leaf
+                                                                                           requires grad (eager or compiled)
+=============  ===================================  =====================================  =========================================
+``"exact"``    :func:`~.kernels.exact.select_exact` the same kernel as a custom operator     :func:`~.kernels.static.mask_static`
+               -> :class:`~.selection.Indices`      -> :class:`~.ops.ExactOp`              -> :class:`~.selection.Mask`
+``"torch"``    :func:`~.kernels.static.mask_static` -> ``Mask`` (everywhere)
+``"approx"``   :func:`~.kernels.approx.sample_threshold` -> :class:`~.selection.HostThreshold` in eager CPU mode, else
+               :class:`~.selection.Threshold`
+``"gaussian"`` :func:`~.kernels.approx.gaussian_threshold_flat`, as ``"approx"``
+=============  ===================================  =====================================  =========================================
 
-A tensor ``k`` (rounded if it is a float) is clamped to ``[1, n]`` on device by
+So ``"exact"`` selects the same coordinates on every route, and eager and
+compiled CPU code run the very same kernel (bit-identical outputs).
+
+A tensor ``k`` (rounded if it is a float) is clamped to ``[1, n]`` by
 :func:`tensor_count`: ``inf`` or a value beyond int64 becomes ``n``, ``-inf``
-becomes 1, and NaN becomes ``n`` ("keep everything": nothing is lost). Only the
-eager exact kernel reads ``k`` on the host anyway, and there a NaN ``k`` is a
-``ValueError`` instead.
+becomes 1. The exact CPU kernel reads ``k`` on the host anyway (eager, or
+inside the operator: a CPU scalar, no device synchronisation), and there a NaN
+``k`` is a ``ValueError``; the static kernels never read it, and there NaN
+becomes ``n`` ("keep everything": nothing is lost).
 """
 
 from __future__ import annotations
@@ -33,9 +40,10 @@ from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_thres
 from functopk.sparse.kernels.base import common_dtype, flat_magnitudes
 from functopk.sparse.kernels.exact import select_exact
 from functopk.sparse.kernels.static import mask_static
+from functopk.sparse.ops import ExactOp, host_count
 from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
 
-__all__ = ["KLike", "METHODS", "check_method", "eager_cpu", "device_count", "select", "tensor_count"]
+__all__ = ["KLike", "METHODS", "check_method", "device_count", "route", "select", "tensor_count"]
 
 METHODS = ("exact", "torch", "approx", "gaussian")
 
@@ -50,15 +58,17 @@ def check_method(method: Any) -> str:
     return method
 
 
-def eager_cpu(leaves: list[torch.Tensor]) -> bool:
-    """Whether the eager CPU kernels apply: not compiling, on CPU, no leaf requiring grad.
+def route(leaves: list[torch.Tensor]) -> str:
+    """Which exact kernel serves ``leaves`` here: ``"eager"``, ``"op"`` or ``"static"`` (see the module table).
 
-    They read sizes and thresholds on the host; elsewhere the static kernels
-    give the same result (exact methods) or the same kind of result (approximate).
+    Example:
+        >>> import torch
+        >>> route([torch.ones(3)]), route([torch.ones(3, requires_grad=True)]), route([torch.ones(3, device="meta")])
+        ('eager', 'static', 'static')
     """
-    if torch.compiler.is_compiling() or leaves[0].device.type != "cpu":
-        return False
-    return not (torch.is_grad_enabled() and any(x.requires_grad for x in leaves))
+    if leaves[0].device.type != "cpu" or (torch.is_grad_enabled() and any(x.requires_grad for x in leaves)):
+        return "static"
+    return "op" if torch.compiler.is_compiling() else "eager"
 
 
 def tensor_count(k: torch.Tensor, n: int, *, rounded: bool = False) -> torch.Tensor:
@@ -77,15 +87,6 @@ def tensor_count(k: torch.Tensor, n: int, *, rounded: bool = False) -> torch.Ten
         k = k if rounded else torch.round(k.to(torch.float64))
         k = torch.nan_to_num(k, nan=float(n), posinf=float(n), neginf=1.0).clamp(1, n)
     return k.to(torch.int64).clamp(1, n)
-
-
-def _host_count(k: KLike, n: int) -> int:
-    """``k`` as a Python int (read on the host); a NaN tensor ``k`` is a ``ValueError`` here."""
-    if not isinstance(k, torch.Tensor):
-        return k
-    if k.is_floating_point() and bool(torch.isnan(k)):
-        raise ValueError(f"k is NaN; expected a count in [1, {n}] (a 0-d tensor k is rounded and clamped to it)")
-    return int(tensor_count(k, n))
 
 
 def device_count(k: KLike, n: int) -> KLike:
@@ -116,18 +117,19 @@ def select(
         raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
     dtype = common_dtype(leaves)
     n = sum(x.numel() for x in leaves)
-    eager = eager_cpu(leaves)
-    if method == "exact" and eager:
-        flats = [x.detach().reshape(-1) for x in leaves]
-        return Indices(*select_exact(flats, _host_count(k, n), dtype, config))
-    count = device_count(k, n)
+    where = route(leaves)
+    if method == "exact" and where == "op":
+        return ExactOp(k, None, config) if isinstance(k, int) else ExactOp(0, k, config)
     flats = [x.detach().reshape(-1) for x in leaves]
+    if method == "exact" and where == "eager":
+        return Indices(*select_exact(flats, host_count(k, n), dtype, config))
+    count = device_count(k, n)
     if method in ("exact", "torch"):
         return Mask(mask_static(flat_magnitudes(flats, dtype), count), count)
     if method == "approx":
         t = sample_threshold(flats, count, dtype)
     else:
         t = gaussian_threshold_flat(flats, count / n, dtype)
-    if eager:
+    if where == "eager":
         return HostThreshold(t, count / n if isinstance(count, int) else 0.01, config)
     return Threshold(t)

@@ -29,10 +29,11 @@ from functopk.sparse.kernels.scan import scan_above
 from functopk.sparse.updates import SparseUpdates
 from functopk.tree.layout import FlatLayout
 
-__all__ = ["HostThreshold", "Indices", "Mask", "Selection", "Threshold"]
+__all__ = ["HostThreshold", "Indices", "Mask", "Selection", "Threshold", "sparse_updates"]
 
 
-def _sparse_updates(leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor) -> SparseUpdates:
+def sparse_updates(leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor) -> SparseUpdates:
+    """A :class:`~functopk.SparseUpdates` of ``idx`` and ``vals`` selected from ``leaves`` (their sizes recorded)."""
     sizes = tuple(x.numel() for x in leaves)
     return SparseUpdates(idx, vals, sum(sizes), sizes)
 
@@ -74,7 +75,7 @@ class Indices(NamedTuple):
 
     def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
         """The indices and values as they are."""
-        return _sparse_updates(leaves, self.indices, self.values)
+        return sparse_updates(leaves, self.indices, self.values)
 
 
 class Mask(NamedTuple):
@@ -98,7 +99,7 @@ class Mask(NamedTuple):
             idx = torch.nonzero_static(self.mask, size=self.k).view(-1)
         else:
             idx = self.mask.nonzero().view(-1)
-        return _sparse_updates(leaves, idx, flat[idx])
+        return sparse_updates(leaves, idx, flat[idx])
 
 
 def _above(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +124,7 @@ class Threshold(NamedTuple):
         """``nonzero`` over the concatenation (a data-dependent length)."""
         flat = _flat(leaves)
         idx = _above(flat, self.t).nonzero().view(-1)
-        return _sparse_updates(leaves, idx, flat[idx])
+        return sparse_updates(leaves, idx, flat[idx])
 
 
 class HostThreshold(NamedTuple):
@@ -159,7 +160,7 @@ class HostThreshold(NamedTuple):
             return Threshold(self.t).sparse(leaves)
         flats = [x.detach().reshape(-1) for x in leaves]
         idx, vals = scan_above(flats, t, common_dtype(leaves), self.fraction, self.config)
-        return _sparse_updates(leaves, idx, vals)
+        return sparse_updates(leaves, idx, vals)
 
 
 Selection = Union[Indices, Mask, Threshold, HostThreshold]

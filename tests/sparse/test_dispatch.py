@@ -38,14 +38,17 @@ def test_dispatch_table(method, k, requires_grad, kind):
     assert type(dispatch.select(leaves, k, method)) is kind
 
 
-def test_eager_cpu():
+def test_route():
     leaves = _leaves()
-    assert dispatch.eager_cpu(leaves)
+    assert dispatch.route(leaves) == "eager"
     leaves[1].requires_grad_()
-    assert not dispatch.eager_cpu(leaves)
+    assert dispatch.route(leaves) == "static"
     with torch.no_grad():
-        assert dispatch.eager_cpu(leaves)
-    assert not dispatch.eager_cpu([torch.ones(3, device="meta")])
+        assert dispatch.route(leaves) == "eager"
+    assert dispatch.route([torch.ones(3, device="meta")]) == "static"
+    routes = []
+    torch.compile(lambda x: routes.append(dispatch.route([x])) or x, backend="eager", fullgraph=True)(torch.ones(3))
+    assert routes == ["op"]
 
 
 @pytest.mark.parametrize("method", ["exact", "approx", "gaussian"])

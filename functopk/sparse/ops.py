@@ -1,0 +1,176 @@
+"""The eager exact kernel as custom operators: compiled graphs run the same kernel as eager mode.
+
+:func:`~functopk.sparse.kernels.exact.select_exact` reads sizes and a
+threshold on the host and returns data-dependent shapes, which
+``torch.compile`` cannot trace. Registered as opaque operators with
+``torch.library.custom_op``, it becomes one node of the compiled graph whose
+output shapes are known in advance:
+
+=========================  ==========================================  ============================
+operator                   output                                      shape (fake implementation)
+=========================  ==========================================  ============================
+``functopk::topk_dense``   the sparsified leaves                       the leaves' shapes and dtypes
+``functopk::topk_masks``   boolean leaves                              the leaves' shapes
+``functopk::topk_indices`` sorted flat indices and values              ``(k,)`` for an int ``k``;
+                                                                       data-dependent for a tensor ``k``
+=========================  ==========================================  ============================
+
+So a ``fullgraph=True`` step compiles without a graph break, runs the eager
+kernel at eager speed, and selects bit for bit what eager mode selects. Values
+of the gradients never cause a recompilation (they are data to the operator);
+an int ``k`` is a constant of the graph (a new ``k`` recompiles, as any Python
+int does), while a tensor ``k`` (a schedule, ``inject_hyperparams``) is an
+input: it is read inside the operator, one host read of a CPU scalar (no
+device synchronisation, as the operators only serve CPU leaves) per call, and
+a NaN tensor ``k`` is the same ``ValueError`` as in eager mode.
+
+The operators have no autograd formula: :func:`functopk.sparse.dispatch.select`
+sends leaves that require grad to the static kernel instead, as in eager mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from functopk.sparse.config import KernelConfig
+from functopk.sparse.kernels.base import common_dtype
+from functopk.sparse.kernels.exact import select_exact
+from functopk.sparse.selection import Indices, sparse_updates
+
+__all__ = ["ExactOp", "config_values", "host_count", "topk_dense", "topk_indices", "topk_masks"]
+
+_FIELDS = dataclasses.fields(KernelConfig)
+
+
+def config_values(config: KernelConfig) -> list[float]:
+    """``config`` as the list of floats the operators take (custom operators take no Python objects).
+
+    Example:
+        >>> from functopk.sparse.config import DEFAULT_CONFIG
+        >>> _config(config_values(DEFAULT_CONFIG)) == DEFAULT_CONFIG
+        True
+    """
+    return [float(getattr(config, f.name)) for f in _FIELDS]
+
+
+def _config(values: list[float]) -> KernelConfig:
+    """The :class:`KernelConfig` that :func:`config_values` flattened (int fields come back as ints)."""
+    kw = {f.name: (int(v) if f.type in ("int", int) else v) for f, v in zip(_FIELDS, values)}
+    return KernelConfig(**kw)
+
+
+def host_count(k: int | torch.Tensor, n: int) -> int:
+    """``k`` as a Python int in ``[1, n]`` (a tensor is read on the host); a NaN tensor ``k`` is a ``ValueError``.
+
+    Example:
+        >>> import torch
+        >>> host_count(torch.tensor(2.5), 10), host_count(7, 10)
+        (2, 7)
+    """
+    from functopk.sparse.dispatch import tensor_count  # dispatch imports this module
+
+    if not isinstance(k, torch.Tensor):
+        return k
+    if k.is_floating_point() and bool(torch.isnan(k)):
+        raise ValueError(f"k is NaN; expected a count in [1, {n}] (a 0-d tensor k is rounded and clamped to it)")
+    return int(tensor_count(k, n))
+
+
+def _indices(leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]) -> Indices:
+    """The eager exact kernel on the operator's (real) inputs."""
+    kk = host_count(count if count is not None else k, sum(x.numel() for x in leaves))
+    flats = [x.detach().reshape(-1) for x in leaves]
+    return Indices(*select_exact(flats, kk, common_dtype(leaves), _config(config)))
+
+
+@torch.library.custom_op("functopk::topk_dense", mutates_args=())
+def topk_dense(
+    leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]
+) -> list[torch.Tensor]:
+    """The sparsified leaves: zeros except the exact top ``k`` (``count``, when given, instead of ``k``).
+
+    Example:
+        >>> import torch
+        >>> from functopk.sparse.config import DEFAULT_CONFIG
+        >>> topk_dense([torch.tensor([1.0, -3.0, 2.0])], 1, None, config_values(DEFAULT_CONFIG))
+        [tensor([ 0., -3.,  0.])]
+    """
+    return _indices(leaves, k, count, config).dense(leaves)
+
+
+@topk_dense.register_fake
+def _(leaves, k, count, config):
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in leaves]
+
+
+@torch.library.custom_op("functopk::topk_masks", mutates_args=())
+def topk_masks(
+    leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]
+) -> list[torch.Tensor]:
+    """Boolean leaves, True at the exact top ``k`` (``count``, when given, instead of ``k``).
+
+    Example:
+        >>> import torch
+        >>> from functopk.sparse.config import DEFAULT_CONFIG
+        >>> topk_masks([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
+        [tensor([False,  True,  True])]
+    """
+    return _indices(leaves, k, count, config).masks(leaves)
+
+
+@topk_masks.register_fake
+def _(leaves, k, count, config):
+    return [torch.empty(x.shape, dtype=torch.bool, device=x.device) for x in leaves]
+
+
+@torch.library.custom_op("functopk::topk_indices", mutates_args=())
+def topk_indices(
+    leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending flat indices and their values (common dtype) of the exact top ``k`` (or ``count``).
+
+    Example:
+        >>> import torch
+        >>> from functopk.sparse.config import DEFAULT_CONFIG
+        >>> topk_indices([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
+        (tensor([1, 2]), tensor([-3.,  2.]))
+    """
+    return tuple(_indices(leaves, k, count, config))
+
+
+@topk_indices.register_fake
+def _(leaves, k, count, config):
+    if count is None:
+        size = k
+    else:
+        size = torch.library.get_ctx().new_dynamic_size(min=1, max=sum(x.numel() for x in leaves))
+    device = leaves[0].device
+    return torch.empty(size, dtype=torch.int64, device=device), torch.empty(size, dtype=common_dtype(leaves), device=device)
+
+
+class ExactOp(NamedTuple):
+    """The exact top-k, to be computed by the custom operators (what :func:`~.dispatch.select` returns when compiling).
+
+    Each output calls the one operator that produces it, so a compiled graph
+    holds one opaque node per selection.
+    """
+
+    k: int
+    count: torch.Tensor | None
+    config: KernelConfig
+
+    def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sparsified leaves (``functopk::topk_dense``)."""
+        return topk_dense(leaves, self.k, self.count, config_values(self.config))
+
+    def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Boolean leaves (``functopk::topk_masks``)."""
+        return topk_masks(leaves, self.k, self.count, config_values(self.config))
+
+    def sparse(self, leaves: list[torch.Tensor]):
+        """A :class:`~functopk.SparseUpdates` (``functopk::topk_indices``)."""
+        idx, vals = topk_indices(leaves, self.k, self.count, config_values(self.config))
+        return sparse_updates(leaves, idx, vals)
