@@ -17,10 +17,19 @@ __all__ = ["gaussian_threshold_flat", "sample_stride", "sample_threshold", "syst
 
 
 def _next_prime(x: int) -> int:
+    """The smallest prime ``>= x``, by trial division.
+
+    Only comparisons and ``%`` (no ``math.isqrt``), so that under
+    ``torch.compile`` with symbolic sizes it becomes guards, not a graph break.
+    """
     x = max(2, x)
-    while any(x % p == 0 for p in range(2, math.isqrt(x) + 1)):
+    while True:
+        p = 2
+        while p * p <= x and x % p != 0:
+            p += 1
+        if p * p > x:
+            return x
         x += 1
-    return x
 
 
 def sample_stride(numel: int, target: int) -> int:
@@ -50,7 +59,7 @@ def systematic_sample(flats: Sequence[torch.Tensor], stride: int, dtype: torch.d
     views, offset = [], 0
     phase = stride // 2
     for f in flats:
-        start = (phase - offset) % stride
+        start = phase - offset + stride * ((offset - phase + stride - 1) // stride)  # (phase - offset) mod stride; no % on symbolic sizes
         if start < f.numel():
             views.append(f[start::stride])
         offset += f.numel()
