@@ -27,9 +27,13 @@ DEVICES = [
 """The devices of the ``device`` fixture: every CUDA case carries ``pytest.mark.cuda`` (``pytest -m cuda``)."""
 
 
-@pytest.fixture(params=DEVICES)
+@pytest.fixture(scope="session", params=DEVICES)
 def device(request) -> str:
-    """Each device-agnostic test runs on every device: "cpu", and "cuda" (skipped without a GPU)."""
+    """Each device-agnostic test runs on every device: "cpu", and "cuda" (skipped without a GPU).
+
+    Session-scoped: it is only a name, and hypothesis refuses function-scoped
+    fixtures in ``@given`` tests (its ``function_scoped_fixture`` health check).
+    """
     return request.param
 
 
