@@ -17,6 +17,26 @@ settings.register_profile(
 )
 settings.load_profile("default")
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")],
+    ),
+]
+"""The devices of the ``device`` fixture: every CUDA case carries ``pytest.mark.cuda`` (``pytest -m cuda``)."""
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def device(request) -> str:
+    """Each device-agnostic test runs on every device: "cpu", and "cuda" (skipped without a GPU).
+
+    Session-scoped: it is only a name, and hypothesis refuses function-scoped
+    fixtures in ``@given`` tests (its ``function_scoped_fixture`` health check).
+    """
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -56,6 +56,15 @@ def clone_tree(tree):
     return optree.tree_map(lambda x: x.clone(), tree)
 
 
+def to_device(tree, device):
+    """A copy of ``tree`` with every tensor leaf on ``device`` (bits, dtypes and ``None`` nodes kept).
+
+    Device tests build their inputs on the CPU, move them with this, and compare
+    the outputs with ``to_device(out, "cpu")`` against CPU references.
+    """
+    return optree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
 def small_cnn(num_classes: int = 3) -> nn.Module:
     """A CNN with BatchNorm, small enough for fast (and compiled) tests."""
     return nn.Sequential(

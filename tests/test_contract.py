@@ -9,7 +9,14 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from tests.helpers import MIXED, assert_tree_bitwise_equal, assert_updates_compile_like_eager, clone_tree, mixed_grads
+from tests.helpers import (
+    MIXED,
+    assert_tree_bitwise_equal,
+    assert_updates_compile_like_eager,
+    clone_tree,
+    mixed_grads,
+    to_device,
+)
 
 TRANSFORMS = [
     ("scale", ft.scale, {"step_size": -0.5}, ()),
@@ -69,14 +76,17 @@ def shapes_dtypes(tree):
 
 
 @pytest.mark.parametrize("name, factory, kwargs, static", TRANSFORMS, ids=IDS)
-def test_pure_with_stable_state_and_leaf_dtypes(name, factory, kwargs, static):
+def test_pure_with_stable_state_and_leaf_dtypes(device, name, factory, kwargs, static):
+    """On every device; the state lives on the parameters' device (counters included)."""
+    params = to_device(MIXED, device)
     tx = factory(**kwargs)
-    state = tx.init(MIXED)
+    state = tx.init(params)
+    assert all(x.device == torch.device(device) for x in ft.tree.leaves(state)), shapes_dtypes(state)
     for i in range(3):
-        g = mixed_grads(i)
-        p0, g0, s0 = clone_tree(MIXED), clone_tree(g), clone_tree(state)
-        updates, new_state = tx.update(g, state, MIXED)
-        assert_tree_bitwise_equal(MIXED, p0)
+        g = to_device(mixed_grads(i), device)
+        p0, g0, s0 = clone_tree(params), clone_tree(g), clone_tree(state)
+        updates, new_state = tx.update(g, state, params)
+        assert_tree_bitwise_equal(params, p0)
         assert_tree_bitwise_equal(g, g0)
         assert_tree_bitwise_equal(state, s0)
         assert shapes_dtypes(new_state) == shapes_dtypes(state)
@@ -86,19 +96,20 @@ def test_pure_with_stable_state_and_leaf_dtypes(name, factory, kwargs, static):
 
 
 @pytest.mark.parametrize("name, factory, kwargs, static", TRANSFORMS, ids=IDS)
-def test_inject_hyperparams_gives_the_same_updates(name, factory, kwargs, static):
+def test_inject_hyperparams_gives_the_same_updates(device, name, factory, kwargs, static):
     """Every numeric argument injected as a 0-d float32 tensor: same numbers (to float32 rounding of the values)."""
+    params = to_device(MIXED, device)
     plain = factory(**kwargs)
     injected = ft.inject_hyperparams(factory, static_args=static)(**kwargs)
-    s1, s2 = plain.init(MIXED), injected.init(MIXED)
+    s1, s2 = plain.init(params), injected.init(params)
     numeric = {
         k for k, v in kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in static
     }
     assert set(s2.hyperparams) == numeric
     for i in range(4):
-        g = mixed_grads(i)
-        u1, s1 = plain.update(g, s1, MIXED)
-        u2, s2 = injected.update(g, s2, MIXED)
+        g = to_device(mixed_grads(i), device)
+        u1, s1 = plain.update(g, s1, params)
+        u2, s2 = injected.update(g, s2, params)
         for a, b in zip(ft.tree.leaves(u1), ft.tree.leaves(u2)):
             assert a.dtype == b.dtype
             # float16 results that cancel down to a few ulps of their terms move by an ulp of the

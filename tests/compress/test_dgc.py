@@ -19,19 +19,21 @@ from tests.helpers import (
     make_step,
     ref_leaf_topk_mask,
     small_cnn,
+    to_device,
 )
 
 SHAPES = {"conv": (4, 3, 2), "fc": (5, 4), "bias": (3,)}
 
 
-def dyadic_tree(seed: int, dtype=torch.float64):
+def dyadic_tree(seed: int, dtype=torch.float64, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return {n: (torch.randint(-512, 513, s, generator=g) / 64).to(dtype) for n, s in SHAPES.items()}
+    return {n: (torch.randint(-512, 513, s, generator=g) / 64).to(dtype).to(device) for n, s in SHAPES.items()}
 
 
-def normal_tree(seed: int, dtype=torch.float32):
+def normal_tree(seed: int, dtype=torch.float32, device="cpu"):
+    """The same values on every device (drawn on the CPU, then moved)."""
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(*s, generator=g).to(dtype) for n, s in SHAPES.items()}
+    return {n: torch.randn(*s, generator=g).to(dtype).to(device) for n, s in SHAPES.items()}
 
 
 def reference_dgc(grads_seq, k, m, nesterov, masking):
@@ -62,32 +64,36 @@ def reference_dgc(grads_seq, k, m, nesterov, masking):
 
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("masking", [True, False])
-def test_momentum_correction_equals_the_papers_algorithm(nesterov, masking):
-    """m = 0.5 and dyadic gradients make every operation exact, so the comparison is bit for bit."""
+def test_momentum_correction_equals_the_papers_algorithm(device, nesterov, masking):
+    """m = 0.5 and dyadic gradients make every operation exact, so the comparison is bit for bit.
+
+    Exact arithmetic has one result on every device: the CPU reference holds off CPU too.
+    """
     k, m = 5, 0.5
-    params = dyadic_tree(0)
+    params = dyadic_tree(0, device=device)
     grads = [dyadic_tree(t + 1) for t in range(12)]
     tx = ft.momentum_correction(ft.topk(k), m, nesterov=nesterov, masking=masking)
     state = tx.init(params)
     outs, us, vs = reference_dgc(grads, k, m, nesterov, masking)
     for t, g in enumerate(grads):
+        g = to_device(g, device)
         before, state_before = clone_tree(g), clone_tree(state)
         sent, new_state = tx.update(g, state, params)
         assert_tree_bitwise_equal(g, before)  # pure
         assert_tree_bitwise_equal(state, state_before)
         state = new_state
-        assert_tree_bitwise_equal(sent, outs[t])
-        assert_tree_bitwise_equal(state.velocity, us[t])
-        assert_tree_bitwise_equal(state.residual, vs[t])
+        assert_tree_bitwise_equal(to_device(sent, "cpu"), outs[t])
+        assert_tree_bitwise_equal(to_device(state.velocity, "cpu"), us[t])
+        assert_tree_bitwise_equal(to_device(state.residual, "cpu"), vs[t])
 
 
-def test_masking_zeroes_velocity_and_residual_exactly_at_sent_coordinates():
-    params = normal_tree(0)
+def test_masking_zeroes_velocity_and_residual_exactly_at_sent_coordinates(device):
+    params = normal_tree(0, device=device)
     m = 0.9
     tx = ft.momentum_correction(ft.topk(density=0.1), m)
     state = tx.init(params)
     for t in range(8):
-        g = normal_tree(t + 1)
+        g = normal_tree(t + 1, device=device)
         u_expected = ft.tree.add_scaled(g, m, state.velocity)  # g + m * u, before masking
         v_expected = ft.tree.add(state.residual, u_expected)
         sent, state = tx.update(g, state, params)
@@ -102,15 +108,15 @@ def test_masking_zeroes_velocity_and_residual_exactly_at_sent_coordinates():
         assert sent_count == ft.sparse.k_from_density(0.1, 20 + 24 + 3)
 
 
-def test_everything_sent_without_masking_is_torch_sgd_with_weight_decay():
-    for nesterov in (False, True):
-        params = normal_tree(0)
+def test_everything_sent_without_masking_is_torch_sgd_with_weight_decay(device):
+    for nesterov in (False, True):  # torch.optim runs on the same device
+        params = normal_tree(0, device=device)
         torch_params = [params[n].clone().requires_grad_(True) for n in sorted(SHAPES)]
         opt = torch.optim.SGD(torch_params, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=nesterov)
         tx = ft.dgc(0.1, momentum=0.9, density=1.0, masking=False, weight_decay=0.01, nesterov=nesterov)
         state = tx.init(params)
         for t in range(6):
-            g = normal_tree(t + 1)
+            g = normal_tree(t + 1, device=device)
             updates, state = tx.update(g, state, params)
             params = ft.apply_updates(params, updates)
             for p, n in zip(torch_params, sorted(SHAPES)):
@@ -119,14 +125,14 @@ def test_everything_sent_without_masking_is_torch_sgd_with_weight_decay():
         assert_tree_close(params, dict(zip(sorted(SHAPES), [p.detach() for p in torch_params])), rtol=1e-5, atol=1e-6)
 
 
-def test_everything_sent_with_masking_is_plain_sgd():
-    params = normal_tree(0)
+def test_everything_sent_with_masking_is_plain_sgd(device):
+    params = normal_tree(0, device=device)
     tx = ft.dgc(0.1, momentum=0.9, density=1.0)
     plain = ft.sgd(0.1)
     s, sp = tx.init(params), plain.init(params)
     p, pp = params, params
     for t in range(4):
-        g = normal_tree(t + 1)
+        g = normal_tree(t + 1, device=device)
         u, s = tx.update(g, s, p)
         p = ft.apply_updates(p, u)
         u, sp = plain.update(g, sp, pp)
@@ -152,11 +158,11 @@ def test_min_size_leaves_get_plain_momentum_and_the_rest_is_compressed():
         assert int((sent["conv"] != 0).sum() + (sent["fc"] != 0).sum()) == ft.sparse.k_from_density(0.25, 44)
 
 
-def test_nan_is_sent_and_cleared_from_the_memory():
-    params = {"w": torch.zeros(4)}
+def test_nan_is_sent_and_cleared_from_the_memory(device):
+    params = {"w": torch.zeros(4, device=device)}
     tx = ft.momentum_correction(ft.topk(1), 0.9)
     state = tx.init(params)
-    sent, state = tx.update({"w": torch.tensor([1.0, float("nan"), 2.0, 0.5])}, state)
+    sent, state = tx.update({"w": torch.tensor([1.0, float("nan"), 2.0, 0.5], device=device)}, state)
     assert math.isnan(float(sent["w"][1])) and int((sent["w"] != 0).sum()) == 1
     assert float(state.velocity["w"][1]) == 0.0 and float(state.residual["w"][1]) == 0.0
     assert state.residual["w"][[0, 2, 3]].tolist() == [1.0, 2.0, 0.5]

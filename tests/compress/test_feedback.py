@@ -11,20 +11,22 @@ import torch._dynamo
 
 import functopk as ft
 from tests.compress.helpers import check_compiled
-from tests.helpers import assert_tree_bitwise_equal, clone_tree, ref_leaf_topk_mask
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, ref_leaf_topk_mask, to_device
 
 SHAPES = [(6, 5), (7,), (2, 2, 3)]
 
 
-def dyadic_tree(seed: int, dtype=torch.float64):
-    """Values k/64 with |k| <= 2000: sums of a few hundred of them are exact in fp64."""
+def dyadic_tree(seed: int, dtype=torch.float64, device="cpu"):
+    """Values k/64 with |k| <= 2000: sums of a few hundred of them are exact in fp64 (on any device)."""
     g = torch.Generator().manual_seed(seed)
-    return {f"p{i}": (torch.randint(-2000, 2001, s, generator=g) / 64).to(dtype) for i, s in enumerate(SHAPES)}
+    return {f"p{i}": (torch.randint(-2000, 2001, s, generator=g) / 64).to(dtype).to(device)
+            for i, s in enumerate(SHAPES)}
 
 
-def normal_tree(seed: int, dtype=torch.float32):
+def normal_tree(seed: int, dtype=torch.float32, device="cpu"):
+    """The same values on every device (drawn on the CPU, then moved)."""
     g = torch.Generator().manual_seed(seed)
-    return {f"p{i}": torch.randn(*s, generator=g).to(dtype) for i, s in enumerate(SHAPES)}
+    return {f"p{i}": torch.randn(*s, generator=g).to(dtype).to(device) for i, s in enumerate(SHAPES)}
 
 
 INNERS = {
@@ -37,15 +39,15 @@ INNERS = {
 
 
 @pytest.mark.parametrize("inner", INNERS, ids=list(INNERS))
-def test_mass_is_conserved_exactly_in_fp64(inner):
-    params = dyadic_tree(0)
+def test_mass_is_conserved_exactly_in_fp64(device, inner):
+    params = dyadic_tree(0, device=device)
     tx = ft.error_feedback(INNERS[inner]())
     state = tx.init(params)
     total_in = ft.tree.zeros_like(params)
     total_sent = ft.tree.zeros_like(params)
     sent_counts = []
     for t in range(120):
-        g = dyadic_tree(t + 1)
+        g = dyadic_tree(t + 1, device=device)
         sent, state = tx.update(g, state, params)
         total_in = ft.tree.add(total_in, g)
         total_sent = ft.tree.add(total_sent, sent)
@@ -76,15 +78,15 @@ def test_mass_is_conserved_in_fp32_to_rounding():
         assert float((s + r.double() - i).abs().max()) <= tol
 
 
-def test_equals_brute_force_reference():
-    params = normal_tree(0)
+def test_equals_brute_force_reference(device):
+    params = normal_tree(0, device=device)
     k = 4
     tx = ft.error_feedback(ft.topk(k))
     state = tx.init(params)
     residual = ft.tree.zeros_like(params)
     names = sorted(params)
     for t in range(10):
-        g = normal_tree(t + 1)
+        g = normal_tree(t + 1, device=device)
         before = clone_tree(g)
         state_before = clone_tree(state)
         sent, new_state = tx.update(g, state, params)
@@ -93,7 +95,7 @@ def test_equals_brute_force_reference():
         state = new_state
         corrected = {n: g[n] + residual[n] for n in names}
         flat = torch.cat([corrected[n].reshape(-1) for n in names])
-        mask = ref_leaf_topk_mask(flat, k)
+        mask = ref_leaf_topk_mask(flat, k).to(device)
         pieces = dict(zip(names, torch.split(mask, [corrected[n].numel() for n in names])))
         expected_sent = {n: torch.where(pieces[n].view(corrected[n].shape), corrected[n], 0.0) for n in names}
         residual = {n: torch.where(pieces[n].view(corrected[n].shape), 0.0, corrected[n]) for n in names}
@@ -125,25 +127,27 @@ def test_parameter_unit_residual_tracks_sgd_exactly_under_a_schedule():
     assert any(not torch.equal(a, b) for a, b in zip(ft.tree.leaves(gap), ft.tree.leaves(p_sgd)))
 
 
-def test_non_finite_input_stays_visible_in_the_residual():
-    params = {"w": torch.zeros(4)}
+def test_non_finite_input_stays_visible_in_the_residual(device):
+    params = {"w": torch.zeros(4, device=device)}
     tx = ft.error_feedback(ft.topk(1))
     state = tx.init(params)
-    sent, state = tx.update({"w": torch.tensor([1.0, float("nan"), 2.0, 0.5])}, state)
+    sent, state = tx.update({"w": torch.tensor([1.0, float("nan"), 2.0, 0.5], device=device)}, state)
     assert math.isnan(float(sent["w"][1]))  # top-k ranks NaN first: it is sent
     assert math.isnan(float(state.residual["w"][1]))  # NaN - NaN: the residual keeps it
     assert state.residual["w"][[0, 2, 3]].tolist() == [1.0, 2.0, 0.5]
-    sent, state = tx.update({"w": torch.zeros(4)}, state)
+    sent, state = tx.update({"w": torch.zeros(4, device=device)}, state)
     assert math.isnan(float(sent["w"][1]))  # and it keeps reaching the updates
 
 
-def test_none_leaves_and_dtypes_are_preserved():
+def test_none_leaves_and_dtypes_are_preserved(device):
     params = {"a": torch.zeros(5, dtype=torch.float16), "frozen": None, "b": torch.zeros(3, dtype=torch.float64)}
+    params = to_device(params, device)
     tx = ft.error_feedback(ft.topk(2))
     state = tx.init(params)
-    g = {"a": torch.randn(5).half(), "frozen": None, "b": torch.randn(3, dtype=torch.float64)}
+    g = to_device({"a": torch.randn(5).half(), "frozen": None, "b": torch.randn(3, dtype=torch.float64)}, device)
     sent, state = tx.update(g, state)
     assert sent["frozen"] is None and state.residual["frozen"] is None
+    assert sent["a"].device == state.residual["b"].device == torch.device(device)
     assert sent["a"].dtype == state.residual["a"].dtype == torch.float16
     assert sent["b"].dtype == state.residual["b"].dtype == torch.float64
 

@@ -7,33 +7,35 @@ import torch
 
 import functopk as ft
 from tests.compress.helpers import check_compiled, tree_of
-from tests.helpers import assert_tree_bitwise_equal, bits, clone_tree, ref_leaf_topk_mask
+from tests.helpers import assert_tree_bitwise_equal, bits, clone_tree, ref_leaf_topk_mask, to_device
 
 # --------------------------------------------------------------------------- layerwise top-k
 
 
-def test_layerwise_topk_matches_per_leaf_brute_force_with_ties_and_nan():
-    tree = {
+def test_layerwise_topk_matches_per_leaf_brute_force_with_ties_and_nan(device):
+    cpu_tree = {
         "big": torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 0.5, float("nan"), 1.0]),
         "ties": torch.tensor([[2.0, -2.0, 2.0], [1.0, -2.0, 0.0]]),
         "mixed": torch.tensor([0.1, 5.0, -5.0, 0.3, 0.2], dtype=torch.float16),
         "small": torch.tensor([9.0, 8.0]),
     }
+    tree = to_device(cpu_tree, device)
     before = clone_tree(tree)
     tx = ft.layerwise_topk(3, min_size=5)
     out, _ = tx.update(tree, tx.init(tree))
     assert_tree_bitwise_equal(tree, before)
+    out = to_device(out, "cpu")
     for name in ("big", "ties", "mixed"):
-        expected = torch.where(ref_leaf_topk_mask(tree[name], 3), tree[name], 0.0)
+        expected = torch.where(ref_leaf_topk_mask(cpu_tree[name], 3), cpu_tree[name], 0.0)
         assert torch.equal(bits(out[name]), bits(expected)), name
-    assert torch.equal(out["small"], tree["small"])  # below min_size: dense
+    assert torch.equal(out["small"], cpu_tree["small"])  # below min_size: dense
 
 
 @pytest.mark.parametrize("density", [0.01, 0.1, 0.5, 1.0])
-def test_layerwise_topk_density_keeps_k_from_density_per_leaf(density):
+def test_layerwise_topk_density_keeps_k_from_density_per_leaf(device, density):
     tree = tree_of((30, 20), (7, 7), (5,), (100,))
     tx = ft.layerwise_topk(density=density, min_size=10)
-    out, _ = tx.update(tree, tx.init(tree))
+    out = to_device(tx.update(to_device(tree, device), tx.init(None))[0], "cpu")
     for name, leaf in tree.items():
         n = leaf.numel()
         if n < 10:
@@ -43,8 +45,8 @@ def test_layerwise_topk_density_keeps_k_from_density_per_leaf(density):
             assert torch.equal(out[name] != 0, ref_leaf_topk_mask(leaf, k)), name
 
 
-def test_layerwise_topk_min_size_boundary_and_small_k():
-    tree = {"a": torch.randn(10), "b": torch.randn(9), "c": torch.randn(2)}
+def test_layerwise_topk_min_size_boundary_and_small_k(device):
+    tree = to_device({"a": torch.randn(10), "b": torch.randn(9), "c": torch.randn(2)}, device)
     out, _ = ft.layerwise_topk(2, min_size=10).update(tree, ft.EmptyState())
     assert int((out["a"] != 0).sum()) == 2  # numel == min_size: sparsified
     assert torch.equal(out["b"], tree["b"])  # numel < min_size: dense

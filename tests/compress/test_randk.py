@@ -16,7 +16,7 @@ import torch
 import functopk as ft
 from functopk.compress.randk import _fmix32, _mul32, randk_keys
 from tests.compress.helpers import check_compiled, tree_of
-from tests.helpers import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,11 +28,11 @@ def flat_true_indices(mask_tree) -> list[int]:
 # --------------------------------------------------------------------------- the hash
 
 
-def test_mul32_and_fmix32_match_python_integer_arithmetic():
+def test_mul32_and_fmix32_match_python_integer_arithmetic(device):
     rng = random.Random(0)
     xs = [0, 1, 2**31 - 1, 2**31, 2**32 - 1] + [rng.randrange(2**32) for _ in range(2000)]
     cs = [0x85EBCA6B, 0xC2B2AE35, 0xFFFFFFFF, 1, 0]
-    t = torch.tensor(xs, dtype=torch.int64)
+    t = torch.tensor(xs, dtype=torch.int64, device=device)
     for c in cs:
         assert t.__class__ is torch.Tensor
         assert _mul32(t, c).tolist() == [(x * c) % 2**32 for x in xs]
@@ -47,24 +47,29 @@ def test_mul32_and_fmix32_match_python_integer_arithmetic():
     assert _fmix32(t).tolist() == [fmix_ref(x) for x in xs]
 
 
-def test_keys_are_distinct_32_bit_values():
-    keys = randk_keys(1 << 17, seed=123, step=9)
-    assert keys.dtype == torch.int64
+def test_keys_are_distinct_32_bit_values(device):
+    keys = randk_keys(1 << 17, seed=123, step=9, device=torch.device(device))
+    assert keys.dtype == torch.int64 and keys.device == torch.device(device)
     assert int(keys.min()) >= 0 and int(keys.max()) < 2**32
     assert keys.unique().numel() == keys.numel()  # a bijection of the index: no ties, a unique top-k set
+    # identical on every device, with the step an int or a tensor on the device
+    assert torch.equal(keys.cpu(), randk_keys(1 << 17, seed=123, step=9))
+    assert torch.equal(randk_keys(1 << 17, seed=123, step=torch.tensor(9, device=device)), keys)
 
 
 # --------------------------------------------------------------------------- randk
 
 
-def test_randk_mask_is_a_function_of_seed_step_and_layout():
-    tree = tree_of((7, 5), (3,), (2, 2, 3))
+def test_randk_mask_is_a_function_of_seed_step_and_layout(device):
+    tree = to_device(tree_of((7, 5), (3,), (2, 2, 3)), device)
     other_values = ft.tree.map(lambda x: x * 100 + 1, tree)
     m = flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=3))
     assert len(m) == 6
     assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=3)) == m
     assert flat_true_indices(ft.compress.randk_mask(other_values, 6, seed=11, step=3)) == m  # values are not read
     assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=torch.tensor(3))) == m
+    assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=torch.tensor(3, device=device))) == m
+    assert flat_true_indices(ft.compress.randk_mask(to_device(tree, "cpu"), 6, seed=11, step=3)) == m  # any device
     assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=11, step=4)) != m
     assert flat_true_indices(ft.compress.randk_mask(tree, 6, seed=12, step=3)) != m
     # steps beyond 2**32 use the high word too
@@ -94,18 +99,20 @@ def test_randk_same_indices_in_a_separate_process():
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (10, 1), (10, 10), (1000, 37), (4097, 4096)])
-def test_randk_selects_exactly_k(n, k):
-    out, _ = ft.randk(k, seed=5).update({"w": torch.randn(n)}, ft.randk(k, seed=5).init({"w": torch.zeros(n)}))
+def test_randk_selects_exactly_k(device, n, k):
+    tx = ft.randk(k, seed=5)
+    out, _ = tx.update({"w": torch.randn(n, device=device)}, tx.init({"w": torch.zeros(n, device=device)}))
     assert int((out["w"] != 0).sum()) == k
 
 
-def test_randk_transform_equals_mask_and_counts_steps():
-    params = tree_of((6, 5), (4,))
+def test_randk_transform_equals_mask_and_counts_steps(device):
+    params = to_device(tree_of((6, 5), (4,)), device)
     tx = ft.randk(density=0.25, seed=9)
     state = tx.init(params)
+    assert state.count.device == torch.device(device)
     k = ft.sparse.k_from_density(0.25, 34)
     for step in range(4):
-        grads = tree_of((6, 5), (4,), seed=step + 1)
+        grads = to_device(tree_of((6, 5), (4,), seed=step + 1), device)
         before = clone_tree(grads)
         out, new_state = tx.update(grads, state, params)
         assert_tree_bitwise_equal(grads, before)  # pure

@@ -9,17 +9,18 @@ import torch
 
 import functopk as ft
 from tests.compress.helpers import check_compiled, tree_of
-from tests.helpers import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
 
 # --------------------------------------------------------------------------- threshold
 
 
-def test_threshold_matches_reference_and_keeps_nan_and_inf():
-    x = {
+def test_threshold_matches_reference_and_keeps_nan_and_inf(device):
+    cpu_x = {
         "a": torch.tensor([0.5, -1.0, 1.0, -0.999, 2.0, 0.0, -0.0]),
         "b": torch.tensor([[float("nan"), float("inf")], [-float("inf"), 0.25]]),
         "c": torch.tensor([1.0, -3.0], dtype=torch.float64),
     }
+    x = to_device(cpu_x, device)
     before = clone_tree(x)
     tx = ft.threshold(1.0)
     out, state = tx.update(x, tx.init(None))
@@ -29,25 +30,26 @@ def test_threshold_matches_reference_and_keeps_nan_and_inf():
         vals = [v if (math.isnan(v) or abs(v) >= 1.0) else 0.0 for v in leaf.reshape(-1).tolist()]
         return torch.tensor(vals, dtype=leaf.dtype).reshape(leaf.shape)
 
-    assert_tree_bitwise_equal(out, ft.tree.map(ref, x))
+    assert_tree_bitwise_equal(to_device(out, "cpu"), ft.tree.map(ref, cpu_x))
 
 
-def test_threshold_zero_keeps_everything_and_tensor_v_equals_number():
-    x = tree_of((5, 3), (4,))
+def test_threshold_zero_keeps_everything_and_tensor_v_equals_number(device):
+    x = to_device(tree_of((5, 3), (4,)), device)
     out, _ = ft.threshold(0.0).update(x, ft.EmptyState())
     assert_tree_bitwise_equal(out, x)
     a, _ = ft.threshold(0.7).update(x, ft.EmptyState())
-    b, _ = ft.threshold(torch.tensor(0.7)).update(x, ft.EmptyState())
-    assert_tree_bitwise_equal(a, b)
+    for where in dict.fromkeys(("cpu", device)):  # v on the CPU or on the leaves' device
+        b, _ = ft.threshold(torch.tensor(0.7, device=where)).update(x, ft.EmptyState())
+        assert_tree_bitwise_equal(a, b)
 
 
-def test_threshold_with_inject_hyperparams():
+def test_threshold_with_inject_hyperparams(device):
     tx = ft.inject_hyperparams(ft.threshold)(v=0.5)
-    x = {"w": torch.tensor([0.2, 0.6, -1.0])}
+    x = {"w": torch.tensor([0.2, 0.6, -1.0], device=device)}
     state = tx.init(x)
     out, state = tx.update(x, state)
     assert out["w"].tolist() == [0.0, pytest.approx(0.6), -1.0]
-    state = state._replace(hyperparams={"v": torch.tensor(0.8)})
+    state = state._replace(hyperparams={"v": torch.tensor(0.8, device=device)})
     out, state = tx.update(x, state)
     assert out["w"].tolist() == [0.0, 0.0, -1.0]
 

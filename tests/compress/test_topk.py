@@ -18,6 +18,7 @@ from tests.helpers import (
     clone_tree,
     non_float_leaves,
     numel,
+    to_device,
     trees_st,
 )
 
@@ -26,25 +27,27 @@ GOOD = {"w": torch.ones(3), "b": torch.ones(2)}
 
 @settings(max_examples=40)
 @given(tree=trees_st(), data=st.data())
-def test_topk_transform_equals_function(tree, data):
+def test_topk_transform_equals_function(device, tree, data):
     n = numel(tree)
     if n == 0:
         return
     k = data.draw(st.integers(1, n), label="k")
+    dtree = to_device(tree, device)
     tx = ft.topk(k)
-    state = tx.init(tree)
-    out, new_state = tx.update(tree, state)
+    state = tx.init(dtree)
+    out, new_state = tx.update(dtree, state)
     assert new_state == state == ft.EmptyState()
-    assert_tree_bitwise_equal(out, ft.topk_sparsify(tree, k))
-    assert_tree_bitwise_equal(ft.topk_indices(tree, k).to_dense(tree), out)
+    assert_tree_bitwise_equal(out, ft.topk_sparsify(dtree, k))
+    assert_tree_bitwise_equal(ft.topk_indices(dtree, k).to_dense(dtree), out)
+    assert_tree_bitwise_equal(to_device(out, "cpu"), ft.topk_sparsify(tree, k))  # the CPU's selection
 
 
-def test_density_form():
-    tree = {"w": torch.arange(200.0)}
+def test_density_form(device):
+    tree = {"w": torch.arange(200.0, device=device)}
     tx = ft.topk(density=0.05)
     out, _ = tx.update(tree, tx.init(tree))
     assert int((out["w"] != 0).sum()) == 10
-    assert torch.equal(out["w"][-10:], torch.arange(190.0, 200.0))
+    assert torch.equal(out["w"][-10:], torch.arange(190.0, 200.0, device=device))
 
 
 def test_sparse_flag_is_gone():
@@ -106,18 +109,22 @@ def test_unknown_method_rejected():
         ft.topk(1, method="fast")
 
 
-def test_nan_or_huge_tensor_k_and_density():
-    grads = {"w": torch.tensor([1.0, -4.0, 2.0, 0.5])}
-    for k in (torch.tensor(math.inf), torch.tensor(1e30)):
+def test_nan_or_huge_tensor_k_and_density(device):
+    grads = {"w": torch.tensor([1.0, -4.0, 2.0, 0.5], device=device)}
+    for k in (torch.tensor(math.inf, device=device), torch.tensor(1e30, device=device)):
         out, _ = ft.topk(k).update(grads, ft.EmptyState())
         assert_tree_bitwise_equal(out, grads)  # k = n, not 1
+    nan = torch.tensor(math.nan, device=device)
     for method in ("torch", "approx"):
-        out, _ = ft.topk(torch.tensor(math.nan), method=method).update(grads, ft.EmptyState())
+        out, _ = ft.topk(nan, method=method).update(grads, ft.EmptyState())
         assert_tree_bitwise_equal(out, grads)
-    with pytest.raises(ValueError, match="k is NaN"):  # the eager exact kernel reads k
-        ft.topk(torch.tensor(math.nan)).update(grads, ft.EmptyState())
+    if device == "cpu":
+        with pytest.raises(ValueError, match="k is NaN"):  # the eager exact kernel reads k
+            ft.topk(nan).update(grads, ft.EmptyState())
+    else:  # off CPU "exact" is the static kernel: NaN keeps everything
+        assert_tree_bitwise_equal(ft.topk(nan).update(grads, ft.EmptyState())[0], grads)
     for density in (math.nan, math.inf):
-        out, _ = ft.topk(density=torch.tensor(density)).update(grads, ft.EmptyState())
+        out, _ = ft.topk(density=torch.tensor(density, device=device)).update(grads, ft.EmptyState())
         assert_tree_bitwise_equal(out, grads)
 
 
@@ -125,16 +132,17 @@ def test_nan_or_huge_tensor_k_and_density():
 
 
 @pytest.mark.parametrize("method", ["exact", "torch", "approx"])
-def test_k_schedule_keeps_a_count_and_follows_it(method):
-    grads = {"a": torch.arange(1.0, 7.0).reshape(2, 3), "b": torch.tensor([-10.0, 0.5])}
+def test_k_schedule_keeps_a_count_and_follows_it(device, method):
+    grads = to_device({"a": torch.arange(1.0, 7.0).reshape(2, 3), "b": torch.tensor([-10.0, 0.5])}, device)
     tx = ft.topk(lambda count: 1 + 2 * count, method=method)
     state = tx.init(grads)
     assert isinstance(state, ft.compress.TopKState) and state.count.dtype == torch.int64
+    assert state.count.device == torch.device(device)
     for step in range(3):
         before = clone_tree(state)
         out, state = tx.update(grads, state)
         # the old state is not changed
-        assert_tree_bitwise_equal(before, ft.compress.TopKState(count=torch.tensor(step)))
+        assert_tree_bitwise_equal(before, ft.compress.TopKState(count=torch.tensor(step, device=device)))
         if method != "approx":
             assert_tree_bitwise_equal(out, ft.topk_sparsify(grads, 1 + 2 * step))
         else:
@@ -142,8 +150,8 @@ def test_k_schedule_keeps_a_count_and_follows_it(method):
     assert int(state.count) == 3
 
 
-def test_density_schedule_and_injected_density():
-    grads = {"w": torch.arange(1.0, 201.0)}
+def test_density_schedule_and_injected_density(device):
+    grads = {"w": torch.arange(1.0, 201.0, device=device)}
     tx = ft.topk(density=ft.linear_schedule(0.25, 0.05, transition_steps=2))
     state = tx.init(grads)
     counts = []
@@ -155,7 +163,8 @@ def test_density_schedule_and_injected_density():
     state = injected.init(grads)
     out, state = injected.update(grads, state)
     assert_tree_bitwise_equal(out, ft.topk_sparsify(grads, 20))
-    state = state._replace(hyperparams={"density": torch.tensor(0.02)})
+    assert state.hyperparams["density"].device == torch.device(device)
+    state = state._replace(hyperparams={"density": torch.tensor(0.02, device=device)})
     out, _ = injected.update(grads, state)
     assert_tree_bitwise_equal(out, ft.topk_sparsify(grads, 4))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import functopk as ft
-from tests.helpers import assert_tree_bitwise_equal, assert_tree_close, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, assert_tree_close, clone_tree, to_device
 
 PARAMS = {"conv": {"weight": torch.randn(3, 2, 2), "bias": torch.randn(3)}, "fc": (torch.randn(4, 3), torch.randn(4))}
 
@@ -20,13 +20,13 @@ def grads_at(i, like=PARAMS):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_multi_steps_equals_inner_on_mean_gradients(k):
+def test_multi_steps_equals_inner_on_mean_gradients(device, k):
     inner = ft.adamw(0.05, weight_decay=0.1)
     tx = ft.multi_steps(inner, every_k=k)
-    params, ref_params = clone_tree(PARAMS), clone_tree(PARAMS)
+    params, ref_params = to_device(PARAMS, device), to_device(PARAMS, device)
     state, ref = tx.init(params), inner.init(params)
     for big in range(3):
-        gs = [grads_at(10 * big + j) for j in range(k)]
+        gs = [to_device(grads_at(10 * big + j), device) for j in range(k)]
         for j, g in enumerate(gs):
             s0 = clone_tree(state)
             updates, new_state = tx.update(g, state, params)

@@ -6,17 +6,19 @@ import pytest
 import torch
 
 import functopk as ft
+from tests.helpers import to_device
 from tests.optim.common import PARAMS, grads_at
 
 
-def test_scale_by_adam_against_float64_formula():
+def test_scale_by_adam_against_float64_formula(device):
     b1, b2, eps, eps_root = 0.8, 0.9, 1e-3, 1e-4
     tx = ft.scale_by_adam(b1, b2, eps, eps_root)
-    state = tx.init(PARAMS)
+    state = tx.init(to_device(PARAMS, device))
     mu = nu = torch.zeros(3, dtype=torch.float64)
     for t in range(1, 5):
         g = grads_at(t)
-        updates, state = tx.update(g, state)
+        updates, state = tx.update(to_device(g, device), state)
+        updates = to_device(updates, "cpu")  # compared with CPU formulas
         g64 = g["w"].double()
         mu = b1 * mu + (1 - b1) * g64
         nu = b2 * nu + (1 - b2) * g64**2
@@ -25,14 +27,15 @@ def test_scale_by_adam_against_float64_formula():
     assert updates["b"].dtype == torch.float64 and int(state.count) == 4
 
 
-def test_scale_by_adam_amsgrad_uses_running_max_of_raw_nu():
+def test_scale_by_adam_amsgrad_uses_running_max_of_raw_nu(device):
     b1, b2, eps = 0.0, 0.5, 0.0
     tx = ft.scale_by_adam(b1, b2, eps, amsgrad=True)
     params = {"w": torch.zeros(1)}
-    state = tx.init(params)
+    state = tx.init(to_device(params, device))
     nu = nu_max = 0.0
     for t, g in enumerate([4.0, 0.0, 0.0], start=1):
-        updates, state = tx.update({"w": torch.tensor([g if g else 1e-3])}, state)
+        updates, state = tx.update(to_device({"w": torch.tensor([g if g else 1e-3])}, device), state)
+        updates = to_device(updates, "cpu")  # compared with CPU formulas
         g = g if g else 1e-3
         nu = b2 * nu + (1 - b2) * g * g
         nu_max = max(nu_max, nu)
@@ -43,15 +46,16 @@ def test_scale_by_adam_amsgrad_uses_running_max_of_raw_nu():
 
 @pytest.mark.parametrize("centered", [False, True])
 @pytest.mark.parametrize("eps_in_sqrt", [False, True])
-def test_scale_by_rms_against_formula(centered, eps_in_sqrt):
+def test_scale_by_rms_against_formula(device, centered, eps_in_sqrt):
     decay, eps, init = 0.7, 1e-2, 0.5
     tx = ft.scale_by_rms(decay, eps, initial_scale=init, centered=centered, eps_in_sqrt=eps_in_sqrt)
-    state = tx.init(PARAMS)
+    state = tx.init(to_device(PARAMS, device))
     nu = torch.full((3,), init, dtype=torch.float64)
     mu = torch.zeros(3, dtype=torch.float64)
     for i in range(4):
         g = grads_at(i)
-        updates, state = tx.update(g, state)
+        updates, state = tx.update(to_device(g, device), state)
+        updates = to_device(updates, "cpu")  # compared with CPU formulas
         g64 = g["w"].double()
         nu = decay * nu + (1 - decay) * g64**2
         mu = decay * mu + (1 - decay) * g64
@@ -61,14 +65,15 @@ def test_scale_by_rms_against_formula(centered, eps_in_sqrt):
     assert (state.mu is None) != centered
 
 
-def test_scale_by_rss_torch_form_against_formula():
+def test_scale_by_rss_torch_form_against_formula(device):
     """eps_in_sqrt=False: torch.optim.Adagrad's g / (sqrt(sum) + eps)."""
     tx = ft.scale_by_rss(initial_accumulator_value=0.2, eps=1e-3, eps_in_sqrt=False)
-    state = tx.init(PARAMS)
+    state = tx.init(to_device(PARAMS, device))
     acc = torch.full((3,), 0.2, dtype=torch.float64)
     for i in range(4):
         g = grads_at(i)
-        updates, state = tx.update(g, state)
+        updates, state = tx.update(to_device(g, device), state)
+        updates = to_device(updates, "cpu")  # compared with CPU formulas
         acc = acc + g["w"].double() ** 2
         torch.testing.assert_close(updates["w"].double(), g["w"].double() / (acc.sqrt() + 1e-3), rtol=2e-6, atol=0)
 
@@ -92,16 +97,17 @@ def test_bad_arguments(factory, kwargs, exc, match):
         factory(**kwargs)
 
 
-def test_scale_by_rss_optax_form_against_formula():
+def test_scale_by_rss_optax_form_against_formula(device):
     """optax's scale_by_rss: g * rsqrt(sum + eps) where sum > 0, and 0 where sum == 0; defaults 0.1 and 1e-7."""
     tx = ft.scale_by_rss()
     params = {"w": torch.zeros(4)}
-    state = tx.init(params)
-    assert torch.equal(state.sum_of_squares["w"], torch.full((4,), 0.1))
+    state = tx.init(to_device(params, device))
+    assert torch.equal(state.sum_of_squares["w"].cpu(), torch.full((4,), 0.1))
     acc = torch.full((4,), 0.1, dtype=torch.float64)
     for i in range(4):
         g = {"w": grads_at(i, params)["w"] * torch.tensor([1.0, 1.0, 0.0, 1.0])}
-        updates, state = tx.update(g, state)
+        updates, state = tx.update(to_device(g, device), state)
+        updates = to_device(updates, "cpu")  # compared with CPU formulas
         acc = acc + g["w"].double() ** 2
         expected = g["w"].double() / torch.sqrt(acc + 1e-7)
         torch.testing.assert_close(updates["w"].double(), expected, rtol=2e-6, atol=0)
@@ -111,14 +117,15 @@ def test_scale_by_rss_optax_form_against_formula():
     assert torch.equal(updates["w"], torch.tensor([0.0, 1.0]))
 
 
-def test_scale_by_rms_optax_defaults():
+def test_scale_by_rms_optax_defaults(device):
     """decay 0.9, eps 1e-8 under the root, initial scale 0: optax's scale_by_rms()."""
     tx = ft.scale_by_rms()
-    state = tx.init(PARAMS)
+    state = tx.init(to_device(PARAMS, device))
     nu = torch.zeros(3, dtype=torch.float64)
     for i in range(3):
         g = grads_at(i)
-        updates, state = tx.update(g, state)
+        updates, state = tx.update(to_device(g, device), state)
+        updates = to_device(updates, "cpu")  # compared with CPU formulas
         nu = 0.9 * nu + 0.1 * g["w"].double() ** 2
         torch.testing.assert_close(updates["w"].double(), g["w"].double() / torch.sqrt(nu + 1e-8), rtol=2e-6, atol=0)
 
@@ -155,12 +162,12 @@ def _foreach_kernels(fn):
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw"])
-def test_adam_update_is_seven_foreach_kernels(name):
+def test_adam_update_is_seven_foreach_kernels(device, name):
     """The fused Adam step: lerp, mul, addcmul_ (moments), sqrt, add_, div (into the denominators), mul_.
 
     adamw's decoupled decay adds one more (add_ of the scaled parameters into the update).
     """
-    params = {"w": torch.randn(3, 2), "b": torch.randn(2)}
+    params = to_device({"w": torch.randn(3, 2), "b": torch.randn(2)}, device)
     tx = ft.adam(0.01) if name == "adam" else ft.adamw(0.01, weight_decay=0.1)
     state = tx.init(params)
     kernels = _foreach_kernels(lambda: tx.update(ft.tree.map(torch.ones_like, params), state, params))

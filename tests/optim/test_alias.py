@@ -47,7 +47,7 @@ def assert_step_close(ours, theirs, before, where, rtol=RTOL):
     )
 
 
-def run_parity(make_opt, tx, *, scheduler=None, change=None, steps=STEPS, model=None):
+def run_parity(make_opt, tx, *, scheduler=None, change=None, steps=STEPS, model=None, device="cpu"):
     """Step torch.optim and ``tx`` side by side; compare the new parameters after every step.
 
     Args:
@@ -57,18 +57,19 @@ def run_parity(make_opt, tx, *, scheduler=None, change=None, steps=STEPS, model=
         change: ``(opt, state) -> state`` called after step ``steps // 2``, to change a
             hyperparameter on both sides.
         model: The module (default: ``small_cnn()``).
+        device: Where both run: the module, the batches, torch.optim's and functopk's states.
 
     Returns:
         The final functopk state.
     """
-    ref = small_cnn() if model is None else model
+    ref = (small_cnn() if model is None else model).to(device)
     opt = make_opt(ref)
     sched = scheduler(opt) if scheduler else None
     named = dict(ref.named_parameters())
     state = tx.init({n: p.detach().clone() for n, p in named.items()})
     start = {n: p.detach().clone() for n, p in named.items()}
     for i in range(steps):
-        x, y = batch(seed=i)
+        x, y = (t.to(device) for t in batch(seed=i))
         opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         params = {n: p.detach().clone() for n, p in named.items()}
@@ -95,7 +96,8 @@ def set_both(name, torch_name, value):
     def change(opt, state):
         for group in opt.param_groups:
             group[torch_name] = value
-        return state._replace(hyperparams={**state.hyperparams, name: torch.tensor(value)})
+        stored = state.hyperparams[name]  # on the parameters' device
+        return state._replace(hyperparams={**state.hyperparams, name: torch.tensor(value, device=stored.device)})
 
     return change
 
@@ -112,12 +114,14 @@ SGD_CASES = {
 
 
 @pytest.mark.parametrize("kwargs", SGD_CASES.values(), ids=SGD_CASES.keys())
-def test_sgd(kwargs):
+def test_sgd(device, kwargs):
     lr = 0.05 if not kwargs.get("maximize") else 0.01
-    run_parity(lambda m: torch.optim.SGD(m.parameters(), lr=lr, foreach=True, **kwargs), ft.sgd(lr, **kwargs))
+    run_parity(
+        lambda m: torch.optim.SGD(m.parameters(), lr=lr, foreach=True, **kwargs), ft.sgd(lr, **kwargs), device=device
+    )
 
 
-def test_sgd_injected_with_schedule_and_change():
+def test_sgd_injected_with_schedule_and_change(device):
     kwargs = {"momentum": 0.9, "dampening": 0.2, "weight_decay": 0.01}
     tx = ft.inject_hyperparams(ft.sgd)(learning_rate=ft.exponential_decay(0.05, 1, 0.9), **kwargs)
     state = run_parity(
@@ -125,6 +129,7 @@ def test_sgd_injected_with_schedule_and_change():
         tx,
         scheduler=lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9),
         change=set_both("momentum", "momentum", 0.5),
+        device=device,
     )
     assert set(state.hyperparams) == {"learning_rate", "momentum", "dampening", "weight_decay"}
 
@@ -146,9 +151,11 @@ def _ft_kwargs(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", ADAM_CASES.values(), ids=ADAM_CASES.keys())
-def test_adam(kwargs):
+def test_adam(device, kwargs):
     run_parity(
-        lambda m: torch.optim.Adam(m.parameters(), lr=0.01, foreach=True, **kwargs), ft.adam(0.01, **_ft_kwargs(kwargs))
+        lambda m: torch.optim.Adam(m.parameters(), lr=0.01, foreach=True, **kwargs),
+        ft.adam(0.01, **_ft_kwargs(kwargs)),
+        device=device,
     )
 
 
@@ -160,15 +167,16 @@ ADAMW_CASES = {
 
 
 @pytest.mark.parametrize("kwargs", ADAMW_CASES.values(), ids=ADAMW_CASES.keys())
-def test_adamw(kwargs):
+def test_adamw(device, kwargs):
     run_parity(
         lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, foreach=True, **kwargs),
         ft.adamw(0.01, **_ft_kwargs(kwargs)),
+        device=device,
     )
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw"])
-def test_adam_injected_with_schedule_and_change(name):
+def test_adam_injected_with_schedule_and_change(device, name):
     torch_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
     kwargs = {"weight_decay": 0.05, "amsgrad": True, "eps": 1e-6}
     tx = ft.inject_hyperparams(getattr(ft, name))(
@@ -179,6 +187,7 @@ def test_adam_injected_with_schedule_and_change(name):
         tx,
         scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 30, eta_min=0.001),
         change=set_both("weight_decay", "weight_decay", 0.2),
+        device=device,
     )
     assert set(state.hyperparams) == {"learning_rate", "b1", "b2", "eps", "weight_decay"}
 
@@ -193,14 +202,15 @@ RMSPROP_CASES = {
 
 
 @pytest.mark.parametrize("kwargs", RMSPROP_CASES.values(), ids=RMSPROP_CASES.keys())
-def test_rmsprop(kwargs):
+def test_rmsprop(device, kwargs):
     run_parity(
         lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3, foreach=True, **kwargs),
         ft.rmsprop(1e-3, **kwargs),
+        device=device,
     )
 
 
-def test_rmsprop_injected_with_schedule_and_change():
+def test_rmsprop_injected_with_schedule_and_change(device):
     kwargs = {"alpha": 0.95, "momentum": 0.5, "centered": True, "weight_decay": 0.01}
     tx = ft.inject_hyperparams(ft.rmsprop)(learning_rate=ft.piecewise_constant_schedule(1e-3, {5: 0.5}), **kwargs)
     run_parity(
@@ -208,6 +218,7 @@ def test_rmsprop_injected_with_schedule_and_change():
         tx,
         scheduler=lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [5], 0.5),
         change=set_both("alpha", "alpha", 0.8),
+        device=device,
     )
 
 
@@ -220,14 +231,15 @@ ADAGRAD_CASES = {
 
 
 @pytest.mark.parametrize("kwargs", ADAGRAD_CASES.values(), ids=ADAGRAD_CASES.keys())
-def test_adagrad(kwargs):
+def test_adagrad(device, kwargs):
     run_parity(
         lambda m: torch.optim.Adagrad(m.parameters(), lr=0.05, foreach=True, **kwargs),
         ft.adagrad(0.05, **kwargs),
+        device=device,
     )
 
 
-def test_adagrad_injected_with_schedule_and_change():
+def test_adagrad_injected_with_schedule_and_change(device):
     kwargs = {"lr_decay": 0.05, "initial_accumulator_value": 0.1, "weight_decay": 0.01}
     tx = ft.inject_hyperparams(ft.adagrad)(learning_rate=ft.exponential_decay(0.05, 1, 0.95), **kwargs)
     run_parity(
@@ -235,10 +247,11 @@ def test_adagrad_injected_with_schedule_and_change():
         tx,
         scheduler=lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.95),
         change=set_both("lr_decay", "lr_decay", 0.2),
+        device=device,
     )
 
 
-def test_adamw_mask_decays_only_masked_leaves():
+def test_adamw_mask_decays_only_masked_leaves(device):
     """adamw(mask=...) equals torch.optim.AdamW with two parameter groups (decay / no decay)."""
 
     def make_opt(model):
@@ -248,7 +261,7 @@ def test_adamw_mask_decays_only_masked_leaves():
         return torch.optim.AdamW(groups, lr=0.01, foreach=True)
 
     tx = ft.adamw(0.01, weight_decay=0.3, mask=lambda p: ft.tree.map(lambda x: x.dim() > 1, p))
-    run_parity(make_opt, tx, steps=10)
+    run_parity(make_opt, tx, steps=10, device=device)
 
 
 @pytest.mark.parametrize(

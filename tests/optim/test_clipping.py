@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functopk as ft
-from tests.helpers import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
 
 PARAMS = {"conv": {"weight": torch.randn(3, 2, 2), "bias": torch.randn(3)}, "fc": (torch.randn(4, 3), torch.randn(4))}
 
@@ -27,12 +27,12 @@ def grads_at(i, like=PARAMS):
     st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=20),
     st.floats(0.0, 100.0, allow_nan=False, width=32),
 )
-def test_clip_by_global_norm_bound_and_identity_below(values, max_norm):
+def test_clip_by_global_norm_bound_and_identity_below(device, values, max_norm):
     x = torch.tensor(values)
-    tree = {"a": x[: len(values) // 2], "b": x[len(values) // 2 :].reshape(-1, 1)}
+    tree = to_device({"a": x[: len(values) // 2], "b": x[len(values) // 2 :].reshape(-1, 1)}, device)
     tx = ft.clip_by_global_norm(max_norm)
     out, _ = tx.update(tree, tx.init(None))
-    flat = torch.cat([out["a"], out["b"].reshape(-1)]).double()
+    flat = torch.cat([out["a"], out["b"].reshape(-1)]).double().cpu()
     norm = float(torch.linalg.vector_norm(x.double()))
     # measured in float64: squaring tiny float32 outputs (max_norm near 1e-38) would underflow
     assert float(torch.linalg.vector_norm(flat)) <= max_norm * (1 + 1e-6) + 1e-30
@@ -47,8 +47,8 @@ def test_clip_by_global_norm_bound_and_identity_below(values, max_norm):
         torch.testing.assert_close(flat, expected, rtol=1e-5, atol=atol)
 
 
-def test_clip_by_global_norm_matches_torch_clip_grad_norm():
-    grads = grads_at(0)
+def test_clip_by_global_norm_matches_torch_clip_grad_norm(device):
+    grads = to_device(grads_at(0), device)  # torch's clip_grad_norm_ on the same device
     tensors = [torch.zeros_like(g, requires_grad=True) for g in ft.tree.leaves(grads)]
     for t, g in zip(tensors, ft.tree.leaves(grads)):
         t.grad = g.clone()
@@ -64,8 +64,9 @@ def test_clip_by_global_norm_matches_torch_clip_grad_norm():
     assert_tree_bitwise_equal(loose.update(grads, loose.init(None))[0], grads)
 
 
-def test_global_norm_half_precision_does_not_overflow():
-    tree = {"h": torch.full((4,), 60000.0, dtype=torch.float16), "b": torch.full((2,), 3e4, dtype=torch.bfloat16)}
+def test_global_norm_half_precision_does_not_overflow(device):
+    tree = {"h": torch.full((4,), 60000.0, dtype=torch.float16, device=device),
+            "b": torch.full((2,), 3e4, dtype=torch.bfloat16, device=device)}
     expected = math.sqrt(4 * 60000.0**2 + 2 * 3e4**2)
     assert float(ft.tree.norm(tree)) == pytest.approx(expected, rel=1e-2)
     assert ft.tree.norm(tree).dtype == torch.float32
@@ -75,31 +76,32 @@ def test_global_norm_half_precision_does_not_overflow():
     st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=20),
     st.floats(0.0, 10.0, width=32),
 )
-def test_clip_bounds_each_coordinate(values, max_delta):
-    x = torch.tensor(values)
+def test_clip_bounds_each_coordinate(device, values, max_delta):
+    x = torch.tensor(values, device=device)
     for tx in (ft.clip(max_delta), ft.inject_hyperparams(ft.clip)(max_delta=max_delta)):
         out, _ = tx.update({"x": x}, tx.init({"x": x}))
         assert torch.equal(out["x"], x.clamp(-max_delta, max_delta))
 
 
-def test_clip_and_zero_nans_non_finite():
-    x = {"x": torch.tensor([math.nan, math.inf, -math.inf, -5.0, 0.5])}
+def test_clip_and_zero_nans_non_finite(device):
+    x = {"x": torch.tensor([math.nan, math.inf, -math.inf, -5.0, 0.5], device=device)}
     out, _ = ft.clip(1.0).update(x, ft.EmptyState())
-    assert torch.equal(out["x"][1:], torch.tensor([1.0, -1.0, -1.0, 0.5])) and out["x"][0].isnan()
+    assert torch.equal(out["x"][1:].cpu(), torch.tensor([1.0, -1.0, -1.0, 0.5])) and out["x"][0].isnan()
     out, _ = ft.zero_nans().update(x, ft.EmptyState())
-    assert torch.equal(out["x"], torch.tensor([0.0, math.inf, -math.inf, -5.0, 0.5]))
-    out, _ = ft.clip_by_global_norm(1.0).update({"x": torch.tensor([1.0, math.nan])}, ft.EmptyState())
+    assert torch.equal(out["x"].cpu(), torch.tensor([0.0, math.inf, -math.inf, -5.0, 0.5]))
+    out, _ = ft.clip_by_global_norm(1.0).update({"x": torch.tensor([1.0, math.nan], device=device)}, ft.EmptyState())
     assert out["x"].isnan().all()
 
 
-def test_all_finite():
-    assert bool(ft.tree.all_finite(PARAMS))
+def test_all_finite(device):
+    params = to_device(PARAMS, device)
+    assert bool(ft.tree.all_finite(params))
     for bad in (math.nan, math.inf, -math.inf):
-        tree = clone_tree(PARAMS)
+        tree = clone_tree(params)
         tree["fc"][1][2] = bad
         assert not bool(ft.tree.all_finite(tree))
     # finite float16 values at the top of the range are finite (no overflow in the check)
-    assert bool(ft.tree.all_finite({"h": torch.full((3,), 65504.0, dtype=torch.float16)}))
+    assert bool(ft.tree.all_finite({"h": torch.full((3,), 65504.0, dtype=torch.float16, device=device)}))
     assert bool(ft.tree.all_finite({}))
 
 
@@ -112,21 +114,22 @@ def with_nan(g):
     return g
 
 
-def test_apply_if_finite_skips_nan_steps_and_keeps_inner_state():
+def test_apply_if_finite_skips_nan_steps_and_keeps_inner_state(device):
     inner = ft.adam(0.1)
     tx = ft.apply_if_finite(inner)
-    state, ref = tx.init(PARAMS), inner.init(PARAMS)
+    params = to_device(PARAMS, device)
+    state, ref = tx.init(params), inner.init(params)
     for i in range(6):
-        g = grads_at(i)
+        g = to_device(grads_at(i), device)
         bad = i in (1, 2, 4)
         s0 = clone_tree(state)
-        updates, state_new = tx.update(with_nan(g) if bad else g, state, PARAMS)
+        updates, state_new = tx.update(with_nan(g) if bad else g, state, params)
         assert_tree_bitwise_equal(state, s0)
         if bad:
             assert all(torch.equal(u, torch.zeros_like(u)) for u in ft.tree.leaves(updates))
             assert_tree_bitwise_equal(state_new.inner_state, state.inner_state)
         else:
-            ref_u, ref = inner.update(g, ref, PARAMS)
+            ref_u, ref = inner.update(g, ref, params)
             assert_tree_bitwise_equal(updates, ref_u)
             assert_tree_bitwise_equal(state_new.inner_state, ref)
         assert bool(state_new.last_finite) != bad

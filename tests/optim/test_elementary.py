@@ -11,24 +11,31 @@ import pytest
 import torch
 
 import functopk as ft
-from tests.helpers import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
 from tests.optim.common import GRADS, PARAMS, grads_at, run_pure
 
 
-def test_scale():
-    updates, _ = run_pure(ft.scale(-3.0))
+def run_pure_on(device, tx):
+    """:func:`run_pure` on ``device``; the final updates and state come back on the CPU."""
+    updates, state = run_pure(tx, to_device(PARAMS, device), to_device(GRADS, device))
+    assert all(x.device == torch.device(device) for x in ft.tree.leaves(updates))
+    return to_device(updates, "cpu"), to_device(state, "cpu")
+
+
+def test_scale(device):
+    updates, _ = run_pure_on(device, ft.scale(-3.0))
     assert torch.equal(updates["w"], torch.tensor([-1.5, -0.75, 3.0]))
     assert updates["b"].dtype == torch.float64
 
 
-def test_scale_by_learning_rate_constant_and_sign():
-    updates, _ = run_pure(ft.scale_by_learning_rate(0.1))
+def test_scale_by_learning_rate_constant_and_sign(device):
+    updates, _ = run_pure_on(device, ft.scale_by_learning_rate(0.1))
     torch.testing.assert_close(updates["w"], torch.tensor([-0.05, -0.025, 0.1]))
-    updates, _ = run_pure(ft.scale_by_learning_rate(0.1, flip_sign=False))
+    updates, _ = run_pure_on(device, ft.scale_by_learning_rate(0.1, flip_sign=False))
     torch.testing.assert_close(updates["w"], torch.tensor([0.05, 0.025, -0.1]))
 
 
-def test_scale_by_schedule_uses_tensor_step_counter():
+def test_scale_by_schedule_uses_tensor_step_counter(device):
     seen = []
 
     def schedule(count):
@@ -36,33 +43,36 @@ def test_scale_by_schedule_uses_tensor_step_counter():
         return 1.0 / (count + 1)
 
     tx = ft.scale_by_schedule(schedule)
-    state = tx.init(PARAMS)
+    state = tx.init(to_device(PARAMS, device))
     assert state.count.dtype == torch.int64 and state.count.shape == ()
+    assert state.count.device == torch.device(device)
     outs = []
     for _ in range(3):
-        updates, state = tx.update(GRADS, state)
+        updates, state = tx.update(to_device(GRADS, device), state)
         outs.append(updates["w"][0].item())
     assert outs == pytest.approx([0.5, 0.25, 0.5 / 3])
     assert all(isinstance(c, torch.Tensor) for c in seen)
     assert int(state.count) == 3
 
 
-def test_scale_keeps_leaf_dtypes_with_tensor_scalars():
-    params = {"h": torch.tensor(2.0, dtype=torch.float16), "v": torch.ones(3, dtype=torch.bfloat16)}
-    tx = ft.scale_by_learning_rate(lambda c: torch.tensor(0.5))
-    updates, _ = tx.update(params, tx.init(params))
-    assert updates["h"].dtype == torch.float16 and updates["v"].dtype == torch.bfloat16
-    assert updates["h"].item() == -1.0
+def test_scale_keeps_leaf_dtypes_with_tensor_scalars(device):
+    params = to_device({"h": torch.tensor(2.0, dtype=torch.float16), "v": torch.ones(3, dtype=torch.bfloat16)}, device)
+    for where in dict.fromkeys(("cpu", device)):  # a schedule may return a CPU tensor for device leaves
+        tx = ft.scale_by_learning_rate(lambda c, w=where: torch.tensor(0.5, device=w))
+        updates, _ = tx.update(params, tx.init(params))
+        assert updates["h"].dtype == torch.float16 and updates["v"].dtype == torch.bfloat16
+        assert updates["h"].item() == -1.0 and updates["v"].device == torch.device(device)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_trace_hand_computed(nesterov):
+def test_trace_hand_computed(device, nesterov):
     tx = ft.trace(0.5, nesterov=nesterov)
-    state = tx.init(PARAMS)
+    state = tx.init(to_device(PARAMS, device))
     g1 = {"w": torch.tensor([1.0, 0.0, 0.0]), "b": torch.tensor(0.0, dtype=torch.float64)}
     g2 = {"w": torch.tensor([0.0, 1.0, 0.0]), "b": torch.tensor(1.0, dtype=torch.float64)}
-    u1, state = tx.update(g1, state)
-    u2, state = tx.update(g2, state)
+    u1, state = tx.update(to_device(g1, device), state)
+    u2, state = tx.update(to_device(g2, device), state)
+    u1, u2, state = to_device((u1, u2, state), "cpu")
     # trace after 2 steps: g2 + 0.5 * g1
     assert torch.equal(state.trace["w"], torch.tensor([0.5, 1.0, 0.0]))
     if nesterov:
@@ -70,21 +80,22 @@ def test_trace_hand_computed(nesterov):
         assert torch.equal(u2["w"], torch.tensor([0.25, 1.5, 0.0]))
     else:
         assert torch.equal(u2["w"], state.trace["w"])
-    run_pure(tx)
+    run_pure_on(device, tx)
 
 
-def test_trace_dampening_first_step_undamped_then_damped():
+def test_trace_dampening_first_step_undamped_then_damped(device):
     """torch.optim.SGD's rule: buf = g on the first step, then m * buf + (1 - d) * g."""
     m, d = 0.9, 0.25
     tx = ft.trace(m, dampening=d)
-    state = tx.init(PARAMS)
+    state = tx.init(to_device(PARAMS, device))
     buf = None
     for i in range(4):
         g = grads_at(i)
-        updates, state = tx.update(g, state)
+        updates, state = tx.update(to_device(g, device), state)
+        updates, trace = to_device((updates, state.trace), "cpu")
         buf = g["w"].clone() if buf is None else m * buf + (1 - d) * g["w"]
         torch.testing.assert_close(updates["w"], buf, rtol=1e-6, atol=0)
-        torch.testing.assert_close(state.trace["w"], buf, rtol=1e-6, atol=0)
+        torch.testing.assert_close(trace["w"], buf, rtol=1e-6, atol=0)
     assert int(state.count) == 4
     with pytest.raises(ValueError, match="nesterov=True needs dampening == 0"):
         ft.trace(0.9, nesterov=True, dampening=0.1)

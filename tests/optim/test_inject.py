@@ -7,7 +7,7 @@ import torch
 import torch._dynamo
 
 import functopk as ft
-from tests.helpers import assert_tree_bitwise_equal, assert_tree_close, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, assert_tree_close, clone_tree, to_device
 
 PARAMS = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
 
@@ -17,26 +17,28 @@ def grads_at(i):
     return ft.tree.map(lambda p: torch.randn(p.shape, generator=g), PARAMS)
 
 
-def test_equals_plain_transformation():
+def test_equals_plain_transformation(device):
+    params = to_device(PARAMS, device)
     plain = ft.sgd(0.1, momentum=0.9, nesterov=True)
     injected = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1, momentum=0.9, nesterov=True)
-    s1, s2 = plain.init(PARAMS), injected.init(PARAMS)
+    s1, s2 = plain.init(params), injected.init(params)
     assert set(s2.hyperparams) == {"learning_rate", "momentum"}
     for i in range(5):
-        u1, s1 = plain.update(grads_at(i), s1, PARAMS)
-        u2, s2 = injected.update(grads_at(i), s2, PARAMS)
+        u1, s1 = plain.update(to_device(grads_at(i), device), s1, params)
+        u2, s2 = injected.update(to_device(grads_at(i), device), s2, params)
         assert_tree_close(u2, u1, rtol=1e-6, atol=0)
     assert int(s2.count) == 5
 
 
-def test_schedule_hyperparams_follow_the_count_and_pure():
+def test_schedule_hyperparams_follow_the_count_and_pure(device):
+    params = to_device(PARAMS, device)
     tx = ft.inject_hyperparams(ft.sgd)(learning_rate=ft.exponential_decay(1.0, 1, 0.5))
-    state = tx.init(PARAMS)
-    g = {"w": torch.ones(3), "b": torch.ones(1)}
+    state = tx.init(params)
+    g = to_device({"w": torch.ones(3), "b": torch.ones(1)}, device)
     seen = []
     for _ in range(3):
         before = clone_tree(state)
-        updates, new_state = tx.update(g, state, PARAMS)
+        updates, new_state = tx.update(g, state, params)
         assert_tree_bitwise_equal(state, before)
         seen.append(float(-updates["b"][0]))
         state = new_state
@@ -106,25 +108,28 @@ def test_integer_hyperparameters_are_stored_exactly():
     assert set(tx.init(PARAMS).hyperparams) == {"k"} and tx.init(PARAMS).hyperparams["k"].dtype == torch.int64
 
 
-def test_injected_topk_keeps_k_exact():
+def test_injected_topk_keeps_k_exact(device):
     """inject_hyperparams(ft.topk)(k=K) stores K as int64 and selects exactly K coordinates."""
+    params = to_device(PARAMS, device)
     K = 2**24 + 1
     tx = ft.inject_hyperparams(ft.topk)(k=K)
-    assert int(tx.init(PARAMS).hyperparams["k"]) == K  # stored exactly (no selection run at this size)
+    assert int(tx.init(params).hyperparams["k"]) == K  # stored exactly (no selection run at this size)
     tx = ft.inject_hyperparams(ft.topk)(k=2)
-    state = tx.init(PARAMS)
+    state = tx.init(params)
     assert state.hyperparams["k"].dtype == torch.int64
-    u, _ = tx.update(PARAMS, state, PARAMS)
-    assert torch.equal(u["w"], torch.tensor([0.0, -2.0, 3.0])) and torch.equal(u["b"], torch.zeros(1))
+    u, _ = tx.update(params, state, params)
+    assert state.hyperparams["k"].device == torch.device(device)
+    assert torch.equal(u["w"].cpu(), torch.tensor([0.0, -2.0, 3.0])) and torch.equal(u["b"].cpu(), torch.zeros(1))
 
 
-def test_int_given_for_a_real_hyperparameter_works():
+def test_int_given_for_a_real_hyperparameter_works(device):
     """weight_decay=0, momentum=1-style ints become int64 tensors; the optimizers use them as the floats they are."""
+    params = to_device(PARAMS, device)
     plain = ft.adamw(1, weight_decay=0, b1=0)
     injected = ft.inject_hyperparams(ft.adamw)(learning_rate=1, weight_decay=0, b1=0)
-    s1, s2 = plain.init(PARAMS), injected.init(PARAMS)
+    s1, s2 = plain.init(params), injected.init(params)
     assert all(v.dtype == torch.int64 for v in s2.hyperparams.values())
     for i in range(3):
-        u1, s1 = plain.update(grads_at(i), s1, PARAMS)
-        u2, s2 = injected.update(grads_at(i), s2, PARAMS)
+        u1, s1 = plain.update(to_device(grads_at(i), device), s1, params)
+        u2, s2 = injected.update(to_device(grads_at(i), device), s2, params)
         assert_tree_close(u2, u1, rtol=1e-6, atol=0)

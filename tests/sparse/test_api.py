@@ -23,6 +23,7 @@ from tests.helpers import (
     numel,
     reference_mask,
     reference_sparsify,
+    to_device,
     trees_st,
 )
 
@@ -45,6 +46,11 @@ EXACT_RUNS = [("torch", None), ("exact", None)] + [("exact", config) for config 
 EXACT_IDS = ["torch", "exact-default"] + [f"exact-{name}" for name in EXACT_CONFIGS]
 
 
+def cpu(tree):
+    """``tree`` (or a tensor) moved to the CPU, to compare a device's output with the CPU references."""
+    return to_device(tree, "cpu")
+
+
 def reference_indices(tree, k):
     mask = reference_mask(tree, k)
     leaves = optree.tree_leaves(tree)
@@ -60,45 +66,57 @@ def reference_indices(tree, k):
 @pytest.mark.parametrize("method, config", EXACT_RUNS, ids=EXACT_IDS)
 @settings(max_examples=40)
 @given(tree=trees_st(allow_nonfinite=True), data=st.data())
-def test_exact_methods_match_bruteforce(method, config, tree, data):
+def test_exact_methods_match_bruteforce(device, method, config, tree, data):
+    """On every device the same selection as the CPU brute force (off CPU "exact" is the static kernel)."""
     n = numel(tree)
+    dtree = to_device(tree, device)
     if n == 0:
         with pytest.raises(ValueError, match="the tree has no coordinates"):
-            ft.topk_sparsify(tree, 1, method=method, config=config)
+            ft.topk_sparsify(dtree, 1, method=method, config=config)
         return
     k = data.draw(st.integers(1, n), label="k")
-    before = clone_tree(tree)
-    out = ft.topk_sparsify(tree, k, method=method, config=config)
-    mask = ft.topk_mask(tree, k, method=method, config=config)
-    sparse = ft.topk_indices(tree, k, method=method, config=config)
-    tensor_k = ft.topk_sparsify(tree, torch.tensor(k), method=method, config=config)
-    assert_tree_bitwise_equal(out, reference_sparsify(tree, k))
+    before = clone_tree(dtree)
+    out = ft.topk_sparsify(dtree, k, method=method, config=config)
+    mask = ft.topk_mask(dtree, k, method=method, config=config)
+    sparse = ft.topk_indices(dtree, k, method=method, config=config)
+    tensor_k = ft.topk_sparsify(dtree, torch.tensor(k, device=device), method=method, config=config)
+    assert all(x.device == torch.device(device) for x in optree.tree_leaves((out, mask, tensor_k, tuple(sparse[:2]))))
+    assert_tree_bitwise_equal(cpu(out), reference_sparsify(tree, k))
     assert_tree_bitwise_equal(tensor_k, out)
     ref_mask = reference_mask(tree, k)
     assert optree.tree_structure(mask) == optree.tree_structure(ref_mask)
     for m, r in zip(optree.tree_leaves(mask), optree.tree_leaves(ref_mask)):
-        assert m.dtype == torch.bool and torch.equal(m, r)
+        assert m.dtype == torch.bool and torch.equal(m.cpu(), r)
     idx, vals = reference_indices(tree, k)
-    assert sparse.numel == n and torch.equal(sparse.indices, idx)
+    assert sparse.numel == n and torch.equal(sparse.indices.cpu(), idx)
     assert sparse.sizes == tuple(x.numel() for x in optree.tree_leaves(tree))
-    assert torch.equal(bits(sparse.values), bits(vals))
-    assert_tree_bitwise_equal(tree, before)  # pure
+    assert torch.equal(bits(sparse.values.cpu()), bits(vals))
+    assert_tree_bitwise_equal(dtree, before)  # pure
 
 
 @pytest.mark.parametrize("method", ["approx", "gaussian"])
 @settings(max_examples=30)
 @given(tree=trees_st(allow_nonfinite=True), data=st.data())
-def test_approx_methods_are_consistent_threshold_selections(method, tree, data):
-    """Whatever count they pick: a threshold on |x| (NaN in), kept values bit-exact, outputs agree."""
+def test_approx_methods_are_consistent_threshold_selections(device, method, tree, data):
+    """Whatever count they pick: a threshold on |x| (NaN in), kept values bit-exact, outputs agree.
+
+    Off CPU "approx" selects exactly what it selects on the CPU: its threshold is
+    a sampled magnitude (no arithmetic), compared exactly. "gaussian"'s threshold
+    is a sum of squares, whose rounding may differ between devices.
+    """
     n = numel(tree)
     if n == 0:
         return
     k = data.draw(st.integers(1, n), label="k")
-    before = clone_tree(tree)
-    out = ft.topk_sparsify(tree, k, method=method)
-    mask = ft.topk_mask(tree, k, method=method)
-    sparse = ft.topk_indices(tree, k, method=method)
-    assert_tree_bitwise_equal(tree, before)
+    dtree = to_device(tree, device)
+    before = clone_tree(dtree)
+    out = cpu(ft.topk_sparsify(dtree, k, method=method))
+    mask = cpu(ft.topk_mask(dtree, k, method=method))
+    sparse = cpu(ft.topk_indices(dtree, k, method=method))
+    assert_tree_bitwise_equal(dtree, before)
+    if method == "approx" and device != "cpu":
+        for m, r in zip(optree.tree_leaves(mask), optree.tree_leaves(ft.topk_mask(tree, k, method=method))):
+            assert torch.equal(m, r)
     kept = torch.cat([m.reshape(-1) for m in optree.tree_leaves(mask)])
     flat = torch.cat([x.reshape(-1).double() for x in optree.tree_leaves(tree)])
     mags = torch.where(flat.isnan(), math.inf, flat.abs())
@@ -112,37 +130,37 @@ def test_approx_methods_are_consistent_threshold_selections(method, tree, data):
 # --------------------------------------------------------------------------- hand-computed cases
 
 
-def test_hand_computed_global_selection_across_leaves():
+def test_hand_computed_global_selection_across_leaves(device):
     grads = {"a": torch.tensor([[0.5, -2.0], [0.1, 3.0]]), "b": torch.tensor([-1.0, 2.5]), "c": None}
-    out = ft.topk_sparsify(grads, 3)
+    out = cpu(ft.topk_sparsify(to_device(grads, device), 3))
     assert out["c"] is None
     assert torch.equal(out["a"], torch.tensor([[0.0, -2.0], [0.0, 3.0]]))
     assert torch.equal(out["b"], torch.tensor([0.0, 2.5]))
 
 
-def test_ties_lower_flat_index_wins():
+def test_ties_lower_flat_index_wins(device):
     # flat order: "a" (sorted key) then "b"; all magnitudes equal
     tree = {"b": torch.tensor([1.0, -1.0]), "a": torch.tensor([-1.0, 1.0, 1.0])}
-    out = ft.topk_sparsify(tree, 4)
+    out = cpu(ft.topk_sparsify(to_device(tree, device), 4))
     assert torch.equal(out["a"], torch.tensor([-1.0, 1.0, 1.0]))
     assert torch.equal(out["b"], torch.tensor([1.0, 0.0]))
 
 
 @pytest.mark.parametrize("method, config", EXACT_RUNS, ids=EXACT_IDS)
-def test_all_zero_keeps_first_k_and_outputs_zeros(method, config):
-    tree = {"a": torch.zeros(3), "b": torch.zeros(2, 2)}
-    mask = ft.topk_mask(tree, 4, method=method, config=config)
+def test_all_zero_keeps_first_k_and_outputs_zeros(device, method, config):
+    tree = {"a": torch.zeros(3, device=device), "b": torch.zeros(2, 2, device=device)}
+    mask = cpu(ft.topk_mask(tree, 4, method=method, config=config))
     out = ft.topk_sparsify(tree, 4, method=method, config=config)
     assert mask["a"].all() and mask["b"].reshape(-1).tolist() == [True, False, False, False]
     assert all(not x.any() for x in optree.tree_leaves(out))
 
 
 @pytest.mark.parametrize("method, config", EXACT_RUNS, ids=EXACT_IDS)
-def test_mixed_dtypes_rank_in_common_dtype_and_keep_bits(method, config):
+def test_mixed_dtypes_rank_in_common_dtype_and_keep_bits(device, method, config):
     half = torch.tensor([1.0009765625, 0.25], dtype=torch.float16)  # 1 + 2**-10, exact in fp16
     single = torch.tensor([1.0001, -7.0], dtype=torch.float32)
     bf = torch.tensor([-1.0078125], dtype=torch.bfloat16)  # 1 + 2**-7, exact in bf16
-    out = ft.topk_sparsify({"h": half, "s": single, "b": bf}, 3, method=method, config=config)
+    out = cpu(ft.topk_sparsify(to_device({"h": half, "s": single, "b": bf}, device), 3, method=method, config=config))
     assert out["h"].dtype == torch.float16 and out["b"].dtype == torch.bfloat16
     assert torch.equal(bits(out["s"]), bits(torch.tensor([0.0, -7.0])))
     assert torch.equal(bits(out["b"]), bits(bf))
@@ -150,42 +168,43 @@ def test_mixed_dtypes_rank_in_common_dtype_and_keep_bits(method, config):
 
 
 @pytest.mark.parametrize("method, config", EXACT_RUNS, ids=EXACT_IDS)
-def test_nan_and_inf_are_selected_first_and_propagate(method, config):
-    tree = {"a": torch.tensor([1.0, math.nan, -math.inf, 5.0]), "b": torch.tensor([math.inf, 100.0])}
-    out = ft.topk_sparsify(tree, 3, method=method, config=config)
-    out2 = ft.topk_sparsify(tree, 2, method=method, config=config)
+def test_nan_and_inf_are_selected_first_and_propagate(device, method, config):
+    tree = to_device({"a": torch.tensor([1.0, math.nan, -math.inf, 5.0]), "b": torch.tensor([math.inf, 100.0])}, device)
+    out = cpu(ft.topk_sparsify(tree, 3, method=method, config=config))
+    out2 = cpu(ft.topk_sparsify(tree, 2, method=method, config=config))
     # NaN and +-inf all rank as infinite magnitude; ties by flat index -> a[1], a[2], b[0]
     assert torch.equal(bits(out["a"]), bits(torch.tensor([0.0, math.nan, -math.inf, 0.0])))
     assert torch.equal(out["b"], torch.tensor([math.inf, 0.0]))
     assert torch.isnan(out2["a"][1]) and out2["a"][2] == -math.inf and out2["b"][0] == 0
 
 
-def test_output_preserves_dtype_shape_device_and_negative_zero():
-    tree = {"z": torch.tensor([-0.0, 0.0]), "s": torch.tensor(4.0, dtype=torch.float64)}
+def test_output_preserves_dtype_shape_device_and_negative_zero(device):
+    tree = to_device({"z": torch.tensor([-0.0, 0.0]), "s": torch.tensor(4.0, dtype=torch.float64)}, device)
     out = ft.topk_sparsify(tree, 2)
     assert out["s"].shape == () and out["s"].dtype == torch.float64
-    assert torch.equal(bits(out["z"]), bits(torch.tensor([-0.0, 0.0])))  # -0.0 kept bit-exact
+    assert out["s"].device == out["z"].device == torch.device(device)
+    assert torch.equal(bits(out["z"].cpu()), bits(torch.tensor([-0.0, 0.0])))  # -0.0 kept bit-exact
 
 
-def test_works_under_torch_func_grad():
+def test_works_under_torch_func_grad(device):
     from torch.func import grad
 
     def loss(params):
         return (params["w"] ** 2).sum() + params["b"].sum()
 
-    params = {"w": torch.tensor([1.0, -3.0, 2.0]), "b": torch.tensor([0.1])}
+    params = to_device({"w": torch.tensor([1.0, -3.0, 2.0]), "b": torch.tensor([0.1])}, device)
     g = grad(loss)(params)
-    out = ft.topk_sparsify(g, 2)
+    out = cpu(ft.topk_sparsify(g, 2))
     assert torch.equal(out["w"], torch.tensor([0.0, -6.0, 4.0])) and torch.equal(out["b"], torch.tensor([0.0]))
 
 
-def test_k_from_density():
+def test_k_from_density(device):
     assert ft.sparse.k_from_density(0.01, 25600) == 256
     assert ft.sparse.k_from_density(1.0, 7) == 7
     assert ft.sparse.k_from_density(1e-12, 7) == 1
     assert ft.sparse.k_from_density(0.5, 7) == 4  # round half up: floor(3.5 + 0.5)
-    k = ft.sparse.k_from_density(torch.tensor(0.5), 7)
-    assert k.dtype == torch.int64 and int(k) == 4
+    k = ft.sparse.k_from_density(torch.tensor(0.5, device=device), 7)
+    assert k.dtype == torch.int64 and int(k) == 4 and k.device == torch.device(device)
     with pytest.raises(ValueError, match="numel must be >= 1"):
         ft.sparse.k_from_density(0.5, 0)
 
@@ -208,15 +227,16 @@ GOOD = {"w": torch.ones(3), "b": torch.ones(2)}
 
 
 @pytest.mark.parametrize("k, exc, match", bad_k_cases("the tree"))
-def test_bad_k(k, exc, match):
-    before = clone_tree(GOOD)
+def test_bad_k(device, k, exc, match):
+    good = to_device(GOOD, device)
+    before = clone_tree(good)
     with pytest.raises(exc, match=match):
-        ft.topk_sparsify(GOOD, k)
+        ft.topk_sparsify(good, k)
     with pytest.raises(exc, match=match):
-        ft.topk_mask(GOOD, k)
+        ft.topk_mask(good, k)
     with pytest.raises(exc, match=match):
-        ft.topk_indices(GOOD, k)
-    assert_tree_bitwise_equal(GOOD, before)
+        ft.topk_indices(good, k)
+    assert_tree_bitwise_equal(good, before)
 
 
 @pytest.mark.parametrize("leaf", non_float_leaves())
@@ -231,8 +251,8 @@ def test_non_tensor_leaf_rejected():
         ft.topk_sparsify({"w": torch.ones(3), "x": 1.0}, 1)
 
 
-def test_leaves_on_several_devices_rejected():
-    tree = {"a": torch.ones(3), "b": torch.ones(3, device="meta")}
+def test_leaves_on_several_devices_rejected(device):
+    tree = {"a": torch.ones(3), "b": torch.ones(3, device="meta" if device == "cpu" else device)}
     with pytest.raises(ValueError, match="several devices"):
         ft.topk_sparsify(tree, 2)
 
@@ -253,55 +273,62 @@ def test_unsupported_float_dtype_rejected():
 
 
 @pytest.mark.parametrize("method", ["exact", "approx"])
-def test_deterministic_and_independent_of_the_global_rng(method):
+def test_deterministic_and_independent_of_the_global_rng(device, method):
     g = torch.Generator().manual_seed(7)
-    tree = {"a": torch.randn(300_000, generator=g), "b": torch.randn(70_000, generator=g)}
+    tree = to_device({"a": torch.randn(300_000, generator=g), "b": torch.randn(70_000, generator=g)}, device)
     torch.manual_seed(1)
     first = ft.topk_indices(tree, 2000, method=method)
     torch.manual_seed(2)
-    torch.rand(10)
+    torch.rand(10, device=device)
     second = ft.topk_indices(tree, 2000, method=method)
     assert torch.equal(first.indices, second.indices) and torch.equal(first.values, second.values)
+    if device != "cpu":  # and the CPU's selection
+        on_cpu = ft.topk_indices(cpu(tree), 2000, method=method)
+        assert torch.equal(first.indices.cpu(), on_cpu.indices) and torch.equal(first.values.cpu(), on_cpu.values)
 
 
 # --------------------------------------------------------------------------- tensor k: rounding, clamping, NaN
 
 
-def test_tensor_k_is_rounded_and_clamped():
-    tree = {"w": torch.tensor([1.0, -4.0, 2.0, 0.5])}
+def test_tensor_k_is_rounded_and_clamped(device):
+    tree = {"w": torch.tensor([1.0, -4.0, 2.0, 0.5], device=device)}
     for method in ("exact", "torch"):
-        out = ft.topk_sparsify(tree, torch.tensor(2.4), method=method)
-        assert torch.equal(out["w"], torch.tensor([0.0, -4.0, 2.0, 0.0]))
-        assert int(ft.topk_mask(tree, torch.tensor(0), method=method)["w"].sum()) == 1
-        assert int(ft.topk_mask(tree, torch.tensor(99), method=method)["w"].sum()) == 4
+        for where in dict.fromkeys(("cpu", device)):  # k on the CPU or on the leaves' device
+            out = ft.topk_sparsify(tree, torch.tensor(2.4, device=where), method=method)
+            assert torch.equal(out["w"].cpu(), torch.tensor([0.0, -4.0, 2.0, 0.0]))
+            assert int(ft.topk_mask(tree, torch.tensor(0, device=where), method=method)["w"].sum()) == 1
+            assert int(ft.topk_mask(tree, torch.tensor(99, device=where), method=method)["w"].sum()) == 4
 
 
 @pytest.mark.parametrize("method", ["exact", "torch", "approx", "gaussian"])
 @pytest.mark.parametrize("value", [math.inf, 1e30, 2.0**70, -math.inf, -1e30],
                          ids=["inf", "1e30", "2^70", "-inf", "-1e30"])
-def test_tensor_k_beyond_int64_or_infinite_clamps_to_n_or_1(method, value):
+def test_tensor_k_beyond_int64_or_infinite_clamps_to_n_or_1(device, method, value):
     """Before: ``.to(int64)`` of inf or 1e30 gave a huge negative number, clamped to k=1."""
     tree = {"a": torch.tensor([1.0, -4.0, 2.0]), "b": torch.tensor([0.5, 3.0])}
-    kept = sum(int(m.sum()) for m in optree.tree_leaves(ft.topk_mask(tree, torch.tensor(value), method=method)))
+    dtree, k = to_device(tree, device), torch.tensor(value, device=device)
+    kept = sum(int(m.sum()) for m in optree.tree_leaves(ft.topk_mask(dtree, k, method=method)))
     expected = 5 if value > 0 else 1
     if method in ("exact", "torch"):
         assert kept == expected
-        assert_tree_bitwise_equal(ft.topk_sparsify(tree, torch.tensor(value), method=method),
-                                  reference_sparsify(tree, expected))
+        assert_tree_bitwise_equal(cpu(ft.topk_sparsify(dtree, k, method=method)), reference_sparsify(tree, expected))
     elif value > 0:  # approximate: keeps everything non-zero at k = n
         assert kept == 5
 
 
 @pytest.mark.parametrize("method", ["torch", "approx", "gaussian"])
-def test_nan_tensor_k_keeps_everything_in_the_static_kernels(method):
-    tree = {"a": torch.tensor([1.0, -4.0, 2.0]), "b": torch.tensor([0.5, 3.0])}
-    nan = torch.tensor(math.nan)
+def test_nan_tensor_k_keeps_everything_in_the_static_kernels(device, method):
+    tree = to_device({"a": torch.tensor([1.0, -4.0, 2.0]), "b": torch.tensor([0.5, 3.0])}, device)
+    nan = torch.tensor(math.nan, device=device)
     assert_tree_bitwise_equal(ft.topk_sparsify(tree, nan, method=method), tree)
     assert all(bool(m.all()) for m in optree.tree_leaves(ft.topk_mask(tree, nan, method=method)))
     # "exact" where the static kernel runs (a leaf requires grad): the same documented value
     grad_tree = optree.tree_map(lambda x: x.clone().requires_grad_(), tree)
     out = ft.topk_sparsify(grad_tree, nan)
     assert_tree_bitwise_equal(optree.tree_map(torch.Tensor.detach, out), tree)
+    if device != "cpu":  # off CPU "exact" always runs the static kernel: NaN keeps everything, no error
+        assert_tree_bitwise_equal(ft.topk_sparsify(tree, nan), tree)
+        assert ft.topk_indices(tree, nan).indices.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_nan_tensor_k_raises_in_the_eager_exact_kernel():
@@ -311,12 +338,12 @@ def test_nan_tensor_k_raises_in_the_eager_exact_kernel():
             fn(tree, torch.tensor(math.nan))
 
 
-def test_tensor_density_nan_inf_or_huge_gives_n_not_1():
+def test_tensor_density_nan_inf_or_huge_gives_n_not_1(device):
     for value in (math.nan, math.inf, 1e30):
-        k = ft.sparse.k_from_density(torch.tensor(value, dtype=torch.float64), 1000)
+        k = ft.sparse.k_from_density(torch.tensor(value, dtype=torch.float64, device=device), 1000)
         assert k.dtype == torch.int64 and int(k) == 1000
-    assert int(ft.sparse.k_from_density(torch.tensor(-math.inf), 1000)) == 1
-    assert int(ft.sparse.k_from_density(torch.tensor(1e-9), 1000)) == 1
+    assert int(ft.sparse.k_from_density(torch.tensor(-math.inf, device=device), 1000)) == 1
+    assert int(ft.sparse.k_from_density(torch.tensor(1e-9, device=device), 1000)) == 1
 
 
 
@@ -324,8 +351,8 @@ def test_tensor_density_nan_inf_or_huge_gives_n_not_1():
 # --------------------------------------------------------------------------- gaussian_threshold
 
 
-def test_gaussian_threshold_on_gaussian_data():
-    g = {"a": torch.randn(400_000, generator=torch.Generator().manual_seed(5)) * 0.01}
+def test_gaussian_threshold_on_gaussian_data(device):
+    g = {"a": (torch.randn(400_000, generator=torch.Generator().manual_seed(5)) * 0.01).to(device)}
     for density in [0.001, 0.01, 0.1]:
         t = ft.sparse.gaussian_threshold(g, density=density)
         count = int((g["a"].abs() > t).sum())
@@ -335,23 +362,24 @@ def test_gaussian_threshold_on_gaussian_data():
     with pytest.raises(ValueError, match="exactly one of k or density"):
         ft.sparse.gaussian_threshold(g)
     with pytest.raises(ValueError, match="the tree has no coordinates"):
-        ft.sparse.gaussian_threshold({"a": torch.zeros(0)}, density=0.1)
-    g16 = {"a": (torch.randn(1000) * 300).half()}  # sum of squares overflows float16: accumulated in float32
+        ft.sparse.gaussian_threshold({"a": torch.zeros(0, device=device)}, density=0.1)
+    g16 = {"a": (torch.randn(1000) * 300).half().to(device)}  # sum of squares overflows float16: accumulated in float32
     assert torch.isfinite(ft.sparse.gaussian_threshold(g16, density=0.1))
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_gaussian_method_with_non_finite_input_keeps_exactly_the_non_finite_coordinates(bad, dtype):
+def test_gaussian_method_with_non_finite_input_keeps_exactly_the_non_finite_coordinates(device, bad, dtype):
     """As the docstring says: the estimate becomes the dtype's largest finite value (not NaN or inf)."""
     g = torch.Generator().manual_seed(0)
     tree = {"a": torch.randn(1000, generator=g).to(dtype), "b": torch.randn(7, generator=g).to(torch.float32)}
     tree["a"][[3, 500]] = bad
     tree["b"][2] = math.nan
+    tree = to_device(tree, device)
     t = ft.sparse.gaussian_threshold(tree, density=0.1)
-    assert float(t) == torch.finfo(torch.float32).max
+    assert float(t) == torch.finfo(torch.float32).max and t.device == torch.device(device)
     expected = optree.tree_map(lambda x: ~torch.isfinite(x), tree)
-    for k in (1, 100, torch.tensor(100)):
+    for k in (1, 100, torch.tensor(100), torch.tensor(100, device=device)):
         for m, e in zip(optree.tree_leaves(ft.topk_mask(tree, k, method="gaussian")), optree.tree_leaves(expected)):
             assert torch.equal(m, e)
         out = ft.topk_sparsify(tree, k, method="gaussian")
@@ -365,10 +393,11 @@ def test_gaussian_method_with_non_finite_input_keeps_exactly_the_non_finite_coor
         assert torch.equal(m, e)
 
 
-def test_gaussian_threshold_nan_density_counts_as_one():
-    tree = {"a": torch.tensor([1.0, 0.0, -2.0])}
-    assert float(ft.sparse.gaussian_threshold(tree, density=torch.tensor(math.nan))) == 0.0
-    assert float(ft.sparse.gaussian_threshold(tree, torch.tensor(math.nan))) == 0.0
+def test_gaussian_threshold_nan_density_counts_as_one(device):
+    tree = {"a": torch.tensor([1.0, 0.0, -2.0], device=device)}
+    for where in dict.fromkeys(("cpu", device)):
+        assert float(ft.sparse.gaussian_threshold(tree, density=torch.tensor(math.nan, device=where))) == 0.0
+        assert float(ft.sparse.gaussian_threshold(tree, torch.tensor(math.nan, device=where))) == 0.0
 
 
 
@@ -491,8 +520,8 @@ def _multiscale_heavy_tailed(n_leaves=40, seed=1):
 
 
 @pytest.mark.parametrize("data", ["mlp-gradient", "multiscale-heavy-tailed"])
-def test_approx_count_is_within_the_documented_band(data):
-    tree = _mlp_gradient() if data == "mlp-gradient" else _multiscale_heavy_tailed()
+def test_approx_count_is_within_the_documented_band(device, data):
+    tree = to_device(_mlp_gradient() if data == "mlp-gradient" else _multiscale_heavy_tailed(), device)
     n = numel(tree)
     for density in [0.001, 0.01, 0.1]:
         k = ft.sparse.k_from_density(density, n)
@@ -513,18 +542,23 @@ def _big_tree(seed, dtype=torch.float32):
 
 
 @pytest.mark.slow
-def test_large_tree_exact_equals_static_kernel():
+def test_large_tree_exact_equals_static_kernel(device):
     tree = _big_tree(0)
     n = numel(tree)
     assert n > 20_000_000
     leaves = optree.tree_leaves(tree)
     leaves[5].view(-1)[123] = math.nan
     leaves[7].view(-1)[:50_000] = 4.0  # a block of ties around the 1%-cut
+    dtree = to_device(tree, device)
     for k in [1000, n // 100]:
-        exact = ft.topk_indices(tree, k)
-        static = ft.topk_indices(tree, k, method="torch")
+        exact = ft.topk_indices(dtree, k)
+        static = ft.topk_indices(dtree, k, method="torch")
         assert torch.equal(exact.indices, static.indices)
         assert torch.equal(bits(exact.values), bits(static.values))
+        if device != "cpu":  # the CPU's eager exact kernel selects the same coordinates
+            on_cpu = ft.topk_indices(tree, k)
+            assert torch.equal(exact.indices.cpu(), on_cpu.indices)
+            assert torch.equal(bits(exact.values.cpu()), bits(on_cpu.values))
     assert exact.indices.numel() == n // 100
 
 

@@ -10,9 +10,9 @@ from functopk.sparse.kernels.base import common_dtype, flat_magnitudes, nonzero_
 
 @pytest.mark.parametrize("n", [0, 5, 4095, 4096, 4099, 10_007])
 @pytest.mark.parametrize("density", [0.0, 0.001, 0.3, 1.0])
-def test_nonzero_1d_matches_nonzero(n, density):
+def test_nonzero_1d_matches_nonzero(device, n, density):
     g = torch.Generator().manual_seed(n)
-    mask = torch.rand(n, generator=g) < density
+    mask = (torch.rand(n, generator=g) < density).to(device)
     for hint in (0.0, 0.5):  # word path and plain path
         assert torch.equal(nonzero_1d(mask, hint), mask.nonzero().view(-1))
     # an unaligned view falls back to the plain path
@@ -36,7 +36,8 @@ def test_round_down_is_the_largest_value_not_above_t(leaf_dtype):
         assert torch.equal(exact > t, exact > limit)
 
 
-def test_common_dtype_and_magnitudes():
-    half, bf = torch.tensor([-1.0], dtype=torch.float16), torch.tensor([float("nan")], dtype=torch.bfloat16)
+def test_common_dtype_and_magnitudes(device):
+    half = torch.tensor([-1.0], dtype=torch.float16, device=device)
+    bf = torch.tensor([float("nan")], dtype=torch.bfloat16, device=device)
     assert common_dtype([half, bf]) == torch.float32
-    assert torch.equal(flat_magnitudes([half, bf], torch.float32), torch.tensor([1.0, float("inf")]))
+    assert torch.equal(flat_magnitudes([half, bf], torch.float32), torch.tensor([1.0, float("inf")], device=device))

@@ -17,31 +17,35 @@ FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 @settings(max_examples=60)
 @given(st.lists(st.integers(0, 2**31 - 1) | st.sampled_from([0, 1, 7, 2**31 - 1]), min_size=1, max_size=300), st.data())
-def test_radix_kth_key_matches_sort(values, data):
-    keys = torch.tensor(values, dtype=torch.int32)
+def test_radix_kth_key_matches_sort(device, values, data):
+    keys = torch.tensor(values, dtype=torch.int32, device=device)
     k = data.draw(st.integers(1, len(values)), label="k")
     expected = sorted(values, reverse=True)[k - 1]
-    assert int(radix_kth_key(keys, torch.tensor(k), 31)) == expected
+    assert int(radix_kth_key(keys, torch.tensor(k, device=device), 31)) == expected
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_mask_static_tensor_k_equals_int_k(dtype):
+def test_mask_static_tensor_k_equals_int_k(device, dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3000, generator=g).to(dtype)
     x[::7] = x[3]  # many ties
     x[5], x[9] = math.inf, 0.0
-    mags = flat_magnitudes([x], dtype)
+    cpu_mags = flat_magnitudes([x], dtype)
+    mags = cpu_mags.to(device)
     for k in [1, 2, 17, 500, 2999, 3000]:
         expected = mask_static(mags, k)  # torch.topk path
-        assert int(expected.sum()) == k
-        assert torch.equal(mask_static(mags, torch.tensor(k)), expected)
+        assert int(expected.sum()) == k and expected.device == mags.device
+        assert torch.equal(mask_static(mags, torch.tensor(k, device=device)), expected)
+        assert torch.equal(mask_static(mags, torch.tensor(k)), expected)  # a CPU k for device magnitudes
+        assert torch.equal(expected.cpu(), mask_static(cpu_mags, k))  # the CPU's selection
     # out-of-range tensor k is clamped
-    assert int(mask_static(mags, torch.tensor(0)).sum()) == 1
-    assert bool(mask_static(mags, torch.tensor(10**9)).all())
+    assert int(mask_static(mags, torch.tensor(0, device=device)).sum()) == 1
+    assert bool(mask_static(mags, torch.tensor(10**9, device=device)).all())
 
 
-def test_select_static_sorted_indices_and_values_with_ties_by_index():
-    flats = [torch.tensor([1.0, -3.0, 3.0]), torch.tensor([3.0, float("nan")], dtype=torch.float64)]
+def test_select_static_sorted_indices_and_values_with_ties_by_index(device):
+    flats = [torch.tensor([1.0, -3.0, 3.0], device=device),
+             torch.tensor([3.0, float("nan")], dtype=torch.float64, device=device)]
     idx, vals = select_static(flats, 3, torch.float64)
-    assert idx.tolist() == [1, 2, 4] and vals.dtype == torch.float64
+    assert idx.tolist() == [1, 2, 4] and vals.dtype == torch.float64 and vals.device == flats[0].device
     assert vals[:2].tolist() == [-3.0, 3.0] and math.isnan(vals[2])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from functopk.tree import foreach
-from tests.helpers import bits
+from tests.helpers import bits, to_device
 
 LEAVES = [
     torch.tensor([1.0, -2.0, 3.0]),
@@ -17,6 +17,11 @@ LEAVES = [
     torch.tensor([2.0, -4.0], dtype=torch.bfloat16),
 ]
 OTHERS = [x * 0.5 + 1.0 for x in LEAVES]
+
+
+def on(device):
+    """``LEAVES`` and ``OTHERS`` on ``device``: small dyadic values, so fused and unfused maths agree bit for bit."""
+    return to_device(LEAVES, device), to_device(OTHERS, device)
 
 
 def same(out, expected):
@@ -29,45 +34,51 @@ def same(out, expected):
 SCALARS = [0.25, torch.tensor(0.25), torch.tensor(0.25, dtype=torch.float64)]
 
 
-@pytest.mark.parametrize("s", SCALARS, ids=["float", "t32", "t64"])
-def test_scalar_ops_match_per_leaf_maths_and_keep_dtypes(s):
-    same(foreach.mul(LEAVES, s), [(x * s).to(x.dtype) for x in LEAVES])
-    same(foreach.add_scaled(LEAVES, s, OTHERS), [(x + s * y).to(x.dtype) for x, y in zip(LEAVES, OTHERS)])
-    same(foreach.add_scalar(LEAVES, s), [(x + s).to(x.dtype) for x in LEAVES])
-    same(foreach.lerp(LEAVES, OTHERS, s), [torch.lerp(x, y, torch.as_tensor(s, dtype=x.dtype)) for x, y in
-                                           zip(LEAVES, OTHERS)])
+@pytest.mark.parametrize("scalar", SCALARS, ids=["float", "t32", "t64"])
+def test_scalar_ops_match_per_leaf_maths_and_keep_dtypes(device, scalar):
+    """A tensor scalar on the CPU (as users and schedules make them) and on the leaves' device."""
+    xs, ys = on(device)
+    for s in [scalar, scalar.to(device)] if isinstance(scalar, torch.Tensor) else [scalar]:
+        same(foreach.mul(xs, s), [(x * s).to(x.dtype) for x in xs])
+        same(foreach.add_scaled(xs, s, ys), [(x + s * y).to(x.dtype) for x, y in zip(xs, ys)])
+        same(foreach.add_scalar(xs, s), [(x + s).to(x.dtype) for x in xs])
+        same(foreach.lerp(xs, ys, s), [torch.lerp(x, y, torch.as_tensor(s, dtype=x.dtype, device=x.device))
+                                       for x, y in zip(xs, ys)])
 
 
-def test_binary_and_unary_ops():
-    same(foreach.add(LEAVES, OTHERS), [x + y for x, y in zip(LEAVES, OTHERS)])
-    same(foreach.sub(LEAVES, OTHERS), [x - y for x, y in zip(LEAVES, OTHERS)])
-    same(foreach.div(LEAVES, OTHERS), [x / y for x, y in zip(LEAVES, OTHERS)])
-    same(foreach.mul_list(LEAVES, OTHERS), [x * y for x, y in zip(LEAVES, OTHERS)])
-    same(foreach.addcmul(LEAVES, OTHERS, OTHERS, 0.5), [x + 0.5 * y * y for x, y in zip(LEAVES, OTHERS)])
-    same(foreach.sqrt(OTHERS), [y.sqrt() for y in OTHERS])
-    same(foreach.neg(LEAVES), [-x for x in LEAVES])
-    same(foreach.maximum(LEAVES, OTHERS), [torch.maximum(x, y) for x, y in zip(LEAVES, OTHERS)])
-    same(foreach.clamp(LEAVES, -1.0, 1.0), [x.clamp(-1.0, 1.0) for x in LEAVES])
-    same(foreach.clamp(LEAVES, torch.tensor(-1.0), torch.tensor(1.0)), [x.clamp(-1.0, 1.0) for x in LEAVES])
+def test_binary_and_unary_ops(device):
+    xs, ys = on(device)
+    same(foreach.add(xs, ys), [x + y for x, y in zip(xs, ys)])
+    same(foreach.sub(xs, ys), [x - y for x, y in zip(xs, ys)])
+    same(foreach.div(xs, ys), [x / y for x, y in zip(xs, ys)])
+    same(foreach.mul_list(xs, ys), [x * y for x, y in zip(xs, ys)])
+    same(foreach.addcmul(xs, ys, ys, 0.5), [x + 0.5 * y * y for x, y in zip(xs, ys)])
+    same(foreach.sqrt(ys), [y.sqrt() for y in ys])
+    same(foreach.neg(xs), [-x for x in xs])
+    same(foreach.maximum(xs, ys), [torch.maximum(x, y) for x, y in zip(xs, ys)])
+    same(foreach.clamp(xs, -1.0, 1.0), [x.clamp(-1.0, 1.0) for x in xs])
+    same(foreach.clamp(xs, torch.tensor(-1.0), torch.tensor(1.0)), [x.clamp(-1.0, 1.0) for x in xs])
 
 
-def test_inputs_are_not_changed_and_div_into_writes_only_its_buffers():
-    before = [x.clone() for x in LEAVES]
-    foreach.add_scaled(LEAVES, 2.0, OTHERS)
-    bufs = [y.clone() for y in OTHERS]
-    out = foreach.div_into(LEAVES, bufs)
+def test_inputs_are_not_changed_and_div_into_writes_only_its_buffers(device):
+    xs, ys = on(device)
+    before = [x.clone() for x in xs]
+    foreach.add_scaled(xs, 2.0, ys)
+    bufs = [y.clone() for y in ys]
+    out = foreach.div_into(xs, bufs)
     assert out is bufs
-    same(out, [x / y for x, y in zip(LEAVES, OTHERS)])
-    same(LEAVES, before)
+    same(out, [x / y for x, y in zip(xs, ys)])
+    same(xs, before)
 
 
-def test_where_zeros_full_cast():
-    same(foreach.where(torch.tensor(True), LEAVES, OTHERS), LEAVES)
-    same(foreach.where(torch.tensor(False), LEAVES, OTHERS), OTHERS)
-    same(foreach.where_zero(torch.tensor(False), LEAVES), [torch.zeros_like(x) for x in LEAVES])
-    same(foreach.zeros_like(LEAVES), [torch.zeros_like(x) for x in LEAVES])
-    same(foreach.full_like(LEAVES, torch.tensor(0.5)), [torch.full_like(x, 0.5) for x in LEAVES])
-    same(foreach.cast(LEAVES, torch.float64), [x.double() for x in LEAVES])
+def test_where_zeros_full_cast(device):
+    xs, ys = on(device)
+    same(foreach.where(torch.tensor(True, device=device), xs, ys), xs)
+    same(foreach.where(torch.tensor(False, device=device), xs, ys), ys)
+    same(foreach.where_zero(torch.tensor(False, device=device), xs), [torch.zeros_like(x) for x in xs])
+    same(foreach.zeros_like(xs), [torch.zeros_like(x) for x in xs])
+    same(foreach.full_like(xs, torch.tensor(0.5)), [torch.full_like(x, 0.5) for x in xs])
+    same(foreach.cast(xs, torch.float64), [x.double() for x in xs])
     ints = [torch.tensor([1, 2])]
     assert foreach.cast(ints, torch.float64)[0].dtype == torch.int64  # only floating leaves are cast
 
@@ -82,8 +93,9 @@ def test_every_op_accepts_the_empty_list():
     assert bool(foreach.all_finite([]))
 
 
-def test_norms_accumulate_half_precision_in_float32_and_match_float64():
+def test_norms_accumulate_half_precision_in_float32_and_match_float64(device):
     big = [torch.full((4,), 60000.0, dtype=torch.float16), torch.tensor([3.0, 4.0], dtype=torch.float64)]
+    big = to_device(big, device)
     norms = foreach.norms(big)
     assert all(n.dtype == torch.float64 for n in norms)
     assert norms[0].item() == pytest.approx(120000.0) and norms[1].item() == 5.0  # no fp16 overflow
@@ -91,11 +103,12 @@ def test_norms_accumulate_half_precision_in_float32_and_match_float64():
     assert foreach.global_norm(big).item() == pytest.approx(expected, rel=1e-12)
 
 
-def test_all_finite_sees_nan_and_inf_in_any_dtype():
-    assert bool(foreach.all_finite(LEAVES))
+def test_all_finite_sees_nan_and_inf_in_any_dtype(device):
+    xs, ys = on(device)
+    assert bool(foreach.all_finite(xs))
     for bad in (math.nan, math.inf, -math.inf):
-        leaves = [x.clone() for x in LEAVES]
-        leaves[2] = torch.tensor(bad, dtype=torch.float16)
+        leaves = [x.clone() for x in xs]
+        leaves[2] = torch.tensor(bad, dtype=torch.float16, device=device)
         assert not bool(foreach.all_finite(leaves))
 
 

@@ -9,18 +9,20 @@ from hypothesis import strategies as st
 
 import functopk as ft
 from functopk._checks import check_same_structure
-from tests.helpers import assert_tree_bitwise_equal, clone_tree, trees_st
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device, trees_st
 
 
 @given(trees_st())
-def test_ravel_unravel_roundtrip(tree):
+def test_ravel_unravel_roundtrip(device, tree):
+    tree = to_device(tree, device)
     layout = ft.tree.FlatLayout.from_tree(tree)
+    assert layout.device == torch.device(device)
     leaves = ft.tree.leaves(tree)
     assert layout.numel == sum(x.numel() for x in leaves)
     assert layout.num_leaves == len(leaves)
     assert layout.offsets[0] == 0 and layout.offsets[-1] == layout.numel
     flat = layout.ravel(tree)
-    assert flat.dim() == 1 and flat.dtype == layout.common_dtype
+    assert flat.dim() == 1 and flat.dtype == layout.common_dtype and flat.device == torch.device(device)
     # the flat vector is the leaves concatenated in optree order
     expected = [x.reshape(-1).to(layout.common_dtype) for x in leaves]
     assert torch.equal(flat, torch.cat(expected)) if expected else flat.numel() == 0
@@ -65,16 +67,17 @@ def test_layout_rejects_mismatched_trees():
     assert layout.matches({"a": torch.ones(2)})
 
 
-def test_layout_device_check():
-    layout = ft.tree.FlatLayout.from_tree({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
+def test_layout_device_check(device):
+    other = "meta" if device == "cpu" else device
+    layout = ft.tree.FlatLayout.from_tree({"a": torch.zeros(2), "b": torch.zeros(2, device=other)})
     with pytest.raises(ValueError, match="several devices"):
         _ = layout.device
 
 
-def test_ravel_pytree():
-    tree = {"x": torch.tensor([1.0, 2.0]), "y": [torch.tensor([[3.0]])]}
+def test_ravel_pytree(device):
+    tree = to_device({"x": torch.tensor([1.0, 2.0]), "y": [torch.tensor([[3.0]])]}, device)
     flat, unravel = ft.tree.ravel(tree)
-    assert torch.equal(flat, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(flat, torch.tensor([1.0, 2.0, 3.0], device=device))
     assert_tree_bitwise_equal(unravel(flat), tree)
 
 
@@ -95,7 +98,8 @@ def assert_rounded_from(actual, terms):
 
 
 @given(trees_st(), st.floats(-4, 4, allow_nan=False, width=32))
-def test_tree_maths_match_per_leaf_reference(tree, s):
+def test_tree_maths_match_per_leaf_reference(device, tree, s):
+    tree = to_device(tree, device)
     before = clone_tree(tree)
     leaves = ft.tree.leaves(tree)
     other = ft.tree.map(lambda x: torch.ones_like(x) * 0.5, tree)
@@ -104,7 +108,7 @@ def test_tree_maths_match_per_leaf_reference(tree, s):
         torch.testing.assert_close(out, (x.double() * s).to(x.dtype), equal_nan=True)
     for out, x, y in zip(ft.tree.leaves(ft.tree.add(tree, other)), leaves, others):
         assert_rounded_from(out, [x, y])
-    for scalar in (s, torch.tensor(s)):
+    for scalar in (s, torch.tensor(s), torch.tensor(s, device=device)):  # a tensor scalar on the CPU or the device
         for out, x, y in zip(ft.tree.leaves(ft.tree.add_scaled(tree, scalar, other)), leaves, others):
             assert_rounded_from(out, [x, y.double() * s])
     zeros = ft.tree.zeros_like(tree)
