@@ -143,7 +143,8 @@ def selection_table(rounds: int, threads: list[int], device: str = "cpu") -> lis
 
 def markdown_steps(rows: list[dict]) -> str:
     lines = [
-        "| step (resnet18, batch 16, 3x32x32) | eager (ms) | compiled (ms) | compiled / eager | compiled / compiled dense | first compiled call (s) |",
+        "| step (resnet18, batch 16, 3x32x32) | eager (ms) | compiled (ms) | compiled / eager | "
+        "compiled / compiled dense | first compiled call (s) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
@@ -197,7 +198,8 @@ def main() -> None:
     if 2 in args.tables:
         print("table 2: selection alone", flush=True)
         sel = selection_table(rounds, threads, args.device)
-        parts += [f"Selection alone, resnet50 tree, {rounds} interleaved rounds, medians:", "", markdown_selection(sel), ""]
+        title = f"Selection alone, resnet50 tree, {rounds} interleaved rounds, medians:"
+        parts += [title, "", markdown_selection(sel), ""]
     text = "\n".join(parts)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,19 +4,21 @@
 (which reads sizes and thresholds on the host), its custom-operator form for
 compiled graphs, and the static kernels, and the only place that turns a tensor
 ``k`` into what a kernel takes. The route (:func:`route`) depends on where the
-leaves are and how the code runs:
+leaves are and how the code runs (kernels in :mod:`~functopk.sparse.kernels`,
+result types in :mod:`~functopk.sparse.selection` and :mod:`~functopk.sparse.ops`):
 
-=============  ===================================  =====================================  =========================================
-``method``     ``"eager"``: eager, CPU              ``"op"``: compiling, CPU               ``"static"``: other devices, or a leaf
-                                                                                           requires grad (eager or compiled)
-=============  ===================================  =====================================  =========================================
-``"exact"``    :func:`~.kernels.exact.select_exact` the same kernel as a custom operator     :func:`~.kernels.static.mask_static`
-               -> :class:`~.selection.Indices`      -> :class:`~.ops.ExactOp`              -> :class:`~.selection.Mask`
-``"torch"``    :func:`~.kernels.static.mask_static` -> ``Mask`` (everywhere)
-``"approx"``   :func:`~.kernels.approx.sample_threshold` -> :class:`~.selection.HostThreshold` in eager CPU mode, else
-               :class:`~.selection.Threshold`
-``"gaussian"`` :func:`~.kernels.approx.gaussian_threshold_flat`, as ``"approx"``
-=============  ===================================  =====================================  =========================================
+===============  ==============================  ===============================  ============================
+``method``       ``"eager"`` (eager, CPU)        ``"op"`` (compiling, CPU)        ``"static"`` (other devices,
+                                                                                  or a leaf requires grad)
+===============  ==============================  ===============================  ============================
+``"exact"``      ``select_exact`` ->             the same kernel as a custom      ``mask_static`` -> ``Mask``
+                 ``Indices``                     operator -> ``ExactOp``
+``"torch"``      ``mask_static`` -> ``Mask``     the same                         the same
+``"approx"``     ``sample_threshold`` ->         ``Threshold``                    ``Threshold``
+                 ``HostThreshold``
+``"gaussian"``   ``gaussian_threshold_flat``,    ``Threshold``                    ``Threshold``
+                 as ``"approx"``
+===============  ==============================  ===============================  ============================
 
 So ``"exact"`` selects the same coordinates on every route, and eager and
 compiled CPU code run the very same kernel (bit-identical outputs).
@@ -96,7 +98,7 @@ def device_count(k: KLike, n: int) -> KLike:
 
 def select(
     leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConfig | None = None
-) -> Selection:
+) -> Selection | ExactOp:
     """Run the kernel that ``method`` and the context call for on ``leaves`` (see the module table).
 
     Args:

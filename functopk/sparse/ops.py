@@ -31,7 +31,7 @@ sends leaves that require grad to the static kernel instead, as in eager mode.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,7 +58,7 @@ def config_values(config: KernelConfig) -> list[float]:
 
 def _config(values: list[float]) -> KernelConfig:
     """The :class:`KernelConfig` that :func:`config_values` flattened (int fields come back as ints)."""
-    kw = {f.name: (int(v) if f.type in ("int", int) else v) for f, v in zip(_FIELDS, values)}
+    kw: dict[str, Any] = {f.name: (int(v) if f.type in ("int", int) else v) for f, v in zip(_FIELDS, values)}
     return KernelConfig(**kw)
 
 
@@ -138,7 +138,8 @@ def topk_indices(
         >>> topk_indices([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
         (tensor([1, 2]), tensor([-3.,  2.]))
     """
-    return tuple(_indices(leaves, k, count, config))
+    idx, vals = _indices(leaves, k, count, config)
+    return idx, vals
 
 
 @topk_indices.register_fake
@@ -148,7 +149,8 @@ def _(leaves, k, count, config):
     else:
         size = torch.library.get_ctx().new_dynamic_size(min=1, max=sum(x.numel() for x in leaves))
     device = leaves[0].device
-    return torch.empty(size, dtype=torch.int64, device=device), torch.empty(size, dtype=common_dtype(leaves), device=device)
+    idx = torch.empty(size, dtype=torch.int64, device=device)
+    return idx, torch.empty(size, dtype=common_dtype(leaves), device=device)
 
 
 class ExactOp(NamedTuple):
@@ -159,18 +161,18 @@ class ExactOp(NamedTuple):
     """
 
     k: int
-    count: torch.Tensor | None
+    k_tensor: torch.Tensor | None
     config: KernelConfig
 
     def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The sparsified leaves (``functopk::topk_dense``)."""
-        return topk_dense(leaves, self.k, self.count, config_values(self.config))
+        return topk_dense(leaves, self.k, self.k_tensor, config_values(self.config))
 
     def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """Boolean leaves (``functopk::topk_masks``)."""
-        return topk_masks(leaves, self.k, self.count, config_values(self.config))
+        return topk_masks(leaves, self.k, self.k_tensor, config_values(self.config))
 
     def sparse(self, leaves: list[torch.Tensor]):
         """A :class:`~functopk.SparseUpdates` (``functopk::topk_indices``)."""
-        idx, vals = topk_indices(leaves, self.k, self.count, config_values(self.config))
+        idx, vals = topk_indices(leaves, self.k, self.k_tensor, config_values(self.config))
         return sparse_updates(leaves, idx, vals)

@@ -6,7 +6,6 @@ comes from it. Both thresholds have static shapes and read nothing on the host.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -59,7 +58,8 @@ def systematic_sample(flats: Sequence[torch.Tensor], stride: int, dtype: torch.d
     views, offset = [], 0
     phase = stride // 2
     for f in flats:
-        start = phase - offset + stride * ((offset - phase + stride - 1) // stride)  # (phase - offset) mod stride; no % on symbolic sizes
+        # (phase - offset) mod stride, without % (unsupported on symbolic sizes by some backends)
+        start = phase - offset + stride * ((offset - phase + stride - 1) // stride)
         if start < f.numel():
             views.append(f[start::stride])
         offset += f.numel()
