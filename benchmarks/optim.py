@@ -170,7 +170,7 @@ class TorchOpt:
         return self.p
 
 
-def time_variants(variants, rounds: int) -> dict[str, list[float]]:
+def time_variants(variants, rounds: int, sync=lambda: None) -> dict[str, list[float]]:
     times = {v.name: [] for v in variants}
     for r in range(rounds):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -179,14 +179,16 @@ def time_variants(variants, rounds: int) -> dict[str, list[float]]:
             gc.collect()
             t0 = time.perf_counter()
             v.step()
+            sync()
             times[v.name].append(time.perf_counter() - t0)
     return times
 
 
-def run(model: str, rounds: int, warmup: int, opts: list[str], compile_: bool) -> list[dict]:
-    params = model_params(model)
+def run(model: str, rounds: int, warmup: int, opts: list[str], compile_: bool, device: str = "cpu") -> list[dict]:
+    params = {k: v.to(device) for k, v in model_params(model).items()}
     g = torch.Generator().manual_seed(1)
-    grads = {k: torch.randn(v.shape, generator=g) * 1e-2 for k, v in params.items()}
+    grads = {k: (torch.randn(v.shape, generator=g) * 1e-2).to(device) for k, v in params.items()}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     numel = sum(v.numel() for v in params.values())
     malloc = "tuned" if all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items()) else "default"
     print(f"# {model}: {len(params)} tensors, {numel / 1e6:.1f}M parameters; torch {torch.__version__}, "
@@ -208,7 +210,7 @@ def run(model: str, rounds: int, warmup: int, opts: list[str], compile_: bool) -
                 v.step()
             if isinstance(v, FunctopkCompiled):
                 print(f"  {opt}: compile + {warmup} warm-up steps took {time.perf_counter() - t0:.1f} s", flush=True)
-        times = time_variants(variants, rounds)
+        times = time_variants(variants, rounds, sync)
         ref = variants[0].params()
         base = statistics.median(times[variants[0].name])
         for v in variants:
@@ -273,6 +275,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a torchvision model name (default resnet50)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--optimizers", default="sgd-momentum,adam,adamw")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (parameters, gradients and states live there)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     parser.add_argument("--out", default="out/bench/optim.png", help="where to write the plot")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -287,7 +290,7 @@ def main() -> None:
     model = args.model or ("resnet18" if args.quick else "resnet50")
     rounds = args.rounds or (3 if args.quick else 20)
     opts = args.optimizers.split(",")
-    rows = run(model, rounds, warmup=2, opts=opts, compile_=not args.no_compile)
+    rows = run(model, rounds, warmup=2, opts=opts, compile_=not args.no_compile, device=args.device)
     print()
     print(table(rows))
     malloc = "tuned malloc" if all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items()) else "default malloc"

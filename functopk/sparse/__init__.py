@@ -8,6 +8,7 @@
 * :mod:`~functopk.sparse.dispatch`: the one place that picks a kernel and
   normalises ``k``, returning a result type of :mod:`~functopk.sparse.selection`
   (``Indices``, ``Mask``, ``Threshold``, ``HostThreshold``);
+* :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
 * :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
 * :mod:`~functopk.sparse.config`: :class:`KernelConfig`, their tuning constants.
 
@@ -16,10 +17,12 @@ The transformation form, :func:`functopk.topk`, lives in :mod:`functopk.compress
 
 from functopk.sparse.api import gaussian_threshold, k_from_density, resolve_k, topk_indices, topk_mask, topk_sparsify
 from functopk.sparse.config import KernelConfig
+from functopk.sparse.dispatch import SlowPathWarning
 from functopk.sparse.updates import SparseUpdates, apply_sparse_updates, apply_sparse_updates_
 
 __all__ = [
     "KernelConfig",
+    "SlowPathWarning",
     "SparseUpdates",
     "apply_sparse_updates",
     "apply_sparse_updates_",

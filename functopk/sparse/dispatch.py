@@ -33,6 +33,7 @@ becomes ``n`` ("keep everything": nothing is lost).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Union
 
 import torch
@@ -45,7 +46,17 @@ from functopk.sparse.kernels.static import mask_static
 from functopk.sparse.ops import ExactOp, host_count
 from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
 
-__all__ = ["KLike", "METHODS", "check_method", "device_count", "route", "select", "tensor_count"]
+__all__ = [
+    "KLike",
+    "METHODS",
+    "SLOW_STATIC_NUMEL",
+    "SlowPathWarning",
+    "check_method",
+    "device_count",
+    "route",
+    "select",
+    "tensor_count",
+]
 
 METHODS = ("exact", "torch", "approx", "gaussian")
 
@@ -96,6 +107,31 @@ def device_count(k: KLike, n: int) -> KLike:
     return k if isinstance(k, int) else tensor_count(k, n)
 
 
+SLOW_STATIC_NUMEL = 1 << 20
+"""Trees this large get :class:`SlowPathWarning` when ``"exact"`` falls back to the static kernel on the CPU."""
+
+
+class SlowPathWarning(UserWarning):
+    """``method="exact"`` ran the static kernel on a large CPU tree (leaves require grad): about 10x slower.
+
+    Example:
+        >>> import warnings, functopk as ft
+        >>> warnings.simplefilter("ignore", ft.sparse.SlowPathWarning)   # when the fallback is intended
+    """
+
+
+def _warn_static_on_cpu(n: int) -> None:
+    """Warn (eager mode; a warning would break a compiled graph) that the exact CPU kernel could not run."""
+    if not torch.compiler.is_compiling():
+        warnings.warn(
+            f"top-k of {n} coordinates on the CPU runs the static kernel (torch.topk over a concatenated copy, "
+            "about 10x slower than functopk's exact kernel) because a leaf requires grad; select from detached "
+            "gradients (x.detach(), or torch.no_grad()) unless you differentiate through the selection",
+            SlowPathWarning,
+            stacklevel=4,
+        )
+
+
 def select(
     leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConfig | None = None
 ) -> Selection | ExactOp:
@@ -126,6 +162,8 @@ def select(
     if method == "exact" and where == "eager":
         return Indices(*select_exact(flats, host_count(k, n), dtype, config))
     count = device_count(k, n)
+    if method == "exact" and leaves[0].device.type == "cpu" and n >= SLOW_STATIC_NUMEL:
+        _warn_static_on_cpu(n)
     if method in ("exact", "torch"):
         return Mask(mask_static(flat_magnitudes(flats, dtype), count), count)
     if method == "approx":

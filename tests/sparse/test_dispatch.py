@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import optree
 import pytest
@@ -110,3 +111,14 @@ def test_public_functions_pass_the_config_to_the_kernels():
     with pytest.raises(TypeError, match="config must be a functopk.sparse.KernelConfig or None, got object"):
         ft.topk_indices(tree, 40, config=object())
     assert optree.tree_structure(ft.topk_mask(tree, 40, config=tiny)) == optree.tree_structure(tree)
+
+
+def test_exact_warns_when_a_large_cpu_tree_requiring_grad_takes_the_static_kernel():
+    big = [torch.randn(dispatch.SLOW_STATIC_NUMEL, requires_grad=True)]
+    with pytest.warns(dispatch.SlowPathWarning, match="requires grad"):
+        dispatch.select(big, 10, "exact")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dispatch.select([x.detach() for x in big], 10, "exact")  # the exact kernel: no warning
+        dispatch.select(big, 10, "torch")  # asked for the static kernel: no warning
+        dispatch.select([torch.randn(1000, requires_grad=True)], 10, "exact")  # small: as fast

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU check of issue 12: one command, under 8 minutes on one GPU.
+#
+#   bash benchmarks/gpu_check.sh            # uses $PY (default: .venv/bin/python if present, else python3)
+#
+# 1. the CUDA tests (pytest -m "cuda and not slow": every device-parametrised test's CUDA case,
+#    and tests/sparse/test_cuda.py, which fails on any host synchronisation in the default path);
+# 2. benchmarks/device_topk.py: ft.topk_indices / topk_sparsify against torch.topk on the GPU
+#    (resnet50 tree and a 100M-coordinate tree, k = 1000 and 1%);
+# 3. benchmarks/optim.py --device cuda: optimizer steps against torch.optim (resnet50 tree);
+# 4. benchmarks/compiled_step.py --device cuda --tables 1: eager and compiled resnet18 steps.
+# Tables and logs go to benchmarks/results/gpu/ (or $OUT_DIR). Each part has its own time limit,
+# and a failing part does not stop the others; the exit status is that of the tests.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT_DIR:-benchmarks/results/gpu}
+if [ -z "${PY:-}" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export OMP_WAIT_POLICY=PASSIVE
+mkdir -p "$OUT"
+start=$(date +%s)
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+    $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+} > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+timeout 200 $PY -m pytest -q -p no:cacheprovider -m "cuda and not slow" -ra tests > "$OUT/tests.txt" 2>&1
+tests_rc=$?
+tail -5 "$OUT/tests.txt"
+
+timeout 90 $PY benchmarks/device_topk.py --device cuda --rounds 15 --out "$OUT/topk.md" > "$OUT/topk.log" 2>&1 \
+    || echo "device_topk.py failed or timed out (see $OUT/topk.log)"
+timeout 90 $PY benchmarks/optim.py --device cuda --rounds 20 --no-compile --out "$OUT/optim.png" \
+    > "$OUT/optim.md" 2>&1 || echo "optim.py failed or timed out (see $OUT/optim.md)"
+timeout 150 $PY benchmarks/compiled_step.py --device cuda --tables 1 --rounds 10 --out "$OUT/compiled_step.md" \
+    > "$OUT/compiled_step.log" 2>&1 || echo "compiled_step.py failed or timed out (see $OUT/compiled_step.log)"
+
+echo "gpu_check: $(( $(date +%s) - start )) s; tests exit status $tests_rc; results in $OUT/"
+cat "$OUT"/*.md 2>/dev/null
+exit $tests_rc
