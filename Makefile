@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.functopk-installed
 PYTEST_ARGS ?=
 
-.PHONY: all test test-fast lint demo bench clean
+.PHONY: all test test-fast lint demo bench gpu-check clean
 
 all: test
 
@@ -41,8 +41,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/topk.py
 	$(PY) benchmarks/optim.py
+	$(PY) benchmarks/compiled_step.py
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/convergence.py
+
+# On a machine with a CUDA GPU: CUDA tests and GPU benchmarks, tables in benchmarks/results/gpu/
+gpu-check: $(STAMP)
+	PY=$(PY) bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis out

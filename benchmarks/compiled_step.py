@@ -9,7 +9,9 @@ on torchvision's resnet18 (10 classes), batch 16 of 3x32x32, CPU:
 
 each eager and compiled (``torch.compile(step, fullgraph=True)``, inductor).
 Compile time is the wall time of the first compiled call (tracing, inductor
-and the first run). Then all variants run in interleaved rounds; medians.
+and the first run), with inductor's on-disk caches disabled (a cold compile,
+as on a fresh machine; ``--warm-cache`` keeps them: a later run of the same
+step then compiles in a few seconds). Then all variants run in interleaved rounds; medians.
 
 Table 2, the selection alone (``ft.topk_sparsify(g, k)``) on the resnet50
 parameter shapes (25.6M standard normal coordinates), k = 1000 and 1% of n, at
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch.func import grad
 
@@ -185,16 +188,20 @@ def main() -> None:
     parser.add_argument("--step-threads", type=int, default=2, help="threads of table 1")
     parser.add_argument("--tables", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--warm-cache", action="store_true", help="keep inductor's on-disk caches (default: cold)")
     parser.add_argument("--out", type=Path, default=RESULTS / "compiled_step.md")
     args = parser.parse_args()
+    if not args.warm_cache:
+        torch._inductor.config.force_disable_caches = True
     rounds, threads = (3, [2]) if args.quick else (args.rounds, args.threads)
     parts = [f"# Compiled top-k ({time.strftime('%Y-%m-%d')})", "", header(args.device), ""]
     if 1 in args.tables:
         torch.set_num_threads(args.step_threads)
         print("table 1: whole steps", flush=True)
         steps = step_table(rounds, args.device)
-        parts += [f"Whole steps, {args.step_threads} threads, {rounds} interleaved rounds, medians:", "",
-                  markdown_steps(steps), ""]
+        cache = "warm" if args.warm_cache else "cold (inductor caches disabled)"
+        title = f"Whole steps, {args.step_threads} threads, {rounds} interleaved rounds, medians; compile {cache}:"
+        parts += [title, "", markdown_steps(steps), ""]
     if 2 in args.tables:
         print("table 2: selection alone", flush=True)
         sel = selection_table(rounds, threads, args.device)
