@@ -31,6 +31,7 @@ sends leaves that require grad to the static kernel instead, as in eager mode.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -86,44 +87,38 @@ def _indices(leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, con
     return Indices(*select_exact(flats, kk, common_dtype(leaves), _config(config)))
 
 
-@torch.library.custom_op("functopk::topk_dense", mutates_args=())
-def topk_dense(
-    leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]
-) -> list[torch.Tensor]:
-    """The sparsified leaves: zeros except the exact top ``k`` (``count``, when given, instead of ``k``).
+def _per_leaf_op(output: str, dtype_of: Callable[[torch.Tensor], torch.dtype]):
+    """Register ``functopk::topk_<output>``: one output per leaf, with the leaf's shape (``Indices.<output>``)."""
 
-    Example:
-        >>> import torch
-        >>> from functopk.sparse.config import DEFAULT_CONFIG
-        >>> topk_dense([torch.tensor([1.0, -3.0, 2.0])], 1, None, config_values(DEFAULT_CONFIG))
-        [tensor([ 0., -3.,  0.])]
-    """
-    return _indices(leaves, k, count, config).dense(leaves)
+    def impl(
+        leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]
+    ) -> list[torch.Tensor]:
+        return getattr(_indices(leaves, k, count, config), output)(leaves)
 
+    op = torch.library.custom_op(f"functopk::topk_{output}", impl, mutates_args=())
 
-@topk_dense.register_fake
-def _(leaves, k, count, config):
-    return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in leaves]
+    @op.register_fake
+    def _(leaves, k, count, config):
+        return [torch.empty(x.shape, dtype=dtype_of(x), device=x.device) for x in leaves]
+
+    return op
 
 
-@torch.library.custom_op("functopk::topk_masks", mutates_args=())
-def topk_masks(
-    leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]
-) -> list[torch.Tensor]:
-    """Boolean leaves, True at the exact top ``k`` (``count``, when given, instead of ``k``).
+topk_dense = _per_leaf_op("dense", lambda x: x.dtype)
+"""``topk_dense(leaves, k, count, config)``: the sparsified leaves, zeros except the exact top ``k`` (or ``count``).
 
-    Example:
-        >>> import torch
-        >>> from functopk.sparse.config import DEFAULT_CONFIG
-        >>> topk_masks([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
-        [tensor([False,  True,  True])]
-    """
-    return _indices(leaves, k, count, config).masks(leaves)
+>>> from functopk.sparse.config import DEFAULT_CONFIG
+>>> topk_dense([torch.tensor([1.0, -3.0, 2.0])], 1, None, config_values(DEFAULT_CONFIG))
+[tensor([ 0., -3.,  0.])]
+"""
 
+topk_masks = _per_leaf_op("masks", lambda x: torch.bool)
+"""``topk_masks(leaves, k, count, config)``: boolean leaves, True at the exact top ``k`` (or ``count``).
 
-@topk_masks.register_fake
-def _(leaves, k, count, config):
-    return [torch.empty(x.shape, dtype=torch.bool, device=x.device) for x in leaves]
+>>> from functopk.sparse.config import DEFAULT_CONFIG
+>>> topk_masks([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
+[tensor([False,  True,  True])]
+"""
 
 
 @torch.library.custom_op("functopk::topk_indices", mutates_args=())
