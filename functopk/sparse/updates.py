@@ -129,6 +129,13 @@ def _checked(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Tensor], 
         )
     if sparse.indices.dtype != torch.int64:
         raise TypeError(f"sparse.indices must be int64, got {sparse.indices.dtype}")
+    for field in ("indices", "values"):
+        device = getattr(sparse, field).device
+        if leaves and device != leaves[0].device:
+            raise ValueError(
+                f"sparse.{field} is on {device} but {name} is on {leaves[0].device}; move the update "
+                f"(sparse._replace(indices=..., values=...)) to the tree's device"
+            )
     _check_indices(sparse.indices, numel)
     return leaves, treedef
 

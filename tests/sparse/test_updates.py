@@ -121,6 +121,8 @@ def test_all_three_consumers_check_one_contract(device, consume):
         (good._replace(sizes=(3, 2)),
          r"(params|like) leaf at \['b'\] has 2 coordinates, but the tree the sparse update was selected from has 3"),
         (good._replace(sizes=(5,)), "selected from a tree of 1 leaves, but (params|like) has 2"),
+        (good._replace(indices=good.indices.to("meta")), "sparse.indices is on meta but (params|like) is on"),
+        (good._replace(values=good.values.to("meta")), "sparse.values is on meta but (params|like) is on"),
     ]
     for bad, match in cases:
         with pytest.raises(ValueError, match=match):
