@@ -107,7 +107,9 @@ def main() -> None:
             print(f"in total over {state.iter} iterations ({state.warmup_iters} dense): {t.bytes_sent / 1e6:.3f} MB "
                   f"sent per rank; plain allreduce: {t.bytes_dense / 1e6:.3f} MB "
                   f"({t.bytes_dense / t.bytes_sent:.1f}x more)")  # fmt: skip
-    # leave together: a rank tearing gloo down while its peer still talks to it can abort at exit
+    # leave together: a rank tearing gloo down while its peer still talks to it can abort at exit; and
+    # release DDP's reducer (which holds the process group and the hook state) before destroying the group
+    del model
     dist.barrier()
     dist.destroy_process_group()
 
