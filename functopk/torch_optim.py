@@ -49,9 +49,10 @@ class TorchOptimizer(torch.optim.Optimizer):
     **Learning rate.** Two forms, chosen by what ``tx`` is:
 
     * ``tx`` a :class:`~functopk.GradientTransformation` (it has its own learning
-      rate, e.g. ``ft.sgd(0.1)``): each group's ``lr`` (default ``1.0``) is a
-      *factor on that group's updates*. With the default the updates are applied
-      exactly as the transformation computed them; a scheduler scales them
+      rate, e.g. ``ft.sgd(0.1)``), without ``lr=`` (given, it would silently
+      multiply the transformation's own rate, so it is a ``TypeError``): each
+      group's ``lr`` (starting at ``1.0``) is a *factor on that group's updates*:
+      at 1.0 the updates are applied exactly as the transformation computed them; a scheduler scales them
       relative to it; groups may have different factors (one global top-k, then
       per-group step sizes). Exact for optimizers whose learning rate is the
       last, linear factor (sgd, adam, ...).
@@ -121,9 +122,14 @@ class TorchOptimizer(torch.optim.Optimizer):
         lr: float | torch.Tensor | None = None,
     ) -> None:
         if isinstance(tx, GradientTransformation):
+            if lr is not None:  # it would be a silent factor on tx's own learning rate (0.1 x 0.1)
+                raise TypeError(
+                    "lr= goes with a factory lr -> GradientTransformation (e.g. lambda lr: ft.sgd(lr)); tx has its "
+                    "own learning rate, which lr would multiply. Leave lr out: group lr is then a factor from 1.0"
+                )
             self._injected = False
             self._tx = tx
-            lr = 1.0 if lr is None else lr
+            lr = 1.0
         elif callable(tx):
             if lr is None:
                 raise TypeError("lr is required when tx is a factory lr -> GradientTransformation")

@@ -511,9 +511,13 @@ def test_constructor_and_group_errors():
     with pytest.raises(TypeError, match="factory returned float"):
         ft.TorchOptimizer(model.parameters(), lambda lr: lr, lr=0.1)
     with pytest.raises(ValueError, match="lr must be >= 0"):
-        ft.TorchOptimizer(model.parameters(), ft.sgd(0.1), lr=-1.0)
+        ft.TorchOptimizer(model.parameters(), lambda lr: ft.sgd(lr), lr=-1.0)
     with pytest.raises(TypeError, match="lr must be a real number"):
-        ft.TorchOptimizer(model.parameters(), ft.sgd(0.1), lr="big")
+        ft.TorchOptimizer(model.parameters(), lambda lr: ft.sgd(lr), lr="big")
+    # a ready transformation has its own learning rate: lr= would silently multiply it (0.1 x 0.1)
+    for lr in (0.1, 1.0, torch.tensor(0.1)):
+        with pytest.raises(TypeError, match="lr= goes with a factory"):
+            ft.TorchOptimizer(model.parameters(), ft.sgd(0.1), lr=lr)
     with pytest.raises(ValueError, match="empty parameter list"):
         ft.TorchOptimizer([], ft.sgd(0.1))
     opt = ft.TorchOptimizer([("a", torch.nn.Parameter(torch.zeros(2)))], ft.sgd(0.1))
