@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,28 +41,9 @@ from torch.func import grad
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functopk as ft  # noqa: E402
+from benchmarks.timing import device_sync, first_call, interleaved  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def interleaved(fns: dict, rounds: int) -> dict[str, float]:
-    """Median seconds per call of each function, measured round by round (one warm-up call each first)."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(v) for name, v in times.items()}
-
-
-def first_call(fn) -> float:
-    """Seconds of the first call (for a compiled function: compile time plus one run)."""
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def make_step(model_fn, tx):
@@ -88,7 +68,7 @@ def step_table(rounds: int, device: str = "cpu") -> list[dict]:
     x = torch.randn(16, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (16,), device=device)
     n = sum(p.numel() for p in params.values())
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = device_sync(device)
     variants = {
         "dense": ft.sgd(0.1, momentum=0.9),
         "topk1000": ft.chain(ft.topk(1000), ft.sgd(0.1, momentum=0.9)),
@@ -99,11 +79,11 @@ def step_table(rounds: int, device: str = "cpu") -> list[dict]:
         state = tx.init(params)
         eager = make_step(model_fn, tx)
         compiled = torch.compile(eager, fullgraph=True)
-        fns[f"{name} eager"] = lambda f=eager, s=state: (f(params, buffers, s, x, y), sync())
-        fns[f"{name} compiled"] = lambda f=compiled, s=state: (f(params, buffers, s, x, y), sync())
-        compile_s[name] = first_call(fns[f"{name} compiled"])
+        fns[f"{name} eager"] = lambda f=eager, s=state: f(params, buffers, s, x, y)
+        fns[f"{name} compiled"] = lambda f=compiled, s=state: f(params, buffers, s, x, y)
+        compile_s[name] = first_call(fns[f"{name} compiled"], sync)
         print(f"  {name}: first compiled call {compile_s[name]:.1f} s", flush=True)
-    med = interleaved(fns, rounds)
+    med = interleaved(fns, rounds, sync)
     rows = []
     for name in variants:
         e, c = med[f"{name} eager"], med[f"{name} compiled"]
@@ -137,6 +117,7 @@ def selection_table(rounds: int, threads: list[int], device: str = "cpu") -> lis
                 {"eager": lambda k=k: ft.topk_sparsify(tree, k), "compiled": lambda: compiled(tree),
                  "static": lambda: static(tree)},
                 rounds,
+                device_sync(device),
             )
             rows.append(dict(threads=t, k=label, eager_ms=1e3 * med["eager"], compiled_ms=1e3 * med["compiled"],
                              static_ms=1e3 * med["static"], ratio=med["compiled"] / med["eager"], identical=same))

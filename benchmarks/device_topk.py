@@ -21,15 +21,14 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functopk as ft  # noqa: E402
+from benchmarks.timing import device_sync, interleaved  # noqa: E402
 
 
 def trees(device: str, small: bool) -> dict[str, list[torch.Tensor]]:
@@ -50,21 +49,6 @@ def usual_dense_topk(leaves: list[torch.Tensor], k: int) -> list[torch.Tensor]:
     return list(torch.split(out, [x.numel() for x in leaves]))
 
 
-def measure(fns: dict, rounds: int, sync) -> dict[str, float]:
-    for fn in fns.values():  # warm-up
-        fn()
-    sync()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(v) for name, v in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -72,7 +56,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="trees 100x smaller (smoke run)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     args = parser.parse_args()
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync = device_sync(args.device)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     lines = [
         f"torch {torch.__version__}, device {args.device} ({name}), {args.rounds} interleaved rounds, medians",
@@ -88,7 +72,7 @@ def main() -> None:
             expected = ft.topk_indices(leaves, k).indices.cpu()
             got = torch.topk(flat_mags, k).indices.sort().values.cpu()
             assert torch.equal(expected, got), "selection differs from torch.topk (ties are unlikely on normal data)"
-            med = measure(
+            med = interleaved(
                 {
                     "floor": lambda k=k: torch.topk(flat_mags, k, sorted=False),
                     "usual": lambda k=k: usual_dense_topk(leaves, k),

@@ -1,0 +1,34 @@
+"""Timing helpers shared by the device-aware benchmarks (compiled_step.py, device_topk.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def device_sync(device: str) -> Callable[[], None]:
+    """What waits for ``device``'s queued work: ``torch.cuda.synchronize`` on CUDA, nothing on the CPU."""
+    return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+
+def first_call(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:
+    """Seconds of one call until its device work is done (for a compiled function: compile time plus one run)."""
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def interleaved(fns: dict, rounds: int, sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Median seconds per call of each function, one warm-up call each, then measured round by round."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(first_call(fn, sync))
+    return {name: statistics.median(v) for name, v in times.items()}
