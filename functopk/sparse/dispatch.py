@@ -153,11 +153,11 @@ def select(
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
+    where = route(leaves)
+    if method == "exact" and where == "op":  # the operator does the rest, on the real tensors
+        return ExactOp(k, None, config) if isinstance(k, int) else ExactOp(0, k, config)
     dtype = common_dtype(leaves)
     n = sum(x.numel() for x in leaves)
-    where = route(leaves)
-    if method == "exact" and where == "op":
-        return ExactOp(k, None, config) if isinstance(k, int) else ExactOp(0, k, config)
     flats = [x.detach().reshape(-1) for x in leaves]
     if method == "exact" and where == "eager":
         return Indices(*select_exact(flats, host_count(k, n), dtype, config))
