@@ -13,6 +13,7 @@ collectives, against what plain DDP allreduce would have sent.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -109,7 +110,8 @@ def main() -> None:
                   f"({t.bytes_dense / t.bytes_sent:.1f}x more)")  # fmt: skip
     # leave together: a rank tearing gloo down while its peer still talks to it can abort at exit; and
     # release DDP's reducer (which holds the process group and the hook state) before destroying the group
-    del model
+    del model, state, opt
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -151,6 +151,7 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         ...     model(torch.randn(4, 100)).sum().backward()
         >>> state.last_step.coords_sent, state.last_step.coords, state.last_step.bytes_sent
         (10, 101, 80)
+        >>> del model  # DDP holds the process group: release it first
         >>> dist.destroy_process_group()
     """
     group, _, world = _resolve_group(state.process_group, "topk_hook")

@@ -643,3 +643,22 @@ def test_module_is_exposed_without_initialising_anything():
 
     assert ft.distributed.sparse_allreduce is sparse_allreduce and "distributed" in ft.__all__
     assert not dist.is_initialized()
+
+
+def test_docstring_examples_run_in_their_own_process():
+    """The examples of functopk.distributed start gloo process groups; they run here, away from the test process.
+
+    (pyproject's addopts keeps them out of the main doctest collection: a gloo
+    group torn down inside the long-lived pytest process aborted it once in CI.)
+    """
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "--doctest-modules", "-q", "-p", "no:cacheprovider",
+         os.path.join(root, "functopk", "distributed")],
+        capture_output=True, text=True, cwd=root, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "6 passed" in proc.stdout, proc.stdout[-3000:]
