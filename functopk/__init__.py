@@ -12,6 +12,7 @@ Example:
 """
 
 from functopk import compress, distributed, nn, optim, sparse, tree
+from functopk.adapter import ParamGroupOptimizer, from_torch
 from functopk.base import EmptyState, GradientTransformation, identity, leafwise, stateless
 from functopk.checkpoint import CheckpointError, load_state, save_state, state_from_dict, state_to_dict
 from functopk.combine import chain, masked, named_chain, partition
@@ -73,6 +74,7 @@ __all__ = [
     "CheckpointError",
     "EmptyState",
     "GradientTransformation",
+    "ParamGroupOptimizer",
     "SparseUpdates",
     "TorchOptimizer",
     "adagrad",
@@ -96,6 +98,7 @@ __all__ = [
     "distributed",
     "error_feedback",
     "exponential_decay",
+    "from_torch",
     "identity",
     "inject_hyperparams",
     "join_schedules",

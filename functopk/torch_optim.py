@@ -19,6 +19,7 @@ import optree
 import torch
 
 from functopk._checks import check_hyperparam, describe
+from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
@@ -156,6 +157,42 @@ class TorchOptimizer(torch.optim.Optimizer):
         # assignments on torch.optim.Optimizer subclasses (torch 2.14; cf. pytorch/pytorch#171590).
         self._mutable: dict[str, Any] = {"state": None, "ptree": None, "layout": None, "lr": None}
         super().__init__(params, {"lr": check_hyperparam(lr, "lr", minimum=0.0)})
+
+    @classmethod
+    def from_torch(
+        cls,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Iterable[Any],
+        sparsify: GradientTransformation | None = None,
+        **defaults: Any,
+    ) -> ParamGroupOptimizer:
+        """A drop-in ``optimizer_class(params, **defaults)``, with ``sparsify`` on all groups' gradients first.
+
+        The result behaves like the torch optimizer in everything a torch user
+        relies on: per-group hyperparameters, per-parameter state and step counts,
+        ``add_param_group``, ``state_dict`` in torch's layout, every scheduler,
+        ``GradScaler``; see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
+        :func:`functopk.from_torch`'s. ``sparsify`` (e.g. ``ft.topk(1000)`` or
+        ``ft.error_feedback(ft.topk(density=1e-3))``) sees the gradients of all
+        groups as one tree, so a top-k is global across groups.
+
+        Args:
+            optimizer_class: A ``torch.optim`` class (all but ``LBFGS`` and ``SparseAdam``).
+            params: Parameters, ``(name, parameter)`` pairs or param-group dicts, as for torch.
+            sparsify: A transformation of the gradients, or ``None``.
+            **defaults: ``optimizer_class``'s keyword arguments (torch's defaults and checks).
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> model = torch.nn.Linear(4, 1)
+            >>> opt = ft.TorchOptimizer.from_torch(torch.optim.SGD, model.parameters(), ft.topk(2), lr=0.1)
+            >>> before = [p.detach().clone() for p in model.parameters()]
+            >>> model(torch.randn(8, 4)).square().mean().backward()
+            >>> opt.step()
+            >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
+            2
+        """
+        return ParamGroupOptimizer(optimizer_class, params, sparsify, **defaults)
 
     # -- the public view of the state ------------------------------------------------------------
 

@@ -263,8 +263,8 @@ def adagrad(
 
         def decayed(count: torch.Tensor) -> torch.Tensor:
             lr = learning_rate(count) if callable(learning_rate) else learning_rate
-            # float32 like the schedules: the update multiplies float32 leaves by it.
-            return (-lr / (1.0 + count.to(scalar_dtype(count.device)) * lr_decay)).to(torch.float32)
+            # In float64 (scale_by_schedule casts it to float32 unless a leaf is float64), as torch's Python float.
+            return -lr / (1.0 + count.to(scalar_dtype(count.device)) * lr_decay)
 
         parts.append(scale_by_schedule(decayed))
     return chain(*parts)

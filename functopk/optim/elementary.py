@@ -76,7 +76,8 @@ def _scale_by_schedule(schedule: Schedule, name: str) -> GradientTransformation:
     def update(
         grads: Leaves, state: ScaleByScheduleState, params: Leaves | None
     ) -> tuple[Leaves, ScaleByScheduleState]:
-        return foreach.mul(grads, schedule(state.count)), ScaleByScheduleState(count=state.count + 1)
+        value = foreach.for_leaves(schedule(state.count), grads)  # float64 values stay float64 for float64 leaves
+        return foreach.mul(grads, value), ScaleByScheduleState(count=state.count + 1)
 
     return leafwise(name, update, init=init, state=ScaleByScheduleState)
 
