@@ -1,0 +1,166 @@
+"""``ft.from_torch`` and ``TorchOptimizer.from_torch`` against torch.optim, on PyTorch's own test configurations.
+
+``torch.testing._internal.common_optimizers.optim_db`` lists, per optimizer
+class, the configurations PyTorch tests. For each class and configuration, 40
+steps on a small model-like tree with a deterministic non-linear gradient field
+are compared with torch.optim run in float64 (ground truth):
+
+* float64: the functional form and the adapter agree with torch to ~1e-12;
+* float32: the functional form's error is at most a small factor of torch float32's own error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing._internal.common_optimizers import optim_db
+
+import functopk as ft
+from functopk.adapter.registry import IMPLEMENTATION_FLAGS
+
+STEPS = 40
+COVERED = {
+    "ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop",
+    "Rprop", "SGD",
+}  # fmt: skip
+"""torch.optim minus LBFGS and SparseAdam: 13 classes."""
+
+
+def _configs() -> list:
+    out = []
+    for info in optim_db:
+        name = info.optim_cls.__name__
+        if name not in COVERED:
+            continue
+        for i, cfg in enumerate(info.optim_inputs_func(device="cpu", dtype=torch.float64)):
+            kwargs = {k: v for k, v in cfg.kwargs.items() if k not in IMPLEMENTATION_FLAGS}
+            out.append(pytest.param(info.optim_cls, kwargs, id=f"{name}-{i}"))
+    return out
+
+
+CONFIGS = _configs()
+
+
+def _shapes(cls: type) -> dict[str, tuple[int, ...]]:
+    if cls.__name__ == "Muon":  # Muon takes 2-D parameters only
+        return {"w1": (5, 3), "w2": (3, 4)}
+    return {"w1": (5, 3), "b1": (3,), "w2": (3, 4, 2), "s": ()}
+
+
+def _params(cls: type, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for k, shape in _shapes(cls).items()}
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """A smooth non-linear gradient field (that of sum(-cos(3p)/3 + p**4/40))."""
+    return torch.sin(3 * p) + 0.1 * p**3
+
+
+def _kwargs_for(kwargs: dict, dtype: torch.dtype) -> dict:
+    """Tensor hyperparameters in the run's dtype (torch wants a tensor lr to match)."""
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def run_torch(cls: type, kwargs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    params = {k: v.clone().requires_grad_() for k, v in _params(cls, dtype).items()}
+    opt = cls(list(params.values()), **_kwargs_for(kwargs, dtype))
+    for _ in range(STEPS):
+        for p in params.values():
+            p.grad = _grad(p.detach())
+        opt.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+def run_functional(cls: type, kwargs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tx = ft.from_torch(cls, **_kwargs_for(kwargs, dtype))
+    params = _params(cls, dtype)
+    state = tx.init(params)
+    for _ in range(STEPS):
+        updates, state = tx.update({k: _grad(p) for k, p in params.items()}, state, params)
+        params = ft.apply_updates(params, updates)
+    return params
+
+
+def run_adapter(cls: type, kwargs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    params = {k: v.clone().requires_grad_() for k, v in _params(cls, dtype).items()}
+    opt = ft.TorchOptimizer.from_torch(cls, list(params.values()), **_kwargs_for(kwargs, dtype))
+    for _ in range(STEPS):
+        for p in params.values():
+            p.grad = _grad(p.detach())
+        opt.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+def max_err(a: dict, b: dict) -> float:
+    """Largest error relative to the size of the reference parameter."""
+    return max(((a[k].double() - b[k].double()).abs().max() / (1.0 + b[k].double().abs().max())).item() for k in b)
+
+
+def test_every_class_but_lbfgs_and_sparse_adam_is_covered():
+    names = {info.optim_cls.__name__ for info in optim_db}
+    assert names - {"LBFGS", "SparseAdam"} == COVERED
+    for name in sorted(COVERED):
+        ft.from_torch(getattr(torch.optim, name))  # defaults build
+
+
+@pytest.mark.parametrize("cls, kwargs", CONFIGS)
+def test_functional_and_adapter_match_torch_in_float64(cls, kwargs):
+    truth = run_torch(cls, kwargs, torch.float64)
+    assert max_err(run_functional(cls, kwargs, torch.float64), truth) < 1e-12
+    assert max_err(run_adapter(cls, kwargs, torch.float64), truth) < 1e-12
+
+
+@pytest.mark.parametrize("cls, kwargs", CONFIGS)
+def test_functional_float32_error_is_torch_float32_error(cls, kwargs):
+    truth = run_torch(cls, kwargs, torch.float64)
+    theirs = max_err(run_torch(cls, kwargs, torch.float32), truth)
+    ours = max_err(run_functional(cls, kwargs, torch.float32), truth)
+    assert math.isfinite(ours)
+    assert ours <= 4 * theirs + 1e-6, (ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, exc",
+    [
+        (torch.optim.Adam, {"lr": -1.0}, ValueError),
+        (torch.optim.Adam, {"betas": (1.5, 0.9)}, ValueError),
+        (torch.optim.SGD, {"lr": 0.1, "nesterov": True}, ValueError),
+        (torch.optim.SGD, {"lr": 0.1, "momentm": 0.9}, TypeError),
+        (torch.optim.RMSprop, {"alpha": -0.5}, ValueError),
+    ],
+)
+def test_validation_errors_are_torchs(cls, kwargs, exc):
+    with pytest.raises(exc) as theirs:
+        cls([torch.zeros(2, 2, requires_grad=True)], **kwargs)
+    with pytest.raises(exc) as ours:
+        ft.from_torch(cls, **kwargs)
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("bad", [torch.optim.LBFGS, torch.optim.SparseAdam])
+def test_lbfgs_and_sparse_adam_say_why_not(bad):
+    with pytest.raises(ValueError, match="optimizer_class torch.optim.*has no functopk form"):
+        ft.from_torch(bad)
+
+
+@pytest.mark.parametrize("bad", [torch.optim.Optimizer, "Adam", torch.nn.Linear, type("Mine", (torch.optim.SGD,), {})])
+def test_not_a_torch_optim_class_is_rejected(bad):
+    with pytest.raises((TypeError, ValueError), match="optimizer_class"):
+        ft.from_torch(bad)
+
+
+def test_implementation_flags_are_accepted_and_ignored():
+    plain = run_functional(torch.optim.Adam, {"lr": 0.01}, torch.float64)
+    flags = {"foreach": True, "fused": True, "capturable": True, "differentiable": False}
+    assert max_err(run_functional(torch.optim.Adam, {"lr": 0.01, **flags}, torch.float64), plain) == 0.0
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_betas_may_be_one_element_tensors(shape):
+    betas = (torch.full(shape, 0.8, dtype=torch.float64), torch.full(shape, 0.99, dtype=torch.float64))
+    ours = run_functional(torch.optim.Adam, {"lr": 0.01, "betas": betas}, torch.float64)
+    truth = run_torch(torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.99)}, torch.float64)
+    assert max_err(ours, truth) < 1e-12
