@@ -111,10 +111,10 @@ def default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
-def run_torch(name, kwargs, params, steps=STEPS, lr_at=None):
-    """torch.optim's trajectory (foreach): the parameters after each step, and the optimizer."""
+def run_torch(name, kwargs, params, steps=STEPS, lr_at=None, foreach=True):
+    """torch.optim's trajectory: the parameters after each step, and the optimizer."""
     ps = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
-    opt = getattr(torch.optim, name)(list(ps.values()), foreach=True, **kwargs)
+    opt = getattr(torch.optim, name)(list(ps.values()), foreach=foreach, **kwargs)
     out = []
     for i in range(steps):
         if lr_at is not None:
@@ -175,6 +175,17 @@ def test_float64_parity_with_torch(device, name, case):
     assert_trajectories_close(ours, theirs, params)
     assert_state_matches(name, state, opt, ps)
     assert int(state.count) == STEPS
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_float64_parity_with_torch_single_tensor_path(name):
+    """torch's default on CPU (foreach=False) rounds in another order: still ~1e-12 in float64."""
+    kwargs = {**CASES[name]["maximize"], "betas": (0.8, 0.9)}
+    params = make_params(torch.float64)
+    with default_dtype(torch.float64):
+        theirs, _, _ = run_torch(name, kwargs, params, foreach=False)
+    ours, _ = run_ft(make_ft(name, kwargs), params)
+    assert_trajectories_close(ours, theirs, params)
 
 
 def test_radam_switches_after_five_steps(device):
@@ -271,7 +282,7 @@ def test_builder_from_torch_param_group(device, name, kwargs):
     assert_trajectories_close(ours, theirs, params)
 
 
-def test_builder_takes_tensor_betas_and_reads_no_value():
+def test_builder_takes_one_element_tensor_betas():
     group = dict(torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.99)).param_groups[0])
     group = {**group, "betas": (torch.tensor([0.9], dtype=torch.float64), torch.tensor(0.99, dtype=torch.float64)),
              "momentum_decay": 4e-3, "decoupled_weight_decay": False}
@@ -283,6 +294,20 @@ def test_builder_takes_tensor_betas_and_reads_no_value():
         assert_trajectories_close(ours, expected, params)
     with pytest.raises(ValueError, match="one element"):
         TORCH_BUILDERS["RAdam"]({**group, "lr": torch.tensor([0.1, 0.2])})
+
+
+@pytest.mark.parametrize("name", list(TORCH_BUILDERS))
+def test_builder_follows_a_tensor_lr_changed_in_place(name):
+    """A tensor lr in the group is used as is (a view, never read): a scheduler's in-place change reaches us."""
+    lr = torch.tensor([0.01])
+    group = dict(getattr(torch.optim, name)([torch.nn.Parameter(torch.zeros(1))], lr=lr).param_groups[0])
+    tx = TORCH_BUILDERS[name](group)
+    params = make_params()
+    updates, state = tx.update(field(params), tx.init(params), params)
+    assert all(u.abs().max() > 0 for u in updates.values())
+    lr.fill_(0.0)
+    updates, _ = tx.update(field(params), state, params)
+    assert all(u.abs().max() == 0 for u in updates.values())
 
 
 # --------------------------------------------------------------------------- hyperparameters as tensors, schedules
