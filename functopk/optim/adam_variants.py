@@ -1,0 +1,480 @@
+"""NAdam, RAdam and Adamax with the semantics of their ``torch.optim`` namesakes.
+
+optax has optimizers of these names with other semantics: optax's ``nadam`` is
+``adam(nesterov=True)``, a constant ``b1`` look-ahead without NAdam's momentum
+schedule; its ``radam`` switches at ``rho_t >= 5`` (torch: ``> 5``) and adds ``eps``
+to the bias-corrected root; neither has weight decay or ``maximize``, nor does its
+``adamax`` (whose update is otherwise torch's). These follow torch: the same state
+entries, hyperparameters and defaults, and torch's foreach kernels in torch's
+order where rounding depends on it. Every step-dependent quantity (bias corrections, NAdam's
+momentum schedule and its running product, RAdam's rectification and its
+``rho_t > 5`` switch) is computed on device from the 0-d int64 step counter, in
+float64 (:func:`functopk.tree.foreach.scalar_dtype`): nothing is read back to the host.
+
+Every numeric hyperparameter may be a 0-d tensor (so these work under
+:func:`functopk.inject_hyperparams`) and the learning rate may be a schedule;
+every argument after ``learning_rate`` is keyword-only.
+
+``TORCH_BUILDERS`` maps each torch class name to a function of torch's param-group
+dict returning the equivalent transformation; ``TORCH_STATE_NAMES`` maps each
+state field to torch's per-parameter state key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.optim.adaptive import _ema_sq, adam_config
+from functopk.tree import foreach
+from functopk.tree.maths import PyTree
+
+__all__ = [
+    "TORCH_BUILDERS",
+    "TORCH_STATE_NAMES",
+    "AdamaxState",
+    "NadamState",
+    "RadamState",
+    "adamax",
+    "nadam",
+    "radam",
+]
+
+Leaves = list[torch.Tensor]
+Hyper = float | torch.Tensor
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+class _Config(NamedTuple):
+    """The checked hyperparameters the three optimizers share."""
+
+    learning_rate: Any  # a number, a 0-d tensor or a schedule
+    b1: Hyper
+    b2: Hyper
+    eps: Hyper
+    weight_decay: Hyper
+    decoupled: bool
+    maximize: bool
+
+    @property
+    def has_decay(self) -> bool:
+        return not is_zero(self.weight_decay)
+
+
+def _config(
+    learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any, decoupled: Any, maximize: Any
+) -> _Config:
+    """Check the shared hyperparameters (``TypeError``/``ValueError`` naming the argument)."""
+    learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate", minimum=0.0)
+    adam = adam_config(b1, b2, eps, 0.0, maximize=maximize)
+    return _Config(
+        learning_rate=learning_rate,
+        b1=adam.b1,
+        b2=adam.b2,
+        eps=adam.eps,
+        weight_decay=check_hyperparam(weight_decay, "weight_decay", minimum=0.0),
+        decoupled=check_bool(decoupled, "decoupled_weight_decay"),
+        maximize=adam.maximize,
+    )
+
+
+def _gradient(grads: Leaves, params: Leaves | None, cfg: _Config) -> Leaves:
+    """torch's first moves: negate (``maximize``), then add ``weight_decay * params`` (coupled decay)."""
+    if cfg.maximize:
+        grads = foreach.neg(grads)
+    if cfg.has_decay and not cfg.decoupled and params is not None:
+        grads = foreach.add_scaled(grads, cfg.weight_decay, params)
+    return grads
+
+
+def _decoupled_decay_(out: Leaves, params: Leaves | None, lr: Hyper, cfg: _Config, like: Leaves) -> Leaves:
+    """Add ``-lr * weight_decay * params`` into ``out`` (fresh buffers) with decoupled decay; else ``out``."""
+    if cfg.has_decay and cfg.decoupled and params is not None:
+        foreach.add_scaled_(out, foreach.for_leaves(-lr * cfg.weight_decay, like), params)
+    return out
+
+
+def _times(count: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """The step number ``t = count + 1`` as a 0-d float64 tensor (float32 on MPS), and that dtype."""
+    dtype = foreach.scalar_dtype(count.device)
+    return (count + 1).to(dtype), dtype
+
+
+def _as(value: Hyper, dtype: torch.dtype) -> Hyper:
+    """A tensor hyperparameter in the scalar dtype (a number unchanged)."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) else value
+
+
+def _learning_rate(cfg: _Config, count: torch.Tensor) -> Hyper:
+    lr = cfg.learning_rate
+    return lr(count) if callable(lr) else lr
+
+
+def _abs(xs: Leaves) -> Leaves:
+    """``|x|`` for each ``x``, one ``_foreach_abs`` kernel (functopk.tree.foreach has no ``abs``)."""
+    return list(torch._foreach_abs(list(xs))) if xs else []
+
+
+# --------------------------------------------------------------------------- NAdam
+
+
+class NadamState(NamedTuple):
+    """State of :func:`nadam`.
+
+    Attributes:
+        count: Number of updates done (0-d int64 tensor); torch's ``step``.
+        mu_product: The running product of the momentum schedule ``mu_1 * ... * mu_t``
+            (0-d, float64; torch keeps it per parameter in its default scalar dtype).
+        mu: First moment, a tree like the parameters (torch's ``exp_avg``).
+        nu: Second moment (torch's ``exp_avg_sq``).
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.adam_variants import nadam
+        >>> nadam().init({"w": torch.zeros(2)}).mu_product
+        tensor(1., dtype=torch.float64)
+    """
+
+    count: torch.Tensor  # type: ignore[assignment]
+    mu_product: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+
+
+def nadam(
+    learning_rate: ScalarOrSchedule = 2e-3,
+    *,
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
+    momentum_decay: Hyper = 4e-3,
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """NAdam, Adam with Nesterov momentum (Dozat, 2016): ``torch.optim.NAdam``.
+
+    With the momentum schedule ``mu_t = b1 * (1 - 0.5 * 0.96**(t * momentum_decay))``
+    and its running product ``P_t = mu_1 * ... * mu_t`` (kept in the state), the
+    update at step ``t`` (from 1) is
+    ``-lr * ((1 - mu_t) / (1 - P_t) * g + mu_{t+1} / (1 - P_t * mu_{t+1}) * m) / (sqrt(v / (1 - b2**t)) + eps)``
+    with Adam's moments ``m``, ``v``. ``weight_decay`` is coupled (added to the
+    gradient) unless ``decoupled_weight_decay`` (NAdamW: ``-lr * weight_decay * params``
+    added to the update), as in torch. optax's ``nadam`` differs: it is Adam with a
+    Nesterov look-ahead of constant ``b1`` (no ``momentum_decay`` schedule, no
+    running product) and has no weight decay or ``maximize``. ``betas=(b1, b2)`` in torch.
+
+    Difference from torch: ``P_t`` is one 0-d float64 tensor; torch keeps a copy per
+    parameter, in float32 unless its default dtype is float64, which moves float64
+    parameters by ~1e-9 relative in 40 steps. A state holding a float32 ``P_t`` (e.g.
+    loaded from torch) keeps it in float32 and rounds it as torch does.
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
+        b1: Decay of the first moment, in ``[0, 1)``; also scales the momentum schedule.
+        b2: Decay of the second moment, in ``[0, 1)``.
+        eps: Added to the denominator, outside the square root.
+        weight_decay: Weight decay, ``>= 0``: coupled (L2) or decoupled.
+        momentum_decay: torch's ``momentum_decay`` (``psi``), ``>= 0``.
+        decoupled_weight_decay: Decay the weights directly (AdamW-style) instead of through the gradient.
+        maximize: Ascend the objective.
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.adam_variants import nadam
+        >>> tx = nadam(0.1)
+        >>> params = {"w": torch.tensor([1.0, 1.0])}
+        >>> updates, state = tx.update({"w": torch.tensor([3.0, -0.5])}, tx.init(params), params)
+        >>> updates["w"]   # first step: -0.1 * (1 + 0.1 * mu_2 / (1 - mu_1 * mu_2)) * sign(g), mu_t ~ 0.45
+        tensor([-0.1056,  0.1056])
+    """
+    cfg = _config(learning_rate, b1, b2, eps, weight_decay, decoupled_weight_decay, maximize)
+    return _nadam(cfg, check_hyperparam(momentum_decay, "momentum_decay", minimum=0.0))
+
+
+def _nadam_schedule(cfg: _Config, momentum_decay: Hyper, state: NadamState) -> tuple[torch.Tensor, ...]:
+    """``(mu_t, mu_{t+1}, P_t as stored, P_t in float64, sqrt(1 - b2**t))`` on the count, in float64."""
+    t, dtype = _times(state.count)
+    b1, decay = _as(cfg.b1, dtype), _as(momentum_decay, dtype)
+    mu = b1 * (1.0 - 0.5 * torch.pow(0.96, t * decay))
+    mu_next = b1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1.0) * decay))
+    # in the stored dtype, as torch multiplies its running product (float32 in torch by default) by mu_t
+    stored = state.mu_product * mu.to(state.mu_product.dtype)
+    bc2_sqrt = torch.sqrt(1.0 - torch.pow(_as(cfg.b2, dtype), t))
+    return mu, mu_next, stored, stored.to(dtype), bc2_sqrt
+
+
+def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:
+    def init(params: Leaves) -> NadamState:
+        count = init_count(params)
+        product = torch.ones((), dtype=foreach.scalar_dtype(count.device), device=count.device)
+        zeros = foreach.zeros_like
+        return NadamState(count=count, mu_product=product, mu=zeros(params), nu=zeros(params))
+
+    def update(grads: Leaves, state: NadamState, params: Leaves | None) -> tuple[Leaves, NadamState]:
+        g = _gradient(grads, params, cfg)
+        m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
+        v = _ema_sq(state.nu, g, cfg.b2)
+        mu, mu_next, stored, product, bc2_sqrt = _nadam_schedule(cfg, momentum_decay, state)
+        lr = _learning_rate(cfg, state.count)
+        # torch: -lr * (1 - mu) / (1 - P) * g / d - lr * mu_next / (1 - P * mu_next) * m / d with
+        # d = sqrt(v) / bc2_sqrt + eps; here d * bc2_sqrt = sqrt(v) + eps * bc2_sqrt, and bc2_sqrt
+        # rides on the two coefficients.
+        coef_g = (lr * (1.0 - mu) / (1.0 - product)) * -bc2_sqrt
+        coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
+        denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
+        num = foreach.add_scaled_(foreach.mul(g, foreach.for_leaves(coef_g, g)), foreach.for_leaves(coef_m, g), m)
+        out = _decoupled_decay_(foreach.div_into(num, denom), params, lr, cfg, g)
+        return out, NadamState(count=state.count + 1, mu_product=stored, mu=m, nu=v)
+
+    fields = ("mu", "nu")
+    return leafwise("nadam", update, init=init, state=NadamState, tree_fields=fields, needs_params=cfg.has_decay)
+
+
+# --------------------------------------------------------------------------- RAdam
+
+
+class RadamState(NamedTuple):
+    """State of :func:`radam`.
+
+    Attributes:
+        count: Number of updates done (0-d int64 tensor); torch's ``step``.
+        mu: First moment, a tree like the parameters (torch's ``exp_avg``).
+        nu: Second moment (torch's ``exp_avg_sq``).
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.adam_variants import radam
+        >>> radam().init({"w": torch.zeros(2)})
+        RadamState(count=tensor(0), mu={'w': tensor([0., 0.])}, nu={'w': tensor([0., 0.])})
+    """
+
+    count: torch.Tensor  # type: ignore[assignment]
+    mu: PyTree
+    nu: PyTree
+
+
+def radam(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    *,
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """RAdam, Adam with a rectified adaptive learning rate (Liu et al., 2020): ``torch.optim.RAdam``.
+
+    With ``rho_inf = 2 / (1 - b2) - 1`` and ``rho_t = rho_inf - 2 t b2**t / (1 - b2**t)``
+    at step ``t`` (from 1), the update is
+    ``-lr * r_t * sqrt(1 - b2**t) / (1 - b1**t) * m / (sqrt(v) + eps)`` with the
+    rectification ``r_t = sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t))``
+    while ``rho_t > 5``, and the SGD-with-momentum step ``-lr * m / (1 - b1**t)``
+    before (the first 5 steps for ``b2 = 0.999``). The switch is a ``torch.where`` on
+    the count: no host sync. ``weight_decay`` is coupled unless
+    ``decoupled_weight_decay`` (RAdamW), as in torch. optax's ``radam`` differs: it
+    rectifies from ``rho_t >= 5``, divides by ``sqrt(v / (1 - b2**t)) + eps`` (``eps``
+    after the bias correction, torch adds it before) and has no weight decay or
+    ``maximize``. ``betas=(b1, b2)`` in torch.
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
+        b1: Decay of the first moment, in ``[0, 1)``.
+        b2: Decay of the second moment, in ``[0, 1)``.
+        eps: Added to the denominator, outside the square root.
+        weight_decay: Weight decay, ``>= 0``: coupled (L2) or decoupled.
+        decoupled_weight_decay: Decay the weights directly (AdamW-style) instead of through the gradient.
+        maximize: Ascend the objective.
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.adam_variants import radam
+        >>> tx = radam(0.1)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> updates, state = tx.update({"w": torch.tensor([3.0])}, tx.init(params), params)
+        >>> updates["w"]   # unrectified first step: -0.1 * m / (1 - b1) = -0.1 * 3
+        tensor([-0.3000])
+    """
+    cfg = _config(learning_rate, b1, b2, eps, weight_decay, decoupled_weight_decay, maximize)
+
+    def init(params: Leaves) -> RadamState:
+        zeros = foreach.zeros_like
+        return RadamState(count=init_count(params), mu=zeros(params), nu=zeros(params))
+
+    def update(grads: Leaves, state: RadamState, params: Leaves | None) -> tuple[Leaves, RadamState]:
+        g = _gradient(grads, params, cfg)
+        m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
+        v = _ema_sq(state.nu, g, cfg.b2)
+        lr = _learning_rate(cfg, state.count)
+        adaptive, plain = _radam_coefficients(cfg, state.count, lr)
+        denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)
+        out = foreach.mul_(foreach.div_into(m, denom), foreach.for_leaves(adaptive, g))
+        out = foreach.add_scaled_(out, foreach.for_leaves(plain, g), m)  # exactly 0 * m once rectified
+        return _decoupled_decay_(out, params, lr, cfg, g), RadamState(count=state.count + 1, mu=m, nu=v)
+
+    fields = ("mu", "nu")
+    return leafwise("radam", update, init=init, state=RadamState, tree_fields=fields, needs_params=cfg.has_decay)
+
+
+def _radam_coefficients(cfg: _Config, count: torch.Tensor, lr: Hyper) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(c_adaptive, c_plain)``: the update is ``c_adaptive * m / (sqrt(v) + eps) + c_plain * m``.
+
+    One of the two is zero: ``c_plain = -lr / (1 - b1**t)`` until ``rho_t > 5``,
+    then ``c_adaptive = -lr * r_t * sqrt(1 - b2**t) / (1 - b1**t)``; computed with
+    torch's expressions, in float64, chosen by ``torch.where`` on device.
+    """
+    t, dtype = _times(count)
+    b1, b2 = _as(cfg.b1, dtype), _as(cfg.b2, dtype)
+    rho_inf = 2.0 / (1.0 - b2) - 1.0
+    b2_t = torch.pow(b2, t)
+    rho_t = rho_inf - 2.0 * t * b2_t / (1.0 - b2_t)
+    ratio = (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
+    rectified = rho_t > 5.0
+    zero = torch.zeros((), dtype=dtype, device=count.device)
+    # the clamp only matters on the branch torch.where drops (rho_t <= 5, where the ratio can be < 0):
+    # it keeps NaN out of that branch and of any gradient taken through it
+    rect = torch.where(rectified, torch.sqrt(torch.clamp_min(ratio, 0.0)), zero)
+    bc1 = 1.0 - torch.pow(b1, t)
+    adaptive = torch.sqrt(1.0 - b2_t) * (lr * rect / bc1) * -1.0
+    plain = torch.where(rectified, zero, (lr / bc1) * -1.0)
+    return adaptive, plain
+
+
+# --------------------------------------------------------------------------- Adamax
+
+
+class AdamaxState(NamedTuple):
+    """State of :func:`adamax`.
+
+    Attributes:
+        count: Number of updates done (0-d int64 tensor); torch's ``step``.
+        mu: First moment, a tree like the parameters (torch's ``exp_avg``).
+        nu: Exponentially weighted infinity norm of the gradients (torch's ``exp_inf``).
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.adam_variants import adamax
+        >>> adamax().init({"w": torch.zeros(2)}).nu
+        {'w': tensor([0., 0.])}
+    """
+
+    count: torch.Tensor  # type: ignore[assignment]
+    mu: PyTree
+    nu: PyTree
+
+
+def adamax(
+    learning_rate: ScalarOrSchedule = 2e-3,
+    *,
+    b1: Hyper = 0.9,
+    b2: Hyper = 0.999,
+    eps: Hyper = 1e-8,
+    weight_decay: Hyper = 0.0,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adamax, Adam with the infinity norm (Kingma & Ba, 2015): ``torch.optim.Adamax``.
+
+    ``m = b1 * m + (1 - b1) * g``, ``u = max(b2 * u, |g| + eps)`` (both from zero) and
+    the update is ``-lr / (1 - b1**t) * m / u`` at step ``t`` (from 1).
+    ``weight_decay`` is coupled (added to the gradient), as in torch. optax's
+    ``adamax`` computes the same update but has no ``weight_decay`` or ``maximize``
+    (and no default learning rate; torch's is 2e-3). ``betas=(b1, b2)`` in torch.
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr``.
+        b1: Decay of the first moment, in ``[0, 1)``.
+        b2: Decay of the infinity norm, in ``[0, 1)``.
+        eps: Added to ``|g|`` before the maximum (torch's place for it).
+        weight_decay: Coupled weight decay, ``>= 0``.
+        maximize: Ascend the objective.
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.adam_variants import adamax
+        >>> tx = adamax(0.1, eps=0.0)
+        >>> params = {"w": torch.tensor([1.0, 1.0])}
+        >>> updates, state = tx.update({"w": torch.tensor([2.0, -4.0])}, tx.init(params), params)
+        >>> updates["w"]   # -0.1 * (0.1 * g / 0.1) / |g|
+        tensor([-0.1000,  0.1000])
+    """
+    cfg = _config(learning_rate, b1, b2, eps, weight_decay, False, maximize)
+
+    def init(params: Leaves) -> AdamaxState:
+        zeros = foreach.zeros_like
+        return AdamaxState(count=init_count(params), mu=zeros(params), nu=zeros(params))
+
+    def update(grads: Leaves, state: AdamaxState, params: Leaves | None) -> tuple[Leaves, AdamaxState]:
+        g = _gradient(grads, params, cfg)
+        m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
+        u = foreach.maximum(foreach.mul(state.nu, cfg.b2), foreach.add_scalar_(_abs(g), cfg.eps))
+        t, dtype = _times(state.count)
+        lr = _learning_rate(cfg, state.count)
+        step = (lr / (1.0 - torch.pow(_as(cfg.b1, dtype), t))) * -1.0
+        out = foreach.mul_(foreach.div(m, u), foreach.for_leaves(step, g))
+        return out, AdamaxState(count=state.count + 1, mu=m, nu=u)
+
+    fields = ("mu", "nu")
+    return leafwise("adamax", update, init=init, state=AdamaxState, tree_fields=fields, needs_params=cfg.has_decay)
+
+
+# --------------------------------------------------------------------------- torch.optim correspondence
+
+
+def _group_scalar(value: Any) -> Any:
+    """A param group's number as is, a one-element tensor as a 0-d view of it (its value is not read)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"a tensor hyperparameter must have one element, got shape {tuple(value.shape)}")
+        return value.reshape(())
+    return value
+
+
+def _group_common(group: dict[str, Any]) -> dict[str, Any]:
+    """The arguments the three share, from a torch param group (foreach, capturable, ... ignored)."""
+    b1, b2 = group["betas"]
+    return {
+        "learning_rate": _group_scalar(group["lr"]),
+        "b1": _group_scalar(b1),
+        "b2": _group_scalar(b2),
+        "eps": _group_scalar(group["eps"]),
+        "weight_decay": _group_scalar(group["weight_decay"]),
+        "maximize": group.get("maximize", False),
+    }
+
+
+def _nadam_from_torch(group: dict[str, Any]) -> GradientTransformation:
+    return nadam(
+        **_group_common(group),
+        momentum_decay=_group_scalar(group["momentum_decay"]),
+        decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+    )
+
+
+def _radam_from_torch(group: dict[str, Any]) -> GradientTransformation:
+    return radam(**_group_common(group), decoupled_weight_decay=group.get("decoupled_weight_decay", False))
+
+
+def _adamax_from_torch(group: dict[str, Any]) -> GradientTransformation:
+    return adamax(**_group_common(group))
+
+
+TORCH_BUILDERS: dict[str, Callable[[dict[str, Any]], GradientTransformation]] = {
+    "NAdam": _nadam_from_torch,
+    "RAdam": _radam_from_torch,
+    "Adamax": _adamax_from_torch,
+}
+"""torch class name -> a function of that class's param-group dict (``opt.param_groups[0]``) giving its equivalent."""
+
+TORCH_STATE_NAMES: dict[str, dict[str, str]] = {
+    "NAdam": {"count": "step", "mu_product": "mu_product", "mu": "exp_avg", "nu": "exp_avg_sq"},
+    "RAdam": {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq"},
+    "Adamax": {"count": "step", "mu": "exp_avg", "nu": "exp_inf"},
+}
+"""torch class name -> {state field: torch's per-parameter state key}."""
