@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk.base import GradientTransformation
-from functopk.optim import alias
+from functopk.optim import adam_variants, alias
 
 __all__ = ["IMPLEMENTATION_FLAGS", "TorchSpec", "from_torch", "spec_for", "torch_hyperparams"]
 
@@ -94,6 +94,16 @@ _SPECS: dict[str, TorchSpec] = {
     "RMSprop": TorchSpec(_rmsprop, {"nu": "square_avg", "mu": "grad_avg", "trace": "momentum_buffer", "count": "step"}),
     "Adagrad": TorchSpec(_adagrad, {"sum_of_squares": "sum", "count": "step"}),
 }
+
+
+def _add_module_specs(*modules: Any) -> None:
+    """Register the torch classes an optimizer module maps (its ``TORCH_BUILDERS`` and ``TORCH_STATE_NAMES``)."""
+    for module in modules:
+        for name, build in module.TORCH_BUILDERS.items():
+            _SPECS[name] = TorchSpec(build, module.TORCH_STATE_NAMES[name])
+
+
+_add_module_specs(adam_variants)
 
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the loss several times inside one step (a closure-driven line search), which a "
@@ -173,8 +183,3 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **torch_kwargs: 
     """
     spec = spec_for(optimizer_class)
     return spec.build(torch_hyperparams(optimizer_class, torch_kwargs))
-
-
-def register(name: str, spec: TorchSpec) -> None:
-    """Add the spec of torch class ``name`` (used by the optimizer modules that define more of them)."""
-    _SPECS[name] = spec

@@ -101,6 +101,15 @@ def make_ft(name, kwargs):
     return FUNCTIONS[name](**rest) if lr is None else FUNCTIONS[name](lr, **rest)
 
 
+@pytest.fixture(autouse=True)
+def float64_scalars():
+    """torch keeps NAdam's mu_product in its default dtype (float32 unless float64 is the default), and so
+    does nadam's init: both run with float64 as the default here, so that float64 runs are float64 throughout.
+    (tests/test_param_groups.py compares them under the float32 default.)"""
+    with default_dtype(torch.float64):
+        yield
+
+
 @contextlib.contextmanager
 def default_dtype(dtype):
     old = torch.get_default_dtype()
@@ -209,7 +218,8 @@ def test_nadam_keeps_a_float32_mu_product_like_torch(device):
     matches torch run with float32 scalars; the float64 one differs from it by the float32 rounding only."""
     kwargs = {"lr": 0.02, "weight_decay": 0.1}
     params = make_params(torch.float64, device)
-    theirs, opt, ps = run_torch("NAdam", kwargs, params)  # default dtype float32: float32 mu_product
+    with default_dtype(torch.float32):
+        theirs, opt, ps = run_torch("NAdam", kwargs, params)  # default dtype float32: float32 mu_product
     tx = make_ft("NAdam", kwargs)
     start = tx.init(params)
     ours32, state32 = run_ft(tx, params, state=start._replace(mu_product=start.mu_product.float()))
