@@ -1,0 +1,455 @@
+"""Classic optimizers at ``torch.optim`` parity: Adadelta, Rprop and ASGD.
+
+Each is one leafwise transformation whose state mirrors the per-parameter
+state ``torch.optim`` keeps (see :data:`TORCH_STATE_NAMES`), and whose update
+runs the kernels of torch's foreach implementation in the same order, so that
+``apply_updates(params, updates)`` reproduces torch's new parameters up to the
+last bit or two. Every argument after ``learning_rate`` is keyword-only.
+
+:data:`TORCH_BUILDERS` maps a torch class name to a function that builds the
+matching transformation from a ``torch.optim`` param group (its
+hyperparameter dict).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from functopk._checks import (
+    check_bool,
+    check_hyperparam,
+    check_scalar_or_schedule,
+    describe,
+    is_zero,
+)
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.optim.adaptive import _ema_sq
+from functopk.tree import foreach
+from functopk.tree.maths import PyTree
+
+__all__ = [
+    "TORCH_BUILDERS",
+    "TORCH_STATE_NAMES",
+    "AdadeltaState",
+    "AsgdState",
+    "RpropState",
+    "adadelta",
+    "asgd",
+    "rprop",
+]
+
+Leaves = list[torch.Tensor]
+Hyper = float | torch.Tensor
+
+
+def _at_most(value: Hyper, name: str, maximum: float) -> Hyper:
+    """``value`` unless it is a number above ``maximum`` (``ValueError``); tensors are not read."""
+    if not isinstance(value, torch.Tensor) and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def _pair(value: Any, name: str) -> tuple[Any, Any]:
+    """A two-element tuple or list (of numbers or 0-d tensors, checked by the caller), else ``TypeError``."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"{name} must be a pair (a tuple of two numbers or 0-d tensors), got {describe(value)}")
+    return value[0], value[1]
+
+
+def _value_at(learning_rate: Any, count: torch.Tensor) -> Hyper:
+    """The learning rate at step ``count``: the schedule's value, or the constant."""
+    return learning_rate(count) if callable(learning_rate) else learning_rate
+
+
+# --------------------------------------------------------------------------- Adadelta
+
+
+class AdadeltaState(NamedTuple):
+    """State of :func:`adadelta`, as ``torch.optim.Adadelta`` keeps it.
+
+    Attributes:
+        count: Number of updates done (0-d int64 tensor); torch's ``step``.
+        square_avg: Running mean of the squared gradients (torch's ``square_avg``).
+        acc_delta: Running mean of the squared updates (torch's ``acc_delta``).
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.classic import adadelta
+        >>> adadelta().init({"w": torch.zeros(2)})
+        AdadeltaState(count=tensor(0), square_avg={'w': tensor([0., 0.])}, acc_delta={'w': tensor([0., 0.])})
+    """
+
+    count: torch.Tensor  # type: ignore[assignment]
+    square_avg: PyTree
+    acc_delta: PyTree
+
+
+def adadelta(
+    learning_rate: ScalarOrSchedule = 1.0,
+    *,
+    rho: Hyper = 0.9,
+    eps: Hyper = 1e-6,
+    weight_decay: Hyper = 0.0,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Adadelta (Zeiler, 2012): ``torch.optim.Adadelta``.
+
+    With ``g`` the gradient (negated with ``maximize``, plus ``weight_decay * params``):
+    ``v = rho * v + (1 - rho) * g**2``, ``delta = sqrt(u + eps) / sqrt(v + eps) * g``,
+    ``u = rho * u + (1 - rho) * delta**2``, and the update is ``-learning_rate * delta``;
+    computed with the kernels of torch's foreach implementation, in its order.
+
+    ``optax.adadelta`` has the same maths but other defaults and arguments: its
+    ``learning_rate`` defaults to ``None`` (torch and this alias: 1.0), it takes a
+    ``weight_decay_mask`` and no ``maximize``, and its arguments are positional.
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr`` (``>= 0``).
+        rho: Decay of both running means, in ``[0, 1]``.
+        eps: Added under both square roots, ``>= 0``.
+        weight_decay: Coupled weight decay (L2): ``weight_decay * params`` added to the gradient.
+        maximize: Ascend the objective instead (negate the gradient first).
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.classic import adadelta
+        >>> tx = adadelta(1.0, eps=0.25)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> updates, state = tx.update({"w": torch.tensor([2.0])}, tx.init(params), params)
+        >>> updates["w"]    # -sqrt(0 + 0.25) / sqrt(0.1 * 4 + 0.25) * 2
+        tensor([-1.2403])
+    """
+    learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate", minimum=0.0)
+    rho = _at_most(check_hyperparam(rho, "rho", minimum=0.0), "rho", 1.0)
+    eps = check_hyperparam(eps, "eps", minimum=0.0)
+    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
+    check_bool(maximize, "maximize")
+    decay = not is_zero(weight_decay)
+
+    def init(params: Leaves) -> AdadeltaState:
+        zeros = foreach.zeros_like
+        return AdadeltaState(count=init_count(params), square_avg=zeros(params), acc_delta=zeros(params))
+
+    def update(grads: Leaves, state: AdadeltaState, params: Leaves | None) -> tuple[Leaves, AdadeltaState]:
+        if maximize:
+            grads = foreach.neg(grads)
+        if decay and params is not None:
+            grads = foreach.add_scaled(grads, weight_decay, params)
+        square_avg = _ema_sq(state.square_avg, grads, rho)
+        std = foreach.sqrt(foreach.add_scalar(square_avg, eps))
+        delta = foreach.mul_list(foreach.div(foreach.sqrt(foreach.add_scalar(state.acc_delta, eps)), std), grads)
+        acc_delta = _ema_sq(state.acc_delta, delta, rho)
+        lr = _value_at(learning_rate, state.count)
+        out = foreach.mul(delta, -lr)
+        return out, AdadeltaState(count=state.count + 1, square_avg=square_avg, acc_delta=acc_delta)
+
+    return leafwise(
+        "adadelta", update, init=init, state=AdadeltaState, tree_fields=("square_avg", "acc_delta"),
+        needs_params=decay,
+    )
+
+
+# --------------------------------------------------------------------------- Rprop
+
+
+class RpropState(NamedTuple):
+    """State of :func:`rprop`, as ``torch.optim.Rprop`` keeps it.
+
+    Attributes:
+        count: Number of updates done (0-d int64 tensor); torch's ``step`` (the maths does not use it).
+        prev: The previous gradient, zeroed where its sign flipped (torch's ``prev``).
+        step_size: Each coordinate's step size, starting at ``learning_rate`` (torch's ``step_size``).
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.classic import rprop
+        >>> rprop(0.5).init({"w": torch.zeros(2)})
+        RpropState(count=tensor(0), prev={'w': tensor([0., 0.])}, step_size={'w': tensor([0.5000, 0.5000])})
+    """
+
+    count: torch.Tensor  # type: ignore[assignment]
+    prev: PyTree
+    step_size: PyTree
+
+
+def _sign_factors(products: Leaves, eta_minus: Hyper, eta_plus: Hyper) -> Leaves:
+    """``eta_plus`` where ``g * prev > 0``, ``eta_minus`` where ``< 0``, 1 where 0 (NaN stays NaN), as torch."""
+    out = []
+    for p in products:
+        minus, plus = (
+            e.to(device=p.device, dtype=p.dtype) if isinstance(e, torch.Tensor) else e for e in (eta_minus, eta_plus)
+        )
+        s = p.sign()
+        s = torch.where(s > 0, plus, s)
+        s = torch.where(s < 0, minus, s)
+        out.append(torch.where(s == 0, 1.0, s))
+    return out
+
+
+def rprop(
+    learning_rate: Hyper = 1e-2,
+    *,
+    etas: tuple[Hyper, Hyper] = (0.5, 1.2),
+    step_sizes: tuple[Hyper, Hyper] = (1e-6, 50.0),
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Resilient backpropagation (Riedmiller & Braun, 1993): ``torch.optim.Rprop``.
+
+    Each coordinate keeps its own step size. Where the gradient keeps its sign
+    (``g * prev > 0``) the step size grows by ``etas[1]``, where it flips it
+    shrinks by ``etas[0]`` and the gradient is taken as 0 for this step (torch's
+    variant: no move, and no shrink at the next step), elsewhere it stays; it is
+    then clamped to ``step_sizes``. The update is ``-sign(g) * step_size``. optax
+    has no Rprop.
+
+    ``learning_rate`` is only the initial step size of every coordinate, used at
+    ``init`` (torch fills ``step_size`` with ``lr`` at its first step and never
+    reads ``lr`` again). It may be a number or a 0-d tensor, not a schedule
+    (``TypeError``): a schedule could only give its value at step 0. Under
+    :func:`functopk.inject_hyperparams` the injected value is read at init only,
+    as torch ignores a later change of ``lr``.
+
+    Args:
+        learning_rate: The initial step size, ``>= 0``.
+        etas: ``(eta_minus, eta_plus)`` with ``0 < eta_minus < 1 < eta_plus``.
+        step_sizes: ``(min, max)`` bounds of the step sizes, ``0 <= min <= max``.
+        maximize: Ascend the objective instead (negate the gradient first).
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.classic import rprop
+        >>> tx = rprop(0.1)
+        >>> state = tx.init({"w": torch.zeros(2)})
+        >>> for g in ([1.0, 1.0], [1.0, -1.0]):
+        ...     updates, state = tx.update({"w": torch.tensor(g)}, state)
+        >>> updates["w"]    # the sign held: 0.1 * 1.2 against it; it flipped: no move
+        tensor([-0.1200,  0.0000])
+    """
+    if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
+        raise TypeError(
+            "learning_rate must be a real number or a 0-d float tensor, not a schedule: rprop uses it once, as the "
+            "initial step size of every coordinate (torch.optim.Rprop reads lr only at its first step)"
+        )
+    learning_rate = check_hyperparam(learning_rate, "learning_rate", minimum=0.0)
+    eta_minus, eta_plus = _pair(etas, "etas")
+    eta_minus = check_hyperparam(eta_minus, "etas[0]", minimum=0.0, below=1.0)
+    if is_zero(eta_minus):
+        raise ValueError("etas[0] must be > 0, got 0.0")
+    eta_plus = check_hyperparam(eta_plus, "etas[1]")
+    if not isinstance(eta_plus, torch.Tensor) and eta_plus <= 1.0:
+        raise ValueError(f"etas[1] must be > 1, got {eta_plus}")
+    low, high = _pair(step_sizes, "step_sizes")
+    low = check_hyperparam(low, "step_sizes[0]", minimum=0.0)
+    high = check_hyperparam(high, "step_sizes[1]", minimum=0.0)
+    if not isinstance(low, torch.Tensor) and not isinstance(high, torch.Tensor) and low > high:
+        raise ValueError(f"step_sizes must be (min, max) with min <= max, got ({low}, {high})")
+    check_bool(maximize, "maximize")
+
+    def init(params: Leaves) -> RpropState:
+        step_size = foreach.full_like(params, learning_rate)
+        return RpropState(count=init_count(params), prev=foreach.zeros_like(params), step_size=step_size)
+
+    def update(grads: Leaves, state: RpropState, params: Leaves | None) -> tuple[Leaves, RpropState]:
+        if maximize:
+            grads = foreach.neg(grads)
+        products = foreach.mul_list(grads, state.prev)
+        factors = _sign_factors(products, eta_minus, eta_plus)
+        step_size = foreach.clamp(foreach.mul_list(state.step_size, factors), low, high)
+        kept = [torch.where(p < 0, torch.zeros((), dtype=g.dtype, device=g.device), g) for p, g in zip(products, grads)]
+        # -sign(g) as sign(-g): +0 (not -0) where g is 0
+        out = foreach.mul_list([g.sign() for g in foreach.neg(kept)], step_size)
+        return out, RpropState(count=state.count + 1, prev=kept, step_size=step_size)
+
+    return leafwise("rprop", update, init=init, state=RpropState, tree_fields=("prev", "step_size"))
+
+
+# --------------------------------------------------------------------------- ASGD
+
+
+class AsgdState(NamedTuple):
+    """State of :func:`asgd`, as ``torch.optim.ASGD`` keeps it.
+
+    Attributes:
+        count: Number of updates done (0-d int64 tensor); torch's ``step``.
+        eta: The step size of the next update (0-d tensor; torch's ``eta``, one per parameter there).
+        mu: The averaging weight of the next update (0-d tensor; torch's ``mu``).
+        ax: The averaged parameters, a tree like the parameters (torch's ``ax``): read
+            ``state.ax`` (``state.inner_state.ax`` under :func:`functopk.inject_hyperparams`,
+            ``state[i].ax`` in a chain) and evaluate the model with it.
+
+    ``eta`` and ``mu`` have torch's scalar dtype, chosen at ``init``: float64 when
+    ``torch.get_default_dtype()`` is float64, float32 otherwise. As in torch's foreach
+    ASGD, ``eta`` is computed on a tensor of that dtype and ``mu`` in float64, then rounded
+    to it, so both have torch's bits.
+
+    Example:
+        >>> import torch
+        >>> from functopk.optim.classic import asgd
+        >>> asgd(0.1).init({"w": torch.zeros(2)})
+        AsgdState(count=tensor(0), eta=tensor(0.1000), mu=tensor(1.), ax={'w': tensor([0., 0.])})
+    """
+
+    count: torch.Tensor  # type: ignore[assignment]
+    eta: torch.Tensor
+    mu: torch.Tensor
+    ax: PyTree
+
+
+def _torch_scalar_dtype(device: torch.device) -> torch.dtype:
+    """The dtype torch.optim keeps per-parameter scalars in: float64 under a float64 default dtype, else float32."""
+    if device.type != "mps" and torch.get_default_dtype() == torch.float64:
+        return torch.float64
+    return torch.float32
+
+
+def asgd(
+    learning_rate: ScalarOrSchedule = 1e-2,
+    *,
+    lambd: Hyper = 1e-4,
+    alpha: Hyper = 0.75,
+    t0: Hyper = 1e6,
+    weight_decay: Hyper = 0.0,
+    maximize: bool = False,
+) -> GradientTransformation:
+    """Averaged stochastic gradient descent (Polyak & Juditsky, 1992): ``torch.optim.ASGD``.
+
+    At step ``t`` (from 1), with ``g`` the gradient (negated with ``maximize``,
+    plus ``weight_decay * params``), torch's new parameters
+    ``params - eta * (g + lambd * params)`` are computed with its fused kernel and
+    the update is their difference from ``params`` (exact while a step is at most
+    half the parameter, so ``apply_updates`` gives back torch's bits). Then
+    ``ax = ax + mu * (new_params - ax)``, and the next step's scalars are
+    ``eta = lr / (1 + lambd * lr * t)**alpha`` and ``mu = 1 / max(1, t - t0)``
+    (from ``eta = lr``, ``mu = 1``), rounded as torch's foreach implementation
+    rounds them (see :class:`AsgdState`; 0-d tensor hyperparameters may change
+    ``eta``'s last bit). A schedule gives the first ``eta`` at ``init`` (its step-0
+    value) and the next ``eta`` at each update, as torch with an LR scheduler.
+
+    The averaged parameters are ``state.ax``: a copy of the parameters while
+    ``t <= t0 + 1``, then (for an integer ``t0``) the mean of the parameters after
+    steps ``t0 + 2`` to ``t``. The updates move the parameters, not the average:
+    evaluate the model with ``ax`` for Polyak averaging. optax has no ASGD.
+
+    Args:
+        learning_rate: A number, a 0-d tensor or a schedule ``step -> lr`` (``>= 0``).
+        lambd: Decay term, ``>= 0``: ``eta``'s decay and a weight decay of ``lambd`` per unit of ``eta``.
+        alpha: Power of ``eta``'s decay, ``>= 0``.
+        t0: The step from which the average starts.
+        weight_decay: Coupled weight decay (L2): ``weight_decay * params`` added to the gradient.
+        maximize: Ascend the objective instead (negate the gradient first).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> from functopk.optim.classic import asgd
+        >>> tx = asgd(0.1, lambd=0.0, t0=0)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> state = tx.init(params)
+        >>> for _ in range(4):
+        ...     updates, state = tx.update({"w": torch.tensor([1.0])}, state, params)
+        ...     params = ft.apply_updates(params, updates)
+        >>> params["w"], state.ax["w"]    # the average of the iterates 0.8, 0.7 and 0.6
+        (tensor([0.6000]), tensor([0.7000]))
+    """
+    learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate", minimum=0.0)
+    lambd = check_hyperparam(lambd, "lambd", minimum=0.0)
+    alpha = check_hyperparam(alpha, "alpha", minimum=0.0)
+    t0 = check_hyperparam(t0, "t0")
+    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
+    check_bool(maximize, "maximize")
+    decay = not is_zero(weight_decay)
+
+    def init(params: Leaves) -> AsgdState:
+        count = init_count(params)
+        dtype = _torch_scalar_dtype(count.device)
+        eta = torch.as_tensor(_value_at(learning_rate, count), dtype=dtype, device=count.device).clone()
+        mu = torch.ones((), dtype=dtype, device=count.device)
+        return AsgdState(count=count, eta=eta, mu=mu, ax=foreach.zeros_like(params))
+
+    def update(grads: Leaves, state: AsgdState, params: Leaves | None) -> tuple[Leaves, AsgdState]:
+        assert params is not None  # needs_params
+        if maximize:
+            grads = foreach.neg(grads)
+        if decay:
+            grads = foreach.add_scaled(grads, weight_decay, params)
+        # torch's new parameters, params - eta * (g + lambd * params), with its fused kernel; the update is their
+        # difference from params (exact wherever the step is under |params|, so apply_updates gives them back)
+        etas = [state.eta] * len(grads)
+        new_params = foreach.addcmul(params, foreach.add_scaled(grads, lambd, params), etas, value=-1.0)
+        out = foreach.sub(new_params, params)
+        ax = foreach.addcmul(state.ax, foreach.sub(new_params, state.ax), [state.mu] * len(grads))
+        eta, mu = _next_eta_mu(state, _value_at(learning_rate, state.count), lambd, alpha, t0)
+        return out, AsgdState(count=state.count + 1, eta=eta, mu=mu, ax=ax)
+
+    return leafwise("asgd", update, init=init, state=AsgdState, tree_fields=("ax",), needs_params=True)
+
+
+def _next_eta_mu(
+    state: AsgdState, lr: Hyper, lambd: Hyper, alpha: Hyper, t0: Hyper
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ASGD's ``eta`` and ``mu`` after step ``state.count + 1``, rounded as torch's foreach ASGD rounds them.
+
+    torch evaluates ``lr / ((1 + lambd * lr * step) ** alpha)`` with ``step`` its
+    float32 (or float64) step tensor and the rest Python floats: the same
+    expression here, on the count cast to the state's dtype, gives the same
+    bits. ``mu`` is ``1 / max(1, step - t0)`` in Python floats there, in float64
+    (float32 on MPS) here, then rounded to the state's dtype.
+    """
+    dtype, device = state.eta.dtype, state.count.device
+    step = state.count + 1
+    eta = lr / ((1 + lambd * lr * step.to(dtype)) ** alpha)
+    wide = step.to(foreach.scalar_dtype(device))
+    mu = 1.0 / torch.clamp_min(wide - t0, 1.0)
+    return eta.to(dtype), mu.to(dtype)
+
+
+# --------------------------------------------------------------------------- torch.optim param groups
+
+
+def _scalar(value: Any) -> Any:
+    """A one-element tensor of any shape as a 0-d tensor (torch accepts ``lr=torch.tensor([0.1])``)."""
+    return value.reshape(()) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def _scalars(value: Any) -> Any:
+    """A pair such as ``etas``, each element through :func:`_scalar`."""
+    return tuple(_scalar(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+
+def _adadelta_from_group(group: dict[str, Any]) -> GradientTransformation:
+    return adadelta(
+        _scalar(group["lr"]), rho=_scalar(group["rho"]), eps=_scalar(group["eps"]),
+        weight_decay=_scalar(group["weight_decay"]), maximize=group["maximize"],
+    )
+
+
+def _rprop_from_group(group: dict[str, Any]) -> GradientTransformation:
+    return rprop(
+        _scalar(group["lr"]), etas=_scalars(group["etas"]), step_sizes=_scalars(group["step_sizes"]),
+        maximize=group["maximize"],
+    )
+
+
+def _asgd_from_group(group: dict[str, Any]) -> GradientTransformation:
+    return asgd(
+        _scalar(group["lr"]), lambd=_scalar(group["lambd"]), alpha=_scalar(group["alpha"]), t0=_scalar(group["t0"]),
+        weight_decay=_scalar(group["weight_decay"]), maximize=group["maximize"],
+    )
+
+
+TORCH_BUILDERS: dict[str, Callable[[dict[str, Any]], GradientTransformation]] = {
+    "Adadelta": _adadelta_from_group,
+    "Rprop": _rprop_from_group,
+    "ASGD": _asgd_from_group,
+}
+"""torch class name -> a builder taking that class's param-group dict (``foreach``, ``capturable``,
+``differentiable`` and other keys not named here are ignored)."""
+
+TORCH_STATE_NAMES: dict[str, dict[str, str]] = {
+    "Adadelta": {"count": "step", "square_avg": "square_avg", "acc_delta": "acc_delta"},
+    "Rprop": {"count": "step", "prev": "prev", "step_size": "step_size"},
+    "ASGD": {"count": "step", "eta": "eta", "mu": "mu", "ax": "ax"},
+}
+"""torch class name -> {state field here: torch's per-parameter state key}."""
