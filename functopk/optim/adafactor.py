@@ -11,7 +11,9 @@ The maths is torch's, kernel for kernel where rounding depends on it (the
 single-tensor implementation that ``torch.optim.Adafactor`` runs by default),
 except that every step-dependent scalar (``t ** beta2_decay``, the relative step,
 the RMS of the parameters and of the update) is a 0-d tensor computed on device
-in float64, where torch reads values back to the host with ``.item()``.
+in float64, where torch reads values back to the host with ``.item()`` and
+computes in Python floats (or, with a tensor ``lr``, partly in ``lr``'s dtype:
+so here).
 """
 
 from __future__ import annotations
@@ -261,9 +263,10 @@ def adafactor(
     This is torch's variant, not the paper's nor optax's: ``lr`` caps the relative step
     and scales the decoupled weight decay, and ``eps1`` enters only the variance
     estimate and the update (the paper and optax add it to ``G**2``).
-    ``optax.adafactor`` differs in its arguments and defaults too (a decay rate
-    of 0.8, momentum, update clipping at 1.0 and a separate factoring threshold);
-    this function is named ``adafactor`` all the same and its semantics are torch's.
+    ``optax.adafactor`` differs in its arguments and defaults too (no learning rate
+    by default, factoring only dimensions of size 128 or more, ``eps=1e-30`` added
+    to ``G**2``, optional momentum); this function is named ``adafactor`` all the
+    same, and its semantics are torch's.
 
     The state (:class:`AdafactorState`) holds torch's ``row_var``, ``col_var``
     and ``variance`` as trees with one entry per parameter, empty tensors where
