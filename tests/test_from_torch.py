@@ -11,6 +11,7 @@ are compared with torch.optim run in float64 (ground truth):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -64,33 +65,49 @@ def _kwargs_for(kwargs: dict, dtype: torch.dtype) -> dict:
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
+@contextlib.contextmanager
+def default_dtype_for(dtype: torch.dtype):
+    """float64 runs happen with float64 as the default dtype, so that the per-parameter scalars torch and
+    functopk keep in torch's scalar dtype (NAdam's mu_product, ASGD's eta and mu: float32 under the usual
+    default) are float64 too: the float64 torch run is then float64 throughout, ground truth."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if dtype == torch.float64 else default)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
+
+
 def run_torch(cls: type, kwargs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    params = {k: v.clone().requires_grad_() for k, v in _params(cls, dtype).items()}
-    opt = cls(list(params.values()), **_kwargs_for(kwargs, dtype))
-    for _ in range(STEPS):
-        for p in params.values():
-            p.grad = _grad(p.detach())
-        opt.step()
+    with default_dtype_for(dtype):
+        params = {k: v.clone().requires_grad_() for k, v in _params(cls, dtype).items()}
+        opt = cls(list(params.values()), **_kwargs_for(kwargs, dtype))
+        for _ in range(STEPS):
+            for p in params.values():
+                p.grad = _grad(p.detach())
+            opt.step()
     return {k: v.detach() for k, v in params.items()}
 
 
 def run_functional(cls: type, kwargs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    tx = ft.from_torch(cls, **_kwargs_for(kwargs, dtype))
-    params = _params(cls, dtype)
-    state = tx.init(params)
-    for _ in range(STEPS):
-        updates, state = tx.update({k: _grad(p) for k, p in params.items()}, state, params)
-        params = ft.apply_updates(params, updates)
+    with default_dtype_for(dtype):
+        tx = ft.from_torch(cls, **_kwargs_for(kwargs, dtype))
+        params = _params(cls, dtype)
+        state = tx.init(params)
+        for _ in range(STEPS):
+            updates, state = tx.update({k: _grad(p) for k, p in params.items()}, state, params)
+            params = ft.apply_updates(params, updates)
     return params
 
 
 def run_adapter(cls: type, kwargs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    params = {k: v.clone().requires_grad_() for k, v in _params(cls, dtype).items()}
-    opt = ft.TorchOptimizer.from_torch(cls, list(params.values()), **_kwargs_for(kwargs, dtype))
-    for _ in range(STEPS):
-        for p in params.values():
-            p.grad = _grad(p.detach())
-        opt.step()
+    with default_dtype_for(dtype):
+        params = {k: v.clone().requires_grad_() for k, v in _params(cls, dtype).items()}
+        opt = ft.TorchOptimizer.from_torch(cls, list(params.values()), **_kwargs_for(kwargs, dtype))
+        for _ in range(STEPS):
+            for p in params.values():
+                p.grad = _grad(p.detach())
+            opt.step()
     return {k: v.detach() for k, v in params.items()}
 
 

@@ -18,6 +18,7 @@ and forms its own cohort, which is how torch's per-parameter steps come out.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -57,14 +58,17 @@ class _Part:
         self.tx, self.rename, self.prefix = tx, rename, prefix
         self._layouts: dict[int, per_param.Layout] = {}
 
+    def template(self, params: list[torch.Tensor]) -> OptState:
+        """A state for ``params`` to read structure and dtypes from: on the meta device when ``init`` allows."""
+        try:
+            return self.tx.init(per_param.as_tree(_meta(params)))
+        except Exception:  # an init that reads values: build it for real
+            return self.tx.init(per_param.as_tree(params))
+
     def layout(self, params: list[torch.Tensor]) -> per_param.Layout:
         n = len(params)
         if n not in self._layouts:
-            try:
-                template = self.tx.init(per_param.as_tree(_meta(params)))
-            except Exception:  # an init that reads values: build it for real
-                template = self.tx.init(per_param.as_tree(params))
-            self._layouts[n] = per_param.layout_of(template, n, self.rename, self.prefix)
+            self._layouts[n] = per_param.layout_of(self.template(params), n, self.rename, self.prefix)
         return self._layouts[n]
 
     def fresh(self, params: list[torch.Tensor]) -> list[dict[str, Any]]:
@@ -175,6 +179,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            accepted = inspect.signature(self.optimizer_class.__init__).parameters
+            torch_hyperparams(self.optimizer_class, {k: group[k] for k in self.defaults if k in accepted})
             self._part(group).layout(list(group["params"]))
         except (TypeError, ValueError):
             self.param_groups.pop()
@@ -272,37 +278,42 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 f"loaded state dict has param groups of sizes {[len(s['params']) for s in saved_groups]}, this "
                 f"optimizer has {[len(g['params']) for g in self.param_groups]}"
             )
-        owner = {}
+        owner, wanted = {}, self._state_dtypes(saved_groups)
         for s, g in zip(saved_groups, self.param_groups):
             for key, p in zip(s["params"], g["params"]):
-                owner[key] = (p, {**g, **{k: v for k, v in s.items() if k not in _NOT_HYPER}})
+                owner[key] = p
         loaded = {}
         for key, entries in state_dict["state"].items():
             if key not in owner:
                 raise ValueError(f"state_dict['state'] has an entry for parameter {key!r}, which no param group lists")
             if not isinstance(entries, dict):
                 raise TypeError(f"state_dict['state'][{key!r}] must be a dict, got {type(entries).__name__}")
-            p, hyper = owner[key]
-            loaded[p] = self._loaded_entries(p, hyper, entries)
+            p = owner[key]
+            loaded[p] = {
+                n: v.to(device=p.device, dtype=wanted[p].get(n, v.dtype)) if isinstance(v, torch.Tensor) else v
+                for n, v in entries.items()
+            }
         super().load_state_dict({**state_dict, "state": {}})
         self._parts.clear()
         for p, e in loaded.items():
             self.state[p] = e
         self._share_equal_scalars()
 
-    def _loaded_entries(self, p: torch.Tensor, hyper: dict[str, Any], entries: dict[str, Any]) -> dict[str, Any]:
-        """Saved entries of ``p`` on its device, in the dtypes the transformation keeps for them."""
-        wanted = {}
-        for part in (_Part(self._spec.build(hyper), self._spec.state_names), self._sparsify):
-            if part is not None:
-                template = per_param.split(part.tx.init(per_param.as_tree(_meta([p]))), part.layout([p]))[0]
-                wanted.update({n: v.dtype for n, v in template.items() if isinstance(v, torch.Tensor)})
-        out = {}
-        for name, value in entries.items():
-            if isinstance(value, torch.Tensor):
-                value = value.to(device=p.device, dtype=wanted.get(name, value.dtype))
-            out[name] = value
-        return out
+    def _state_dtypes(self, saved_groups: list[dict[str, Any]]) -> dict[torch.Tensor, dict[str, torch.dtype]]:
+        """For each parameter, the dtype of each state entry the transformations would create (on meta tensors)."""
+        wanted: dict[torch.Tensor, dict[str, torch.dtype]] = {}
+        lists = []
+        for s, g in zip(saved_groups, self.param_groups):
+            hyper = {**g, **{k: v for k, v in s.items() if k not in _NOT_HYPER}}
+            lists.append((list(g["params"]), _Part(self._spec.build(hyper), self._spec.state_names)))
+        if self._sparsify is not None:
+            lists.append(([p for ps, _ in lists for p in ps], self._sparsify))
+        for ps, part in lists:
+            if ps:
+                template = per_param.split(part.template(ps), part.layout(ps))
+                for p, entries in zip(ps, template):
+                    wanted.setdefault(p, {}).update({n: v.dtype for n, v in entries.items() if hasattr(v, "dtype")})
+        return wanted
 
     def _share_equal_scalars(self) -> None:
         """After loading, let parameters whose shared leaves are equal share one object (one cohort again).

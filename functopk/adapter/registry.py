@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk.base import GradientTransformation
-from functopk.optim import adam_variants, alias
+from functopk.optim import adafactor, adam_variants, alias, classic, muon
 
 __all__ = ["IMPLEMENTATION_FLAGS", "TorchSpec", "from_torch", "spec_for", "torch_hyperparams"]
 
@@ -103,7 +103,7 @@ def _add_module_specs(*modules: Any) -> None:
             _SPECS[name] = TorchSpec(build, module.TORCH_STATE_NAMES[name])
 
 
-_add_module_specs(adam_variants)
+_add_module_specs(adam_variants, classic, adafactor, muon)
 
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the loss several times inside one step (a closure-driven line search), which a "
