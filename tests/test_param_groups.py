@@ -189,7 +189,7 @@ def test_schedulers_match_torch(name, cls):
     scheds = [SCHEDULERS[name](opt) for _, opt in pairs]
     for i in range(12):
         step_both(pairs, where=f"{name} step {i}")
-        for (model, opt), sched in zip(pairs, scheds):
+        for sched in scheds:
             if name == "ReduceLROnPlateau":
                 sched.step(1.0)  # a plateau: the lr drops
             else:
