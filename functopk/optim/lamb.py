@@ -80,18 +80,17 @@ def scale_by_trust_ratio(
         if params is None or not grads:  # params: never None here (needs_params)
             return grads, state
         param_norms, update_norms = foreach.norms(params), foreach.norms(grads)
-        ratios: Leaves = [torch.empty(())] * len(grads)
         groups: dict[torch.device, list[int]] = {}
         for i, g in enumerate(grads):
             groups.setdefault(g.device, []).append(i)
+        ratios: dict[int, torch.Tensor] = {}
         for idx in groups.values():  # one stack per device (norms are on their leaf's device)
             stack = _ratios(
                 torch.stack([param_norms[i] for i in idx]), torch.stack([update_norms[i] for i in idx]),
                 min_norm, trust_coefficient, eps,
             )
-            for i, r in zip(idx, stack):
-                ratios[i] = r
-        return foreach.mul_list(grads, ratios), state
+            ratios.update(zip(idx, stack))
+        return foreach.mul_list(grads, [ratios[i] for i in range(len(grads))]), state
 
     return leafwise("scale_by_trust_ratio", update, needs_params=True)
 
