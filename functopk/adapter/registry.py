@@ -20,7 +20,13 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk.base import GradientTransformation
-from functopk.optim import adafactor, adam_variants, alias, classic, muon
+from functopk.optim import adam_variants as _adam_variants
+from functopk.optim import alias
+from functopk.optim import classic as _classic
+from functopk.optim.adafactor import TORCH_BUILDERS as _ADAFACTOR_BUILDERS
+from functopk.optim.adafactor import TORCH_STATE_NAMES as _ADAFACTOR_NAMES
+from functopk.optim.muon import TORCH_BUILDERS as _MUON_BUILDERS
+from functopk.optim.muon import TORCH_STATE_NAMES as _MUON_NAMES
 
 __all__ = ["IMPLEMENTATION_FLAGS", "TorchSpec", "from_torch", "spec_for", "torch_hyperparams"]
 
@@ -96,14 +102,19 @@ _SPECS: dict[str, TorchSpec] = {
 }
 
 
-def _add_module_specs(*modules: Any) -> None:
+def _add_module_specs(*tables: tuple[Mapping[str, Any], Mapping[str, Mapping[str, str]]]) -> None:
     """Register the torch classes an optimizer module maps (its ``TORCH_BUILDERS`` and ``TORCH_STATE_NAMES``)."""
-    for module in modules:
-        for name, build in module.TORCH_BUILDERS.items():
-            _SPECS[name] = TorchSpec(build, module.TORCH_STATE_NAMES[name])
+    for builders, names in tables:
+        for name, build in builders.items():
+            _SPECS[name] = TorchSpec(build, names[name])
 
 
-_add_module_specs(adam_variants, classic, adafactor, muon)
+_add_module_specs(
+    (_adam_variants.TORCH_BUILDERS, _adam_variants.TORCH_STATE_NAMES),
+    (_classic.TORCH_BUILDERS, _classic.TORCH_STATE_NAMES),
+    (_ADAFACTOR_BUILDERS, _ADAFACTOR_NAMES),  # (ft.optim.adafactor and ft.optim.muon are the functions)
+    (_MUON_BUILDERS, _MUON_NAMES),
+)
 
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the loss several times inside one step (a closure-driven line search), which a "
