@@ -13,13 +13,14 @@ the whole model::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, Union
+from typing import Any, Union
 
 import optree
 import torch
 
-from functopk._checks import check_hyperparam, describe
+from functopk._checks import check_hyperparam
 from functopk.adapter.groups import ParamGroupOptimizer
+from functopk.adapter.recut import Layout, remap, same_ptree
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
@@ -147,6 +148,7 @@ class TorchOptimizer(torch.optim.Optimizer):
 
             self._injected = True
             self._tx = inject_hyperparams(build)(learning_rate=check_hyperparam(lr, "lr", minimum=0.0))
+            self._factory = build  # rebuilt below with a float64 rate when a parameter is float64
         else:
             raise TypeError(
                 f"tx must be a functopk.GradientTransformation or a factory lr -> GradientTransformation, "
@@ -157,6 +159,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         # assignments on torch.optim.Optimizer subclasses (torch 2.14; cf. pytorch/pytorch#171590).
         self._mutable: dict[str, Any] = {"state": None, "ptree": None, "layout": None, "lr": None}
         super().__init__(params, {"lr": check_hyperparam(lr, "lr", minimum=0.0)})
+        self._lr_dtype = torch.float32
+        if self._injected and any(p.dtype == torch.float64 for g in self.param_groups for p in g["params"]):
+            self._lr_dtype = torch.float64
+            # the injected rate in float64, so that float64 models step exactly as with torch.optim's Python lr
+            exact = torch.tensor(float(lr) if not isinstance(lr, torch.Tensor) else lr.item(), dtype=torch.float64)
+            self._tx = inject_hyperparams(self._factory)(learning_rate=exact)
 
     @classmethod
     def from_torch(
@@ -208,7 +216,7 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for name in ("_injected", "_tx", "_mutable"):
+        for name in ("_injected", "_tx", "_mutable", "_lr_dtype", "_factory"):
             state[name] = getattr(self, name)
         return state
 
@@ -288,21 +296,21 @@ class TorchOptimizer(torch.optim.Optimizer):
                 state, ptree = self._tx.init(active), active
             covered = {id(p) for p in optree.tree_leaves(ptree)}
             union = self._make_tree([p if m or id(p) in covered else None for p, m in zip(slots, mask)], names)
-            if not _same_ptree(union, ptree):
+            if not same_ptree(union, ptree):
                 grows = any(id(p) not in covered for p in optree.tree_leaves(active))
-                state = _remap(state, ptree, union, self._tx.init(union) if grows else None)
-            full = _same_ptree(active, union)
+                state = remap(state, ptree, union, self._tx.init(union) if grows else None)
+            full = same_ptree(active, union)
 
-        run_state = state if full else _remap(state, union, active, self._shape_template(active))
+        run_state = state if full else remap(state, union, active, self._shape_template(active))
         if self._injected:
             lr = self._injected_lr(active)
             run_state = run_state._replace(hyperparams={**run_state.hyperparams, "learning_rate": lr})
         updates, new_state = self._tx.update(grad_tree, run_state, active)
         if not full:
-            new_state = _remap(new_state, active, union, state)
+            new_state = remap(new_state, active, union, state)
         self._apply_updates(active, updates)
         if layout is None and full:
-            layout = _Layout(tuple(slots), mask, names)
+            layout = Layout(tuple(slots), mask, names)
         box.update(state=new_state, ptree=union, layout=layout)
         return loss
 
@@ -325,14 +333,15 @@ class TorchOptimizer(torch.optim.Optimizer):
             )
         lr = groups[0]["lr"]
         device = optree.tree_leaves(active)[0].device
+        dtype = self._lr_dtype
         if isinstance(lr, torch.Tensor):
             # A copy: schedulers update tensor lrs in place, and the state must not change behind our back.
-            return lr.detach().to(device=device, dtype=torch.float32, copy=True)
-        key = (float(lr), device)
+            return lr.detach().to(device=device, dtype=dtype, copy=True)
+        key = (float(lr), device, dtype)
         cached = self._mutable["lr"]
         if cached is None or cached[0] != key:
             # torch.full writes the value with a kernel: no host-to-device copy, no sync.
-            cached = self._mutable["lr"] = (key, torch.full((), float(lr), dtype=torch.float32, device=device))
+            cached = self._mutable["lr"] = (key, torch.full((), float(lr), dtype=dtype, device=device))
         return cached[1]
 
     def _apply_updates(self, active: PyTree, updates: PyTree) -> None:
@@ -449,88 +458,3 @@ class TorchOptimizer(torch.optim.Optimizer):
         chosen = set(indices)
         ptree = self._make_tree([p if i in chosen else None for i, p in enumerate(slots)], names)
         return state_from_dict(self._tx.init(ptree), entry["transform"]), ptree
-
-
-class _Layout(NamedTuple):
-    """What the last full step saw, to skip the set-of-parameters checks when nothing changed."""
-
-    slots: tuple[torch.Tensor, ...]
-    mask: tuple[bool, ...]
-    names: list[str] | None
-
-    def fits(self, slots: list[torch.Tensor], mask: tuple[bool, ...], names: list[str] | None) -> bool:
-        return (
-            mask == self.mask
-            and names == self.names
-            and len(slots) == len(self.slots)
-            and all(a is b for a, b in zip(slots, self.slots))
-        )
-
-
-def _same_ptree(a: PyTree, b: PyTree) -> bool:
-    """Same structure and the very same parameter objects at the same places."""
-    la, da = optree.tree_flatten(a, none_is_leaf=True)
-    lb, db = optree.tree_flatten(b, none_is_leaf=True)
-    return da == db and all(x is y for x, y in zip(la, lb))
-
-
-def _param_parts(state: OptState, ptree: PyTree) -> tuple[list[Any], optree.PyTreeSpec, list[bool]]:
-    """Flatten ``state`` down to its subtrees shaped like ``ptree`` (per-parameter state) and other leaves."""
-    spec = optree.tree_structure(ptree)
-
-    def is_part(node: Any) -> bool:
-        return not isinstance(node, torch.Tensor) and optree.tree_structure(node) == spec
-
-    parts, skeleton = optree.tree_flatten(state, is_leaf=is_part)
-    return parts, skeleton, [is_part(x) for x in parts]
-
-
-def _remap(state: OptState, ptree: PyTree, target: PyTree, other: OptState | None = None) -> OptState:
-    """``state`` (built for parameter tree ``ptree``) re-cut for parameter tree ``target``.
-
-    Per-parameter subtrees (those shaped like ``ptree``) take each parameter's
-    entry from ``state`` if it has one, else from ``other``, a state built for
-    ``target``. Other leaves (step counts, hyperparameters) come from ``state``;
-    when ``other`` is given they must have the same shapes and dtypes there,
-    else the transformation keeps state sized by the parameter set and cannot be
-    re-cut (``ValueError``).
-    """
-    parts, skeleton, is_part = _param_parts(state, ptree)
-    other_parts = None
-    if other is not None:
-        other_parts, other_skeleton, other_is_part = _param_parts(other, target)
-        if other_skeleton != skeleton or other_is_part != is_part:
-            raise ValueError(_CANNOT_RECUT + f" (state structure {skeleton} would need to be {other_skeleton})")
-    p_leaves = optree.tree_leaves(ptree)
-    t_leaves, t_spec = optree.tree_flatten(target, none_is_leaf=True)
-    out = []
-    for i, (part, per_param) in enumerate(zip(parts, is_part)):
-        if not per_param:
-            if other_parts is not None and not _same_kind(part, other_parts[i]):
-                raise ValueError(
-                    _CANNOT_RECUT
-                    + f" (a state leaf is {describe(part)} but would need to be {describe(other_parts[i])})"
-                )
-            out.append(part)
-            continue
-        have = {id(p): v for p, v in zip(p_leaves, optree.tree_leaves(part))}
-        if other_parts is not None:
-            have_other = {id(p): v for p, v in zip(optree.tree_leaves(target), optree.tree_leaves(other_parts[i]))}
-        else:
-            have_other = {}
-        values = [None if p is None else have[id(p)] if id(p) in have else have_other[id(p)] for p in t_leaves]
-        out.append(optree.tree_unflatten(t_spec, values))
-    return optree.tree_unflatten(skeleton, out)
-
-
-_CANNOT_RECUT = (
-    "the set of parameters with gradients changed, but the transformation keeps state sized by the whole "
-    "parameter set, so its state cannot be carried over to the new set; give the same parameters a gradient at "
-    "every step (e.g. zero_grad(set_to_none=False)) and freeze parameters (no gradient) from the first step"
-)
-
-
-def _same_kind(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype
-    return type(a) is type(b)

@@ -29,7 +29,7 @@ class InjectHyperparamsState(NamedTuple):
         count: Number of updates done (0-d int64 tensor); schedules are evaluated on it.
         hyperparams: The current value of each injected hyperparameter: a 0-d int64 tensor for
             one given as an int or an integer tensor (so a count such as ``k`` stays exact),
-            a 0-d float32 tensor otherwise.
+            a 0-d float64 tensor for one given as a float64 tensor, a 0-d float32 tensor otherwise.
             Replace an entry to change it: the next update uses the new value
             (entries given as schedules are recomputed from ``count`` at every update).
         inner_state: The state of the wrapped transformation.
@@ -47,8 +47,11 @@ class InjectHyperparamsState(NamedTuple):
 
 
 def _dtype_of(value: Any) -> torch.dtype:
-    """int64 for an int (not a bool) or an integer tensor, so counts stay exact; float32 for the rest."""
+    """int64 for an int (not a bool) or an integer tensor, so counts stay exact; float64 for a float64
+    tensor (exact learning rates for float64 models); float32 for the rest."""
     if isinstance(value, torch.Tensor):
+        if value.dtype == torch.float64:
+            return torch.float64
         return torch.float32 if value.is_floating_point() else torch.int64
     return torch.int64 if isinstance(value, numbers.Integral) else torch.float32
 
@@ -84,10 +87,12 @@ def inject_hyperparams(
     callables (schedules ``step -> value``) are *injected*: stored as 0-d
     tensors in :class:`InjectHyperparamsState` and passed to ``factory`` as
     tensors at every update. An int (or an integer tensor) is stored as int64, so a
-    count such as ``topk``'s ``k`` stays exact at any size; every other number as
-    float32 (a schedule's value likewise, at every step). Everything else (bools, strings, ``None``, transformations),
-    positional arguments, and names listed in ``static_args`` are passed through
-    unchanged. The factory must accept 0-d tensors for the injected arguments;
+    count such as ``topk``'s ``k`` stays exact at any size; a float64 tensor as float64
+    (give ``torch.tensor(lr, dtype=torch.float64)`` for float64-exact rates); every
+    other number as float32 (a schedule's value likewise, at every step). Everything
+    else (bools, strings, ``None``, transformations), positional arguments, and
+    names listed in ``static_args`` are passed through unchanged. The factory must
+    accept 0-d tensors for the injected arguments;
     every functopk factory does (the optimizers take an integer tensor for a real
     hyperparameter given as an int, e.g. ``weight_decay=0``). Every callable is
     taken for a schedule: list function-valued arguments that are not schedules

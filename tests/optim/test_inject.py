@@ -133,3 +133,12 @@ def test_int_given_for_a_real_hyperparameter_works(device):
         u1, s1 = plain.update(to_device(grads_at(i), device), s1, params)
         u2, s2 = injected.update(to_device(grads_at(i), device), s2, params)
         assert_tree_close(u2, u1, rtol=1e-6, atol=0)
+
+
+def test_a_float64_tensor_hyperparameter_stays_float64():
+    tx = ft.inject_hyperparams(ft.sgd)(learning_rate=torch.tensor(0.1, dtype=torch.float64), momentum=0.5)
+    state = tx.init({"w": torch.zeros(2, dtype=torch.float64)})
+    assert state.hyperparams["learning_rate"].dtype == torch.float64
+    assert state.hyperparams["momentum"].dtype == torch.float32
+    updates, _ = tx.update({"w": torch.ones(2, dtype=torch.float64)}, state)
+    assert torch.equal(updates["w"], torch.full((2,), -0.1, dtype=torch.float64))
