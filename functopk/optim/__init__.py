@@ -35,6 +35,7 @@ from functopk.optim.clipping import ApplyIfFiniteState, apply_if_finite, clip, c
 from functopk.optim.elementary import (
     ScaleByScheduleState,
     TraceState,
+    WeightDecayScheduleState,
     add_decayed_weights,
     scale,
     scale_by_learning_rate,
@@ -64,6 +65,7 @@ __all__ = [
     "ScaleByRssState",
     "ScaleByScheduleState",
     "TraceState",
+    "WeightDecayScheduleState",
     "adadelta",
     "adafactor",
     "adagrad",

@@ -14,7 +14,7 @@ non-finite guards in :mod:`functopk.optim.clipping`; gradient accumulation in
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,7 @@ from functopk.tree.maths import PyTree
 __all__ = [
     "ScaleByScheduleState",
     "TraceState",
+    "WeightDecayScheduleState",
     "add_decayed_weights",
     "scale",
     "scale_by_learning_rate",
@@ -191,18 +192,46 @@ def trace(
     return leafwise("trace", update, init=init, state=TraceState, tree_fields=("trace",))
 
 
+class WeightDecayScheduleState(NamedTuple):
+    """State of :func:`add_decayed_weights` with a scheduled ``weight_decay`` (optax's ``WeightDecaySchedule``).
+
+    Attributes:
+        count: Number of updates done (0-d int64 tensor); the schedule is evaluated on it.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> ft.add_decayed_weights(lambda count: 0.1).init({"w": torch.zeros(2)})
+        WeightDecayScheduleState(count=tensor(0))
+    """
+
+    count: torch.Tensor  # type: ignore[assignment]
+
+
+def _decay(grads: Leaves, params: Leaves | None, flags: list[bool] | None, weight_decay: Any) -> Leaves:
+    """``grads + weight_decay * params`` on the leaves the mask keeps, the others unchanged."""
+    if params is None:  # never None here (needs_params)
+        return list(grads)
+    idx = selected(flags, grads)
+    out = list(grads)
+    for i, x in zip(idx, foreach.add_scaled([grads[i] for i in idx], weight_decay, [params[i] for i in idx])):
+        out[i] = x
+    return out
+
+
 def add_decayed_weights(
-    weight_decay: float | torch.Tensor = 0.0, mask: MaskOrFn | None = None
+    weight_decay: float | torch.Tensor | Schedule = 0.0, mask: MaskOrFn | None = None
 ) -> GradientTransformation:
     """Add ``weight_decay * params`` to the updates (L2 regularisation's gradient).
 
     Placed before an optimizer's scaling it is *coupled* weight decay, as the
     ``weight_decay`` of ``torch.optim.SGD``/``Adam``/``RMSprop``/``Adagrad``;
     placed after ``scale_by_adam`` and before the learning rate it is AdamW's
-    *decoupled* decay.
+    *decoupled* decay. optax's ``add_decayed_weights``, a schedule included: a
+    constant keeps no state; a schedule ``count -> weight_decay`` is evaluated on
+    the step count of a :class:`WeightDecayScheduleState`.
 
     Args:
-        weight_decay: The coefficient (a number or a 0-d tensor).
+        weight_decay: The coefficient: a number, a 0-d tensor or a schedule ``step -> value``.
         mask: Which leaves to decay: a tree of Python bools with the parameters'
             structure, or a function ``params -> such a tree`` (evaluated at every
             update, on the structure and shapes only, e.g.
@@ -219,18 +248,31 @@ def add_decayed_weights(
         >>> tx.update({"w": torch.tensor([1.0]), "b": torch.tensor([1.0])}, tx.init(params), params)[0]
         {'w': tensor([2.]), 'b': tensor([1.])}
     """
-    weight_decay = check_hyperparam(weight_decay, "weight_decay")
+    weight_decay = check_scalar_or_schedule(weight_decay, "weight_decay")
+    name = "add_decayed_weights"
+    if callable(weight_decay):
+        schedule = weight_decay
 
-    def make(flags: list[bool] | None) -> GradientTransformation:
+        def init(params: Leaves) -> WeightDecayScheduleState:
+            return WeightDecayScheduleState(count=init_count(params))
+
+        def make(flags: list[bool] | None) -> GradientTransformation:
+            def update(
+                grads: Leaves, state: WeightDecayScheduleState, params: Leaves | None
+            ) -> tuple[Leaves, WeightDecayScheduleState]:
+                decay = foreach.for_leaves(schedule(state.count), grads)
+                return _decay(grads, params, flags, decay), WeightDecayScheduleState(count=state.count + 1)
+
+            return leafwise(name, update, init=init, state=WeightDecayScheduleState, needs_params=True)
+
+        return with_mask(make, mask, name)
+
+    def make_constant(flags: list[bool] | None) -> GradientTransformation:
         def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
-            if is_zero(weight_decay) or params is None:  # params: never None here (needs_params)
+            if is_zero(weight_decay):
                 return grads, state
-            idx = selected(flags, grads)
-            out = list(grads)
-            for i, x in zip(idx, foreach.add_scaled([grads[i] for i in idx], weight_decay, [params[i] for i in idx])):
-                out[i] = x
-            return out, state
+            return _decay(grads, params, flags, weight_decay), state
 
-        return leafwise("add_decayed_weights", update, needs_params=True)
+        return leafwise(name, update, needs_params=True)
 
-    return with_mask(make, mask, "add_decayed_weights")
+    return with_mask(make_constant, mask, name)

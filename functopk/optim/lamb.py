@@ -14,8 +14,7 @@ from functopk._checks import check_hyperparam, check_scalar_or_schedule
 from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, leafwise
 from functopk.combine import MaskOrFn, chain
 from functopk.optim.adaptive import scale_by_adam
-from functopk.optim.elementary import scale_by_learning_rate
-from functopk.optim.lion import decayed_weights
+from functopk.optim.elementary import add_decayed_weights, scale_by_learning_rate
 from functopk.tree import foreach
 
 __all__ = ["lamb", "scale_by_trust_ratio"]
@@ -107,7 +106,7 @@ def lamb(
 ) -> GradientTransformation:
     """The LAMB optimizer (You et al., 2020, "Large Batch Optimization for Deep Learning"): ``optax.lamb``.
 
-    ``chain(scale_by_adam(b1, b2, eps, eps_root), decayed_weights(weight_decay, mask),
+    ``chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
     scale_by_trust_ratio(), scale_by_learning_rate(learning_rate))``, as optax 0.2.8
     chains it: Adam's bias-corrected direction plus the decoupled decay, rescaled per
     leaf (per layer) so that its norm is the parameters' norm, times ``-learning_rate``.
@@ -138,7 +137,7 @@ def lamb(
     learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
     return chain(
         scale_by_adam(b1, b2, eps, eps_root),
-        decayed_weights(weight_decay, mask),
+        add_decayed_weights(weight_decay, mask),
         scale_by_trust_ratio(),
         scale_by_learning_rate(learning_rate),
     )

@@ -5,10 +5,8 @@ There is no ``torch.optim`` class for Lion; :func:`scale_by_lion` and
 the same argument names, defaults, maths and chain of transformations (so the
 state is the tuple of the chained parts' states, as in optax).
 
-:func:`decayed_weights` is optax's ``add_decayed_weights``, whose
-``weight_decay`` may be a schedule: :func:`functopk.add_decayed_weights` for a
-constant, a transformation with a step count for a schedule. :func:`lion` and
-:func:`functopk.optim.lamb.lamb` use it.
+The weight decay (a number, a 0-d tensor or a schedule, as in optax) is
+:func:`functopk.add_decayed_weights`.
 """
 
 from __future__ import annotations
@@ -18,17 +16,14 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_hyperparam, check_scalar_or_schedule
-from functopk.base import GradientTransformation, ScalarOrSchedule, Schedule, init_count, leafwise
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
 from functopk.combine import MaskOrFn, chain
-from functopk.optim._shared import selected, with_mask
 from functopk.optim.elementary import add_decayed_weights, scale_by_learning_rate
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
 __all__ = [
     "ScaleByLionState",
-    "WeightDecayScheduleState",
-    "decayed_weights",
     "lion",
     "scale_by_lion",
 ]
@@ -102,77 +97,6 @@ def scale_by_lion(b1: Hyper = 0.9, b2: Hyper = 0.99) -> GradientTransformation:
     return leafwise("scale_by_lion", update, init=init, state=ScaleByLionState, tree_fields=("mu",))
 
 
-class WeightDecayScheduleState(NamedTuple):
-    """State of :func:`decayed_weights` with a scheduled ``weight_decay`` (optax's ``WeightDecaySchedule``).
-
-    Attributes:
-        count: Number of updates done (0-d int64 tensor); the schedule is evaluated on it.
-
-    Example:
-        >>> import torch
-        >>> from functopk.optim.lion import decayed_weights
-        >>> decayed_weights(lambda count: 0.1).init({"w": torch.zeros(2)})
-        WeightDecayScheduleState(count=tensor(0))
-    """
-
-    count: torch.Tensor  # type: ignore[assignment]
-
-
-def _scheduled_decay(schedule: Schedule, mask: MaskOrFn | None) -> GradientTransformation:
-    """``updates + schedule(count) * params`` on the leaves the mask keeps; the state counts the steps."""
-    name = "decayed_weights"
-
-    def init(params: Leaves) -> WeightDecayScheduleState:
-        return WeightDecayScheduleState(count=init_count(params))
-
-    def make(flags: list[bool] | None) -> GradientTransformation:
-        def update(
-            grads: Leaves, state: WeightDecayScheduleState, params: Leaves | None
-        ) -> tuple[Leaves, WeightDecayScheduleState]:
-            out = list(grads)
-            if params is not None:  # never None here (needs_params)
-                idx = selected(flags, grads)
-                decay = foreach.for_leaves(schedule(state.count), grads)
-                for i, x in zip(idx, foreach.add_scaled([grads[i] for i in idx], decay, [params[i] for i in idx])):
-                    out[i] = x
-            return out, WeightDecayScheduleState(count=state.count + 1)
-
-        return leafwise(name, update, init=init, state=WeightDecayScheduleState, needs_params=True)
-
-    return with_mask(make, mask, name)
-
-
-def decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: MaskOrFn | None = None) -> GradientTransformation:
-    """Add ``weight_decay * params`` to the updates, the decay a number or a schedule: optax's ``add_decayed_weights``.
-
-    A constant (a number or a 0-d tensor) gives :func:`functopk.add_decayed_weights`
-    (state ``EmptyState``); a schedule ``count -> decay`` is evaluated on a step
-    count kept in a :class:`WeightDecayScheduleState`, as optax 0.2.8 does. The
-    parameters are needed at every update, even for a zero decay (as in optax).
-
-    Args:
-        weight_decay: The coefficient: a number, a 0-d tensor or a schedule ``step -> value``.
-        mask: Which leaves to decay: a tree of Python bools shaped like the parameters, or a
-            function ``params -> such a tree``; ``None`` decays all. Leaves masked out pass
-            through unchanged. (optax also accepts a prefix of the parameter tree; this does not.)
-
-    Example:
-        >>> import torch
-        >>> from functopk.optim.lion import decayed_weights
-        >>> tx = decayed_weights(lambda count: 0.5 ** count)
-        >>> params = {"w": torch.tensor([4.0])}
-        >>> state = tx.init(params)
-        >>> for _ in range(2):
-        ...     updates, state = tx.update({"w": torch.tensor([1.0])}, state, params)
-        >>> updates["w"]    # 1 + 0.5 * 4 at the second step
-        tensor([3.])
-    """
-    weight_decay = check_scalar_or_schedule(weight_decay, "weight_decay")
-    if callable(weight_decay):
-        return _scheduled_decay(weight_decay, mask)
-    return add_decayed_weights(weight_decay, mask)
-
-
 def lion(
     learning_rate: ScalarOrSchedule,
     *,
@@ -183,7 +107,7 @@ def lion(
 ) -> GradientTransformation:
     """The Lion optimizer (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"): ``optax.lion``.
 
-    ``chain(scale_by_lion(b1, b2), decayed_weights(weight_decay, mask),
+    ``chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
     scale_by_learning_rate(learning_rate))``, as optax 0.2.8 chains it: the update
     is ``-learning_rate * (sign(b1 * mu + (1 - b1) * g) + weight_decay * params)``,
     so the decay is multiplied by the learning rate (as in torch's AdamW). The state
@@ -213,6 +137,6 @@ def lion(
     learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
     return chain(
         scale_by_lion(b1, b2),
-        decayed_weights(weight_decay, mask),
+        add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )

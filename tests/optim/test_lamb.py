@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import functopk as ft
+from functopk.optim.elementary import WeightDecayScheduleState
 from functopk.optim.lamb import lamb, scale_by_trust_ratio
-from functopk.optim.lion import WeightDecayScheduleState
 from tests.optim.common import run_pure
 from tests.optim.optax_parity import (
     assert_close_np,

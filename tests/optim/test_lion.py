@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import functopk as ft
-from functopk.optim.lion import ScaleByLionState, WeightDecayScheduleState, decayed_weights, lion, scale_by_lion
+from functopk.optim.elementary import WeightDecayScheduleState
+from functopk.optim.elementary import add_decayed_weights as decayed_weights
+from functopk.optim.lion import ScaleByLionState, lion, scale_by_lion
 from tests.optim.common import run_pure
 from tests.optim.optax_parity import (
     assert_close_np,
