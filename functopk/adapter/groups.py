@@ -47,6 +47,18 @@ def _key(value: Any) -> Any:
     return value
 
 
+def _shape(key: Any) -> Any:
+    """A hyperparameter key with numbers reduced to zero / non-zero: what decides a state's structure.
+
+    (A zero momentum or weight decay drops a part of the chain; other values change only the maths.)
+    """
+    if isinstance(key, tuple):
+        return tuple(_shape(k) for k in key)
+    if isinstance(key, (int, float)) and not isinstance(key, bool):
+        return ("number", key == 0)
+    return key
+
+
 def _meta(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty_like(p, device="meta") for p in params]
 
@@ -57,6 +69,10 @@ class _Part:
     def __init__(self, tx: GradientTransformation, rename: Mapping[str, str], prefix: str = "") -> None:
         self.tx, self.rename, self.prefix = tx, rename, prefix
         self._layouts: dict[int, per_param.Layout] = {}
+
+    def reuse_layouts(self, other: _Part) -> None:
+        """Take ``other``'s layouts: a part for the same hyperparameters up to values has the same structure."""
+        self._layouts = other._layouts
 
     def template(self, params: list[torch.Tensor]) -> OptState:
         """A state for ``params`` to read structure and dtypes from: on the meta device when ``init`` allows."""
@@ -167,7 +183,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            cached = self._parts[id(group)] = (key, _Part(self._spec.build(group), self._spec.state_names))
+            part = _Part(self._spec.build(group), self._spec.state_names)
+            if cached is not None and _shape(cached[0]) == _shape(key):
+                part.reuse_layouts(cached[1])  # only a value changed (a scheduler's lr): the same state structure
+            cached = self._parts[id(group)] = (key, part)
         return cached[1]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
