@@ -20,6 +20,8 @@ import optree
 import pytest
 import torch
 
+import functopk as ft
+
 STEPS = 40
 
 
@@ -108,3 +110,22 @@ def assert_parity(ours, theirs, rtol=1e-12):
 def assert_close_np(a, b, rtol=1e-12, where=""):
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * max(np.abs(b).max(), 1e-300), err_msg=where)
+
+
+# Decay masks, functopk's and optax's forms: a tree of bools, and a function of the parameters.
+MASKS = {
+    "tree": ({"w": True, "b": False, "s": False, "k": True},) * 2,
+    "function": (
+        lambda p: ft.tree.map(lambda x: x.dim() > 1, p),
+        lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+    ),
+}
+
+
+def assert_float32_like_optax(make, make_optax, steps=20):
+    """functopk in float32 is as far from optax-float64 as optax-float32 is (within 4x and a tiny floor)."""
+    with jax.enable_x64(True):
+        _, ref, _, _ = run_pair(make(), make_optax(), steps=steps)
+    with jax.enable_x64(False):
+        ours, theirs32, _, _ = run_pair(make(), make_optax(), steps=steps, dtype=torch.float32)
+    assert max_rel_error(ours, ref) <= 4 * max_rel_error(theirs32, ref) + 1e-7

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -15,9 +14,10 @@ from functopk.optim.elementary import add_decayed_weights as decayed_weights
 from functopk.optim.lion import ScaleByLionState, lion, scale_by_lion
 from tests.optim.common import run_pure
 from tests.optim.optax_parity import (
+    MASKS,
     assert_close_np,
+    assert_float32_like_optax,
     assert_parity,
-    max_rel_error,
     run_pair,
     to_numpy,
     x64,  # noqa: F401  (the fixture)
@@ -52,11 +52,7 @@ def test_scale_by_lion_matches_optax(device):
 def test_float32_error_within_optax_float32_error():
     """functopk in float32 is as far from optax-float64 as optax-float32 is (within 4x and a tiny floor)."""
     kwargs = {"weight_decay": 0.1}
-    with jax.enable_x64(True):
-        _, ref, _, _ = run_pair(lion(0.01, **kwargs), optax.lion(0.01, **kwargs), steps=20)
-    with jax.enable_x64(False):
-        ours, theirs32, _, _ = run_pair(lion(0.01, **kwargs), optax.lion(0.01, **kwargs), steps=20, dtype=torch.float32)
-    assert max_rel_error(ours, ref) <= 4 * max_rel_error(theirs32, ref) + 1e-7
+    assert_float32_like_optax(lambda: lion(0.01, **kwargs), lambda: optax.lion(0.01, **kwargs))
 
 
 @pytest.mark.usefixtures("x64")
@@ -114,15 +110,6 @@ def test_functopk_schedule(device):
     otx = optax.lion(optax.exponential_decay(0.02, 5, 0.5), weight_decay=0.1)
     ours, theirs, _, _ = run_pair(tx, otx, steps=20, device=device)
     assert_parity(ours, theirs, rtol=1e-6)
-
-
-MASKS = {
-    "tree": ({"w": True, "b": False, "s": False, "k": True},) * 2,
-    "function": (
-        lambda p: ft.tree.map(lambda x: x.dim() > 1, p),
-        lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
-    ),
-}
 
 
 @pytest.mark.usefixtures("x64")

@@ -27,59 +27,26 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 import functopk as ft
 from functopk.optim.muon import TORCH_BUILDERS, TORCH_STATE_NAMES, MuonState, muon, newton_schulz
 from tests.optim.common import run_pure
+from tests.optim.torch_parity import (
+    STEPS,
+    assert_float32_like_torch,
+    assert_histories,
+    field,
+    rel_err,
+    run_ours,
+    torch_runner,
+)
+from tests.optim.torch_parity import start as start_with
 
-STEPS = 40
 SHAPES = {"tall": (5, 3), "wide": (3, 6), "square": (4, 4), "row": (1, 5)}
 COEFFICIENTS = (3.4445, -4.775, 2.0315)
 
 
-def field(p):
-    return torch.sin(3 * p) + p**3
+run_torch = torch_runner(torch.optim.Muon)
 
 
 def start(device, dtype=torch.float64, shapes=SHAPES):
-    g = torch.Generator().manual_seed(0)
-    return {
-        k: torch.randn(s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype) for k, s in shapes.items()
-    }
-
-
-def run_torch(p0, steps=STEPS, scheduler=None, **kwargs):
-    """torch.optim.Muon from ``p0``: the parameters after each step, the optimizer and its parameters."""
-    tp = {k: torch.nn.Parameter(v.clone()) for k, v in p0.items()}
-    opt = torch.optim.Muon(list(tp.values()), **kwargs)
-    sched = scheduler(opt) if scheduler else None
-    history = []
-    for _ in range(steps):
-        for p in tp.values():
-            p.grad = field(p.detach())
-        opt.step()
-        if sched:
-            sched.step()
-        history.append({k: p.detach().clone() for k, p in tp.items()})
-    return history, opt, tp
-
-
-def run_ours(tx, p0, steps=STEPS):
-    params = {k: v.clone() for k, v in p0.items()}
-    state = tx.init(params)
-    history = []
-    for _ in range(steps):
-        updates, state = tx.update({k: field(v) for k, v in params.items()}, state, params)
-        params = ft.apply_updates(params, updates)
-        history.append(params)
-    return history, state
-
-
-def rel_err(ours, theirs):
-    """The largest |difference| of any leaf relative to that leaf's largest |value| (torch's)."""
-    return max(((ours[k] - v).abs().max() / v.abs().max().clamp(min=1e-30)).item() for k, v in theirs.items())
-
-
-def assert_histories(ours, theirs, rtol=1e-12):
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        err = rel_err(a, b)
-        assert err <= rtol, f"step {i}: relative error {err:.3g} > {rtol}"
+    return start_with(shapes, device, dtype)
 
 
 CASES = {
@@ -119,14 +86,7 @@ def test_float32_error_like_torch(device, name):
     """In float32, the error against torch's float64 run is at most 4x torch float32's own (plus 1e-6)."""
     kwargs = CASES[name]
     p64 = start(device)
-    p32 = {k: v.float() for k, v in p64.items()}
-    exact, _, _ = run_torch(p64, **kwargs)
-    torch32, _, _ = run_torch(p32, **kwargs)
-    ours32, _ = run_ours(ours_for(kwargs), p32)
-    for i, (e, t, o) in enumerate(zip(exact, torch32, ours32)):
-        torch_err = rel_err({k: v.double() for k, v in t.items()}, e)
-        our_err = rel_err({k: v.double() for k, v in o.items()}, e)
-        assert our_err <= 4 * torch_err + 1e-6, f"step {i}: {our_err:.3g} vs torch float32's {torch_err:.3g}"
+    assert_float32_like_torch(run_torch, ours_for(kwargs), p64, 1e-6, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
