@@ -16,7 +16,7 @@ all: test
 
 $(STAMP): pyproject.toml requirements/pins.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/pins.txt -e '.[test,examples]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c requirements/pins.txt -e '.[test,examples,integrations]'
 	touch $@
 
 # OpenMP threads spin-wait for each other on a shared machine; passive waiting is
