@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(args.seed, verbose=False)
     x_train, x_test, y_train, y_test = digits(args.seed)
     data = loader(x_train, y_train, args.seed)
-    steps_per_epoch = len(data) // 2  # accumulate_grad_batches=2 (len(data) is even)
+    steps_per_epoch = -(-len(data) // 2)  # accumulate_grad_batches=2; an odd last batch steps at the epoch end
     total = steps_per_epoch * args.epochs
     hp = {"k": None if args.density else args.k, "density": args.density, "lr": args.lr, "total_steps": total}
     out: dict[str, Any] = {"total_steps": total}
