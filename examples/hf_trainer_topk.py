@@ -156,7 +156,9 @@ def train(
     out: Path, args: argparse.Namespace, data: Digits, *, save: bool = False, resume: str | None = None,
     init_seed: int | None = None, **trainer_kwargs: Any,
 ) -> tuple[Trainer, Snapshot]:  # fmt: skip
-    model = trainer_kwargs.pop("model", None) or make_model(args.seed if init_seed is None else init_seed)
+    model = trainer_kwargs.pop("model", None)
+    if model is None:
+        model = make_model(args.seed if init_seed is None else init_seed)
     snapshot = Snapshot()
     trainer = Trainer(model=model, args=training_args(out, args, save), train_dataset=data, callbacks=[snapshot],
                       **trainer_kwargs)  # fmt: skip
