@@ -19,7 +19,7 @@ import optree
 import torch
 
 from functopk._checks import check_hyperparam
-from functopk.adapter.groups import ParamGroupOptimizer
+from functopk.adapter.groups import ParamGroupOptimizer, torch_class
 from functopk.adapter.recut import Layout, remap, same_ptree
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
@@ -201,6 +201,31 @@ class TorchOptimizer(torch.optim.Optimizer):
             2
         """
         return ParamGroupOptimizer(optimizer_class, params, sparsify, **defaults)
+
+    @classmethod
+    def from_torch_class(
+        cls, optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
+    ) -> type[ParamGroupOptimizer]:
+        """:meth:`from_torch` as a class ``C(params, **defaults)``, for code that wants an optimizer *class*.
+
+        transformers' ``Trainer(optimizer_cls_and_kwargs=(C, kwargs))`` calls
+        ``C(param_groups, **kwargs)`` when ``C`` is an optimizer class and takes any
+        other callable (a ``functools.partial`` of :meth:`from_torch`) for a factory
+        of the model, without its decay/no-decay groups. The same arguments give the
+        same class.
+
+        Args:
+            optimizer_class: A ``torch.optim`` class, as for :meth:`from_torch`.
+            sparsify: A transformation of the gradients of all groups, or ``None``.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> SparseAdamW = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, ft.topk(2))
+            >>> opt = SparseAdamW(torch.nn.Linear(4, 1).parameters(), lr=0.01)
+            >>> isinstance(opt, torch.optim.Optimizer), opt.param_groups[0]["lr"]
+            (True, 0.01)
+        """
+        return torch_class(optimizer_class, sparsify)
 
     # -- the public view of the state ------------------------------------------------------------
 

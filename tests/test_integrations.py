@@ -120,17 +120,6 @@ def test_hf_trainer_logged_lr_is_the_real_lr(hf_result):
     assert lrs[0] == 0.0 and lrs[warmup] == lr
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="transformers' Trainer calls a non-Optimizer-class optimizer_cls as a factory, optimizer_cls()(model, "
-    "**kwargs) (trainer_optimizer.is_optimizer_factory), so a functools.partial of from_torch gets no params and "
-    "could not get Trainer's decay/no-decay groups anyway; a ParamGroupOptimizer subclass works (the example's (b))",
-)
-def test_hf_trainer_optimizer_cls_and_kwargs_accepts_a_partial_of_from_torch(hf_result):
-    assert hf_result["partial_error"] is None, hf_result["partial_error"]
-
-
 # -- Accelerate ---------------------------------------------------------------------------------------
 
 
@@ -179,12 +168,6 @@ def test_load_state_dict_with_topk_k_larger_than_a_parameter():
     assert all(torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"]) for p in model.parameters())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="a late joiner's fresh sparsify entries come from sparsify.init on the newcomers alone, and topk(k)'s "
-    "init rejects a tree smaller than k (functopk/adapter/groups.py, _Part.entries -> _Part.fresh)",
-)
 def test_add_param_group_smaller_than_k_with_error_feedback_topk():
     """Lightning's BackboneFinetuning (and any unfreezing schedule) adds param groups during training."""
     body, head = torch.nn.Linear(64, 128), torch.nn.Linear(128, 2)  # the head: 258 coordinates < k
@@ -200,3 +183,20 @@ def test_add_param_group_smaller_than_k_with_error_feedback_topk():
     head(body(x)).sum().backward()
     opt.step()
     assert sorted(opt.state[head.weight]) == ["exp_avg", "exp_avg_sq", "sparsify.residual", "step"]
+
+
+def test_from_torch_class_is_an_optimizer_class_with_torchs_signature():
+    """What transformers' Trainer needs from optimizer_cls_and_kwargs: a class, called with the groups."""
+    sparsify = ft.topk(3)
+    cls = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, sparsify)
+    assert isinstance(cls, type) and issubclass(cls, ft.ParamGroupOptimizer)
+    assert ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, sparsify) is cls  # the same class for the same args
+    model = torch.nn.Linear(4, 2)
+    opt = cls([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.02}], lr=0.01, weight_decay=0.0)
+    model(torch.randn(3, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert sum(int((p != b).sum()) for p, b in zip(model.parameters(), before)) == 3  # one top-k over both groups
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 0.02]
+    with pytest.raises(ValueError, match="no functopk form"):
+        ft.TorchOptimizer.from_torch_class(torch.optim.LBFGS)

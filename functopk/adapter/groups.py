@@ -28,7 +28,7 @@ from functopk.adapter import per_param
 from functopk.adapter.registry import spec_for, torch_hyperparams
 from functopk.base import GradientTransformation, OptState, check_transformation
 
-__all__ = ["ParamGroupOptimizer"]
+__all__ = ["ParamGroupOptimizer", "torch_class"]
 
 _SPARSIFY = "sparsify."
 _NOT_HYPER = ("params", "param_names")
@@ -97,11 +97,9 @@ class _Part:
         missing = [i for i, s in enumerate(stored) if any(n not in s for n in names)]
         if not missing:
             return [{n: s[n] for n in names} for s in stored]
-        fresh = self.fresh([params[i] for i in missing])
-        out = [{n: s[n] for n in names} if i not in missing else None for i, s in enumerate(stored)]
-        for i, f in zip(missing, fresh):
-            out[i] = {n: stored[i].get(n, f[n]) for n in names}
-        return out  # type: ignore[return-value]
+        # init over all of this part's parameters (not the newcomers alone: a top-k's k may exceed their size)
+        fresh = self.fresh(params)
+        return [{n: s[n] if n in s else fresh[i][n] for n in names} for i, s in enumerate(stored)]
 
     def run(
         self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
@@ -356,3 +354,22 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                     if name in shared and isinstance(value, torch.Tensor) and value.dim() == 0:
                         key = (name, value.dtype, value.device, value.tolist())
                         entries[name] = pool.setdefault(key, value)
+
+
+_CLASSES: dict[tuple[Any, Any], type[ParamGroupOptimizer]] = {}
+
+
+def torch_class(
+    optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
+) -> type[ParamGroupOptimizer]:
+    """A :class:`ParamGroupOptimizer` subclass ``C(params, **defaults)`` for one class and ``sparsify`` (cached)."""
+    spec_for(optimizer_class)  # a bad class fails here, not at the first instance
+    key = (optimizer_class, sparsify)
+    if key not in _CLASSES:
+
+        def __init__(self: ParamGroupOptimizer, params: Iterable[Any], **defaults: Any) -> None:
+            ParamGroupOptimizer.__init__(self, optimizer_class, params, sparsify, **defaults)
+
+        name = optimizer_class.__name__ + ("" if sparsify is None else "Sparsified")
+        _CLASSES[key] = type(name, (ParamGroupOptimizer,), {"__init__": __init__, "__module__": __name__})
+    return _CLASSES[key]
