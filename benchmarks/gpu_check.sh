@@ -33,7 +33,7 @@ tail -5 "$OUT/tests.txt"
 
 timeout 90 $PY benchmarks/device_topk.py --device cuda --rounds 15 --out "$OUT/topk.md" > "$OUT/topk.log" 2>&1 \
     || echo "device_topk.py failed or timed out (see $OUT/topk.log)"
-timeout 90 $PY benchmarks/optim.py --device cuda --rounds 20 --no-compile --out "$OUT/optim.png" \
+timeout 90 $PY benchmarks/optim.py --device cuda --rounds 20 --no-compile --opts sgd-momentum,adam,adamw --out "$OUT/optim.png" \
     > "$OUT/optim.md" 2>&1 || echo "optim.py failed or timed out (see $OUT/optim.md)"
 timeout 150 $PY benchmarks/compiled_step.py --device cuda --tables 1 --rounds 10 --out "$OUT/compiled_step.md" \
     > "$OUT/compiled_step.log" 2>&1 || echo "compiled_step.py failed or timed out (see $OUT/compiled_step.log)"
