@@ -8,12 +8,27 @@ rank, each training on its own shard of the data:
 On CPU the ranks talk through gloo; with one GPU per rank, NCCL. Prints the
 loss per epoch, the test accuracy, and the bytes each rank handed to the
 collectives, against what plain DDP allreduce would have sent.
+
+Fault tolerance: with --checkpoint-dir, every rank saves the model, the
+optimizer and its own hook state (residuals differ between ranks) every
+--checkpoint-every steps, one file per rank, and a restarted run resumes from
+the latest checkpoint that every rank completed, bit for bit:
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 \\
+        examples/ddp_topk.py --checkpoint-dir ckpt
+
+(The variable gives each restart its own rendezvous store: with torchrun's
+shared one, restarted ranks can read a dead peer's address and fail to
+connect or hang, pytorch/pytorch#135712.)
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import hashlib
+import itertools
 import os
 import time
 
@@ -26,8 +41,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from functopk.distributed import TopKHookState, topk_hook
 
+LATEST = "latest"  # the file naming the step of the newest checkpoint that every rank finished writing
 
-def main() -> None:
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--density", type=float, default=0.01, help="fraction of each bucket sent per step")
     parser.add_argument("--warmup-iters", type=int, default=10, help="dense iterations before compressing")
@@ -37,12 +54,56 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="process-group timeout: a rank waiting on a peer that hangs fails after this long "
+                             "(default 300; torch's own default is 30 minutes)")  # fmt: skip
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save checkpoints here (one file per rank) and resume from the latest one")  # fmt: skip
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (default 20)")
+    parser.add_argument("--crash-at-step", type=int, default=None,
+                        help="testing: the last rank exits abruptly after this step, on the first attempt only "
+                             "(TORCHELASTIC_RESTART_COUNT=0), for torchrun --max-restarts to restart the run")
+    return parser
 
+
+def checkpoint_path(directory: str, step: int, rank: int) -> str:
+    return os.path.join(directory, f"step{step:08d}-rank{rank}.pt")
+
+
+def save_checkpoint(directory: str, step: int, rank: int, every: int, payload: dict) -> None:
+    """Write this rank's file, then (once every rank has) move the ``latest`` marker to ``step``."""
+    path = checkpoint_path(directory, step, rank)
+    torch.save(payload, path + ".tmp")
+    os.replace(path + ".tmp", path)  # atomic: a crash leaves the old file or the new one, never half of one
+    dist.barrier()  # every rank's file for this step is complete
+    if rank == 0:
+        with open(os.path.join(directory, LATEST + ".tmp"), "w") as f:
+            f.write(str(step))
+        os.replace(os.path.join(directory, LATEST + ".tmp"), os.path.join(directory, LATEST))
+    old = checkpoint_path(directory, step - 2 * every, rank)  # the marker names step - every at least by now
+    if os.path.exists(old):
+        os.remove(old)
+
+
+def load_checkpoint(directory: str, rank: int) -> dict | None:
+    """This rank's part of the newest complete checkpoint, or ``None``."""
+    try:
+        with open(os.path.join(directory, LATEST)) as f:
+            step = int(f.read())
+    except FileNotFoundError:
+        return None
+    return torch.load(checkpoint_path(directory, step, rank), weights_only=True)
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("launch with torchrun, e.g. torchrun --nproc-per-node 2 examples/ddp_topk.py")
+    if args.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be >= 1")
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -60,7 +121,9 @@ def main() -> None:
     model = DDP(make_model().to(device), device_ids=[device.index] if use_cuda else None)
     state = None
     if not args.dense:
-        state = TopKHookState(density=args.density, warmup_iters=args.warmup_iters, reselect=args.reselect)
+        # model= gives the residuals parameter names, so that they survive a restart
+        state = TopKHookState(density=args.density, warmup_iters=args.warmup_iters, reselect=args.reselect,
+                              model=model)  # fmt: skip
         model.register_comm_hook(state, topk_hook)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     n = sum(p.numel() for p in model.parameters())
@@ -69,18 +132,43 @@ def main() -> None:
         print(f"{world} ranks ({'nccl' if use_cuda else 'gloo'}), {mode}; model has {n:,} parameters; "
               f"{len(x_train)} train / {len(x_test)} test images")  # fmt: skip
 
+    step, resumed_total = 0, None
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        saved = load_checkpoint(args.checkpoint_dir, rank)
+        if saved is not None:
+            model.module.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            if state is not None:
+                state.load_state_dict(saved["hook"])
+            step, resumed_total = saved["step"], saved["epoch_total"].to(device)
+            if rank == 0:
+                print(f"resumed from the checkpoint of step {step}", flush=True)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    steps_per_epoch = len(loader)
     start = time.perf_counter()
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+    for epoch in range(step // steps_per_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # the same batches in the same order, resumed or not
         model.train()
-        total = torch.zeros(2, device=device)  # sum of losses, number of batches
-        for x, y in loader:
+        done = step - epoch * steps_per_epoch  # batches of this epoch already trained on before a restart
+        total = resumed_total if done and resumed_total is not None else torch.zeros(2, device=device)
+        for x, y in itertools.islice(loader, done, None):
             x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += torch.stack([loss.detach(), torch.ones((), device=device)])
+            step += 1
+            total += torch.stack([loss.detach(), torch.ones((), device=device)])  # sum of losses, batches
+            if args.checkpoint_dir and step % args.checkpoint_every == 0:
+                save_checkpoint(args.checkpoint_dir, step, rank, args.checkpoint_every, {
+                    "step": step, "world": world, "model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                    "hook": None if state is None else state.state_dict(), "epoch_total": total.clone(),
+                })  # fmt: skip
+            if step == args.crash_at_step and rank == world - 1 and first_attempt:
+                print(f"rank {rank}: crashing after step {step} (--crash-at-step)", flush=True)
+                os._exit(13)
         dist.all_reduce(total)
         if rank == 0:
             line = f"epoch {epoch + 1:2d}  train loss {float(total[0] / total[1]):.4f}"
@@ -99,7 +187,9 @@ def main() -> None:
     dist.all_gather(gathered, flat)
     identical = all(torch.equal(g, flat) for g in gathered)
     if rank == 0:
-        print(f"test accuracy {accuracy:.3f}; {elapsed:.1f} s; replicas identical: {identical}")
+        digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
+        print(f"test accuracy {accuracy:.3f}; {elapsed:.1f} s; replicas identical: {identical}; "
+              f"parameters sha256 {digest}")  # fmt: skip
         if state is not None:
             t, last = state.total, state.last_step
             print(f"per step after warm-up: {last.bytes_sent / 1e3:.1f} kB sent per rank instead of "
@@ -107,7 +197,8 @@ def main() -> None:
                   f"{last.bytes_gathered / 1e3:.1f} kB received")
             print(f"in total over {state.iter} iterations ({state.warmup_iters} dense): {t.bytes_sent / 1e6:.3f} MB "
                   f"sent per rank; plain allreduce: {t.bytes_dense / 1e6:.3f} MB "
-                  f"({t.bytes_dense / t.bytes_sent:.1f}x more)")  # fmt: skip
+                  f"({t.bytes_dense / t.bytes_sent:.1f}x more); {state.skipped_iters} iterations with "
+                  f"non-finite gradients")  # fmt: skip
     # leave together: a rank tearing gloo down while its peer still talks to it can abort at exit; and
     # release DDP's reducer (which holds the process group and the hook state) before destroying the group
     del model, state, opt

@@ -258,6 +258,19 @@ def _send(
     return idx, vals, work, gathered
 
 
+def _nonfinite(gathered: torch.Tensor, world: int, k: int, numel: int, value_dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d bool on device: is any value of the gathered pairs NaN or Inf (no host sync)?
+
+    Top-k ranks NaN and Inf as infinite magnitudes, so a rank whose ``grads +
+    residual`` holds one sends it: this one ``O(P k)`` test covers this rank's
+    own gradients and every value received. (The mean of finite values cannot
+    overflow: it is at most their largest magnitude.)
+    """
+    ibytes = k * _itemsize(_index_dtype(numel))
+    values = gathered.view(world, -1)[:, ibytes:].contiguous().view(value_dtype)
+    return ~torch.isfinite(values).all()
+
+
 def _receive(
     out: torch.Tensor,
     gathered: torch.Tensor,

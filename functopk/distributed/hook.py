@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from functopk._checks import check_bool, check_density, check_int
-from functopk.distributed.exchange import _check_group_arg, _comm_error, _receive, _resolve_group, _send, _wire_bytes
+from functopk._checks import check_bool, check_density, check_int, describe
+from functopk.distributed.agree import check_agreement
+from functopk.distributed.exchange import (
+    _check_group_arg,
+    _comm_error,
+    _nonfinite,
+    _receive,
+    _resolve_group,
+    _send,
+    _wire_bytes,
+)
+from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, used_mask
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
+
+FORMAT = "functopk.topk_hook"
 
 
 class HookStats(NamedTuple):
@@ -56,19 +69,32 @@ class TopKHookState:
             which ``k`` pairs would be no smaller than the dense bucket is
             allreduced densely.
         warmup_iters: Iterations of plain (dense, averaged) allreduce before
-            compressing. DDP rebuilds its buckets after the first iteration, so
-            compressing from iteration 0 would build residuals for buckets that
-            then disappear (they are dropped, losing that memory); at least 1
-            avoids it. Dense warm-up also helps accuracy early in training.
+            compressing. DDP rebuilds its buckets after the first iteration;
+            the residuals follow the parameters into the new buckets, but dense
+            warm-up also helps accuracy early in training.
         reselect: gTop-k re-selection of each bucket's summed top ``k`` (see
             :func:`distributed_topk`).
+        model: The DDP model (or the module it wraps). Gives the parameter names
+            that :meth:`state_dict` and :meth:`load_state_dict` key residuals by
+            (read once; no reference to the model is kept), and, from a DDP model
+            built with ``find_unused_parameters=True``, turns on holding back the
+            residual of parameters whose local gradient is all zero (DDP drops
+            the averaged values of parameters no rank used; see ``docs/distributed.md``).
+        grad_scaler: The ``torch.amp.GradScaler`` of the training loop, if any.
+            Residuals hold *scaled* gradients; with the scaler known, each one is
+            rescaled (exactly: scales are powers of two) when the loss scale
+            changes, instead of being replayed at the old scale.
 
     Attributes:
         iter: Iterations seen (counted when the last bucket of an iteration passes).
-        residuals: Error-feedback memory per bucket, keyed by the bucket's
-            parameters (their identities, in order) and size, so a rebuilt or
-            reordered bucket never picks up another bucket's memory. Entries
-            of buckets not seen in an iteration are dropped at its end.
+        residuals: Error-feedback memory per bucket (a ``dict`` built on access),
+            keyed by the bucket's parameters (their identities, in order), size,
+            dtype and device. When DDP rebuilds its buckets, each new bucket's
+            residual is assembled from the old ones parameter by parameter; entries
+            of buckets not seen in an iteration are then dropped at its end.
+        skipped_iters: Compressed iterations whose residual update was skipped
+            because some rank's gradients were non-finite (reading it syncs).
+        find_unused_parameters: Whether all-zero local gradients keep their residual.
         last_step: :class:`HookStats` of the last finished iteration.
         total: :class:`HookStats` summed over all iterations.
 
@@ -85,22 +111,165 @@ class TopKHookState:
         density: float = 0.01,
         warmup_iters: int = 10,
         reselect: bool = False,
+        model: torch.nn.Module | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         _check_group_arg(process_group, "process_group")
         self.process_group: dist.ProcessGroup | None = process_group
         self.density: float = float(check_density(density, allow_tensor=False))
         self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
         self.reselect: bool = check_bool(reselect, "reselect")
+        self._names, self._numels, self.find_unused_parameters = _model_info(model)
+        if grad_scaler is not None and not isinstance(getattr(grad_scaler, "_enabled", None), bool):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {describe(grad_scaler)}")
+        self._scaler = grad_scaler
         self.iter: int = 0
-        self.residuals: dict[tuple[Any, ...], torch.Tensor] = {}
         self.last_step: HookStats = HookStats()
         self.total: HookStats = HookStats()
         self._step: HookStats = HookStats()
         self._seen: set[tuple[Any, ...]] = set()
+        self._buckets: dict[tuple[Any, ...], BucketMemory] = {}
+        self._loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint not yet placed in a bucket
+        self._flags: list[torch.Tensor] = []  # per bucket of the running iteration (after warm-up): non-finite?
+        self._expect = 0  # how many flags the running iteration's buckets will append
+        self._commit_due = False
+        self._agreed = False
+        self._skipped: torch.Tensor | None = None
+        self._skipped_before = 0
+        self._scale_now: torch.Tensor | None = None  # the loss scale of the running iteration
+        self._unit: torch.Tensor | float | None = None  # the loss scale the residuals are in (None: unscaled)
 
     def __repr__(self) -> str:
         return (f"TopKHookState(density={self.density}, warmup_iters={self.warmup_iters}, "
                 f"reselect={self.reselect}, iter={self.iter})")  # fmt: skip
+
+    @property
+    def residuals(self) -> dict[tuple[Any, ...], torch.Tensor]:
+        self._settle()
+        return {key: mem.residual for key, mem in self._buckets.items()}
+
+    @property
+    def skipped_iters(self) -> int:
+        self._settle()
+        return self._skipped_before + (0 if self._skipped is None else int(self._skipped))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as a plain dict (``torch.save`` / ``torch.load(weights_only=True)`` round-trip it).
+
+        Residuals are keyed by parameter name (from ``model=``) and shaped like
+        the parameters, in gradient units (divided by the loss scale they were
+        kept at), so they load into any bucketing. Residuals differ from rank to
+        rank: save one file per rank (see ``docs/distributed.md``).
+
+        Raises:
+            ValueError: residuals exist but the state was built without ``model=``.
+        """
+        self._settle()
+        residuals = {name: t.clone() for name, t in self._loaded.items()}
+        for mem in self._buckets.values():
+            if mem.slots is None:
+                raise ValueError("TopKHookState.state_dict: a bucket's parameters do not tile its buffer, so its "
+                                 "residual cannot be saved by parameter")  # fmt: skip
+            for s, piece in zip(mem.slots, mem.pieces(mem.residual)):
+                if s.pid not in self._names:
+                    raise ValueError("TopKHookState.state_dict needs the parameters' names: build the state with "
+                                     "TopKHookState(..., model=ddp_model)")  # fmt: skip
+                piece = piece.view(s.shape)
+                residuals[self._names[s.pid]] = piece.clone() if self._unit is None else piece / self._unit
+        return {
+            "format": FORMAT, "version": 1,
+            "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
+            "iter": self.iter, "skipped_iters": self.skipped_iters,
+            "last_step": self.last_step._asdict(), "total": self.total._asdict(),
+            "residuals": residuals,
+        }  # fmt: skip
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (this rank's own): iteration count, statistics, residuals.
+
+        The configuration (``density``, ``warmup_iters``, ``reselect``) is this
+        state's own, not the saved one. Residuals are matched to parameters by
+        name and placed into whatever buckets DDP builds next, bit for bit.
+
+        Raises:
+            ValueError: not a ``topk_hook`` state dict; residuals but no ``model=``;
+                names unknown to the model, or sizes that differ from its parameters'.
+        """
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
+            raise ValueError(f"state_dict is not a TopKHookState.state_dict() (format {FORMAT!r}), "
+                             f"got {describe(state_dict)}")  # fmt: skip
+        residuals = dict(state_dict["residuals"])
+        if residuals and not self._numels:
+            raise ValueError("TopKHookState.load_state_dict needs the parameters' names to place the saved "
+                             "residuals: build the state with TopKHookState(..., model=ddp_model)")  # fmt: skip
+        unknown = sorted(set(residuals) - set(self._numels))
+        resized = sorted(n for n, t in residuals.items() if n in self._numels and t.numel() != self._numels[n])
+        if unknown or resized:
+            raise ValueError(f"TopKHookState.load_state_dict: residuals that match no parameter of the model "
+                             f"{_listed(unknown)}, or whose size differs from it {_listed(resized)}")  # fmt: skip
+        self.iter = check_int(state_dict["iter"], "state_dict['iter']", minimum=0)
+        self.last_step, self.total = HookStats(**state_dict["last_step"]), HookStats(**state_dict["total"])
+        self._skipped_before, self._skipped = int(state_dict["skipped_iters"]), None
+        self._buckets, self._flags, self._expect, self._seen, self._step = {}, [], 0, set(), HookStats()
+        self._commit_due, self._agreed, self._scale_now = False, False, None
+        self._unit = None if self._scaler is None else 1.0
+        self._loaded = {name: t.detach().clone() for name, t in residuals.items()}
+
+    # ------------------------------------------------------------------ the hook's steps
+
+    def _begin(self, group: dist.ProcessGroup, rank: int, world: int, buf: torch.Tensor) -> None:
+        """Check the configuration against the other ranks (once), and commit the previous iteration."""
+        if not self._agreed:
+            check_agreement("topk_hook", {
+                "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
+                "the iteration (state.iter)": self.iter, "the size of the first bucket": buf.numel(),
+                "the gradient dtype": str(buf.dtype),
+            }, group, rank, world, buf.device)  # fmt: skip
+            self._agreed = True
+        self._settle()
+
+    def _settle(self) -> None:
+        """Commit the finished iteration: each bucket's candidate residual, unless a value was non-finite."""
+        if not self._commit_due:
+            return
+        pending = [mem for mem in self._buckets.values() if mem.pending]
+        flags, expected, scale = self._flags, self._expect, self._scale_now
+        self._commit_due, self._flags, self._expect, self._scale_now = False, [], 0, None
+        if not pending:
+            return
+        if len(flags) < expected:  # an exchange never finished: keep the old residuals
+            bad = torch.ones((), dtype=torch.bool, device=pending[0].residual.device)
+        else:
+            bad = torch.stack(flags).any()
+        commit(pending, bad)
+        self._skipped = bad.long() if self._skipped is None else self._skipped + bad
+        if scale is not None:
+            self._unit = scale if self._unit is None else torch.where(bad, self._unit, scale)
+
+    def _memory(self, bucket: Any, buf: torch.Tensor) -> tuple[tuple[Any, ...], BucketMemory]:
+        """The bucket's memory; a new one is assembled from the old buckets' and the loaded residuals."""
+        key = (tuple(id(p) for p in bucket.parameters()), buf.numel(), buf.dtype, buf.device)
+        mem = self._buckets.get(key)
+        if mem is None:
+            slots = bucket_slots(bucket, buf.numel())
+            residual = torch.zeros_like(buf)
+            if slots is not None:
+                assemble(residual, slots, self._buckets.values(), self._names, self._loaded, self._unit)
+            mem = self._buckets[key] = BucketMemory(residual, slots)
+        return key, mem
+
+    def _accumulate(self, mem: BucketMemory, buf: torch.Tensor) -> torch.Tensor:
+        """``mem.scratch = buf + residual`` (the residual brought to the current loss scale): the candidate."""
+        mem.pending = True
+        scale = None if self._scaler is None else getattr(self._scaler, "_scale", None)
+        if scale is not None:
+            if self._scale_now is None:
+                self._scale_now = scale.detach().clone()  # GradScaler.update changes _scale in place
+            if self._unit is not None:
+                return torch.addcmul(buf, mem.residual, self._scale_now / self._unit, out=mem.scratch)
+        return torch.add(buf, mem.residual, out=mem.scratch)
 
     def _record(self, bucket: Any, stats: HookStats, key: tuple[Any, ...] | None) -> None:
         self._step = self._step + stats
@@ -110,10 +279,31 @@ class TopKHookState:
             self.last_step, self.total = self._step, self.total + self._step
             self._step = HookStats()
             if self.iter >= self.warmup_iters:
-                for stale in set(self.residuals) - self._seen:
-                    del self.residuals[stale]
+                for stale in set(self._buckets) - self._seen:
+                    del self._buckets[stale]
             self._seen = set()
+            self._commit_due = True
             self.iter += 1
+
+
+def _model_info(model: Any) -> tuple[dict[int, str], dict[str, int], bool]:
+    """``({id(param): name}, {name: numel}, find_unused_parameters)`` of the trainable parameters of ``model``."""
+    if model is None:
+        return {}, {}, False
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (the DDP model or the module it wraps) or None, "
+                        f"got {describe(model)}")  # fmt: skip
+    find_unused = False
+    if isinstance(model, DistributedDataParallel):
+        find_unused, model = bool(model.find_unused_parameters), model.module
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return {id(p): name for name, p in named}, {name: p.numel() for name, p in named}, find_unused
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    if not names:
+        return "(none)"
+    return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -126,6 +316,14 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     model), keep the rest as the residual, and complete the returned future
     with the mean over ranks written into the bucket buffer. All ranks get
     bit-identical buckets.
+
+    The first call checks that every rank has the same ``density``,
+    ``warmup_iters``, ``reselect``, iteration count and first bucket (one
+    small collective) and raises ``ValueError`` naming the field otherwise.
+    An iteration in which any rank's gradients are non-finite leaves every
+    residual as it was (the averaged buckets still carry the Inf/NaN, so a
+    ``GradScaler`` skips the step as with plain DDP); ``state.skipped_iters``
+    counts such iterations.
 
     The collective is started asynchronously, so DDP overlaps it with the rest
     of the backward pass as for plain allreduce. If it fails (a peer died or
@@ -145,39 +343,56 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         >>> from functopk.distributed import TopKHookState, topk_hook
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # torchrun does this
         >>> model = DDP(torch.nn.Linear(100, 1))
-        >>> state = TopKHookState(density=0.1, warmup_iters=1)
+        >>> state = TopKHookState(density=0.1, warmup_iters=1, model=model)
         >>> model.register_comm_hook(state, topk_hook)
         >>> for _ in range(3):
         ...     model(torch.randn(4, 100)).sum().backward()
         >>> state.last_step.coords_sent, state.last_step.coords, state.last_step.bytes_sent
         (10, 101, 80)
+        >>> sorted(state.state_dict()["residuals"])  # one file per rank: torch.save(state.state_dict(), ...)
+        ['bias', 'weight']
         >>> del model  # DDP holds the process group: release it first
         >>> dist.destroy_process_group()
     """
-    group, _, world = _resolve_group(state.process_group, "topk_hook")
+    group, rank, world = _resolve_group(state.process_group, "topk_hook")
     buf = bucket.buffer()
+    state._begin(group, rank, world, buf)
     n, vbytes = buf.numel(), buf.element_size()
     k = k_from_density(state.density, n)
     assert isinstance(k, int)  # a Python density gives a Python count
     sent = _wire_bytes(k, n, buf.dtype)
     if state.iter < state.warmup_iters or sent >= n * vbytes:
+        # After warm-up, a bucket too small to compress still reports Inf/NaN, for the other buckets' residuals.
+        check = state.iter >= state.warmup_iters
+        state._expect += check
         state._record(bucket, HookStats(n * vbytes, n * vbytes, n * vbytes, n, n), None)
         buf.div_(world)  # divide first, as DDP's default hook does
         work = dist.all_reduce(buf, group=group, async_op=True)
-        return work.get_future().then(_finisher(group, "the dense allreduce of topk_hook", lambda: buf))
 
-    key = (tuple(id(p) for p in bucket.parameters()), n, buf.dtype, buf.device)
-    residual = state.residuals.get(key)
-    if residual is None:
-        residual = state.residuals[key] = torch.zeros_like(buf)
-    residual.add_(buf)  # the residual buffer now holds acc = grads + residual, and after _send the new residual
+        def dense_done() -> torch.Tensor:
+            if check:
+                state._flags.append(~torch.isfinite(buf).all())
+            return buf
+
+        return work.get_future().then(_finisher(group, "the dense allreduce of topk_hook", dense_done))
+
+    key, mem = state._memory(bucket, buf)
+    state._expect += 1
+    acc = state._accumulate(mem, buf)  # grads + residual: after _send, this iteration's candidate residual
+    keep = used_mask(mem, buf) if state.find_unused_parameters else None
     state._record(bucket, HookStats(sent, sent * world, n * vbytes, k, n), key)
-    idx, vals, work, gathered = _send(residual, k, group, world, "the sparse all-gather of topk_hook", async_op=True)
+    what = "the sparse all-gather of topk_hook"
+    # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
+    eligible = acc if keep is None else torch.where(keep, acc, 0)
+    idx, vals, work, gathered = _send(eligible, k, group, world, what, async_op=True)
+    if keep is not None:
+        torch.where(keep, eligible, acc, out=acc)
 
     def finish() -> torch.Tensor:
-        return _receive(buf.zero_(), gathered, (idx, vals), residual, world, state.reselect)
+        state._flags.append(_nonfinite(gathered, world, k, n, buf.dtype))
+        return _receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
 
-    return work.get_future().then(_finisher(group, "the sparse all-gather of topk_hook", finish))
+    return work.get_future().then(_finisher(group, what, finish))
 
 
 # DDP's register_comm_hook compares the annotations with the real objects, and this

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from functopk._checks import check_bool, check_k_or_density, check_leaves, check_state
+from functopk._checks import check_bool, check_k_or_density, check_leaves, check_state, describe
 from functopk.base import GradientTransformation, Params, Updates
-from functopk.distributed.exchange import _check_group_arg, _receive, _resolve_group, _send, _wire_bytes
+from functopk.distributed.agree import check_agreement, layout_code
+from functopk.distributed.exchange import _check_group_arg, _nonfinite, _receive, _resolve_group, _send, _wire_bytes
 from functopk.sparse.api import resolve_k
 from functopk.tree.layout import FlatLayout
 
 __all__ = ["DistributedTopKState", "distributed_topk"]
+
+_FORMAT = "functopk.distributed_topk"
 
 
 class DistributedTopKState(NamedTuple):
@@ -32,6 +36,8 @@ class DistributedTopKState(NamedTuple):
             averaged update (float32, 0-d): between ``k / n`` (all ranks chose
             the same coordinates) and ``P * k / n``; at most ``k / n`` with
             ``reselect=True``.
+        skipped: Steps whose residual update was skipped because a value sent
+            by some rank was NaN or Inf (int64, 0-d): the residual stayed as it was.
 
     Example:
         >>> import torch, functopk as ft
@@ -45,6 +51,52 @@ class DistributedTopKState(NamedTuple):
     bytes_sent: torch.Tensor
     bytes_gathered: torch.Tensor
     update_density: torch.Tensor
+    skipped: torch.Tensor
+
+    def state_dict(self, params: Params) -> dict[str, Any]:
+        """This rank's state as a plain dict, the residual keyed by leaf path and shaped like the leaves.
+
+        ``params`` (or any tree of the same structure and shapes, such as the
+        gradients) gives the paths. Residuals differ between ranks: save one
+        file per rank. ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> params = {"w": torch.zeros(2), "b": torch.zeros(1)}
+            >>> state = ft.distributed.distributed_topk(1).init(params)
+            >>> state.state_dict(params)["residual"]
+            {"['b']": tensor([0.]), "['w']": tensor([0., 0.])}
+        """
+        layout = _layout(params, "params")
+        _check_residual(self.residual, layout)
+        return {
+            "format": _FORMAT, "version": 1,
+            "count": self.count.clone(), "skipped": self.skipped.clone(),
+            "residual": dict(zip(layout.leaf_paths(), (r.clone() for r in layout.split(self.residual)))),
+        }  # fmt: skip
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], params: Params) -> DistributedTopKState:
+        """A new state (states are immutable) with the residual and counts of a :meth:`state_dict`.
+
+        Leaves are matched by path, not by position: ``ValueError`` names the
+        paths that are missing, unknown, or of another size. The byte counters
+        and ``update_density`` are this state's own.
+        """
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != _FORMAT:
+            raise ValueError(f"state_dict is not a DistributedTopKState.state_dict() (format {_FORMAT!r}), "
+                             f"got {describe(state_dict)}")  # fmt: skip
+        layout = _layout(params, "params")
+        _check_residual(self.residual, layout)
+        saved, paths = state_dict["residual"], layout.leaf_paths()
+        missing, unknown = sorted(set(paths) - set(saved)), sorted(set(saved) - set(paths))
+        resized = [p for p, n in zip(paths, layout.numels) if p in saved and saved[p].numel() != n]
+        if missing or unknown or resized:
+            raise ValueError(f"DistributedTopKState.load_state_dict: residual leaves missing {missing}, "
+                             f"unknown {unknown}, of another size {resized}")  # fmt: skip
+        pieces = [saved[p].reshape(-1) for p in paths]
+        residual = torch.cat(pieces).to(self.residual) if pieces else self.residual.clone()
+        return self._replace(residual=residual, count=state_dict["count"].to(self.count),
+                             skipped=state_dict["skipped"].to(self.skipped))  # fmt: skip
 
 
 def distributed_topk(
@@ -78,9 +130,19 @@ def distributed_topk(
     exchange knows; the averaged update it emits is not that.
 
     Runs eagerly: the exchange is a ``torch.distributed`` collective, so a
-    ``torch.compile``-d step graph-breaks there. It has no host sync, and the
-    state keeps its shapes and dtypes from step to step. NaN/Inf gradients rank
-    as infinite magnitudes, are sent, and reach every rank's update.
+    ``torch.compile``-d step graph-breaks there. It has no host sync (but for a
+    one-time check, below), and the state keeps its shapes and dtypes from step
+    to step. NaN/Inf gradients rank as infinite magnitudes, are sent, and reach
+    every rank's update; in such a step every rank keeps its residual as it
+    was (``state.skipped`` counts these steps), so a step that is then skipped
+    (e.g. by :func:`functopk.apply_if_finite` around the chain, which also
+    keeps the old state) leaves no trace in the error-feedback memory.
+
+    The first update on each tree layout checks, in one small collective, that
+    every rank has the same tree layout (paths, shapes, dtypes), number of
+    coordinates, ``k`` and ``reselect``, and raises ``ValueError`` naming the
+    first field that differs (ranks would otherwise corrupt each other's
+    updates silently, or wait on each other until the timeout).
 
     ``k`` and ``density`` size the exchange buffers, so they are Python numbers,
     never tensors (with :func:`functopk.inject_hyperparams`, list them in
@@ -111,6 +173,7 @@ def distributed_topk(
     k, density = check_k_or_density(k, density, allow_tensor=False)
     _check_group_arg(group, "group")
     check_bool(reselect, "reselect")
+    agreed: set[tuple[int, int]] = set()  # (group, layout) pairs already checked against the other ranks
 
     def init(params: Params) -> DistributedTopKState:
         layout = _layout(params, "params")
@@ -123,6 +186,7 @@ def distributed_topk(
             bytes_sent=zero,
             bytes_gathered=zero,
             update_density=torch.zeros((), dtype=torch.float32, device=device),
+            skipped=zero,
         )
 
     def update(
@@ -138,22 +202,36 @@ def distributed_topk(
                 f"{res.numel()} on {res.device}; init the state from parameters shaped like the updates"
             )
         kk = _count(k, density, layout.numel)
-        grp, _, world = _resolve_group(group, "distributed_topk")
+        grp, rank, world = _resolve_group(group, "distributed_topk")
+        signature = layout_code(layout.shapes, layout.dtypes, layout.treedef)
+        if (id(grp), signature) not in agreed:
+            check_agreement("distributed_topk", {
+                "the number of coordinates": layout.numel, "the tree layout (paths, shapes, dtypes)": signature,
+                "the residual dtype": str(res.dtype), "k": kk, "reselect": reselect,
+            }, grp, rank, world, res.device)  # fmt: skip
+            agreed.add((id(grp), signature))
         residual = layout.ravel(updates, dtype=res.dtype).add_(res)  # a fresh buffer: ours to change
         idx, vals, _, gathered = _send(residual, kk, grp, world, "the sparse all-gather of distributed_topk",
                                        async_op=False)  # fmt: skip
         mean = _receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, reselect)
+        bad = _nonfinite(gathered, world, kk, layout.numel, res.dtype)
         sent = _wire_bytes(kk, layout.numel, res.dtype)
         new_state = DistributedTopKState(
-            residual=residual,
+            residual=torch.where(bad, res, residual, out=residual),
             count=state.count + 1,
             bytes_sent=torch.full_like(state.bytes_sent, sent),
             bytes_gathered=torch.full_like(state.bytes_gathered, sent * world),
             update_density=(torch.count_nonzero(mean) / layout.numel).to(torch.float32),
+            skipped=state.skipped + bad,
         )
         return layout.unravel(mean), new_state
 
     return GradientTransformation(init, update)
+
+
+def _check_residual(residual: torch.Tensor, layout: FlatLayout) -> None:
+    if residual.numel() != layout.numel:
+        raise ValueError(f"params have {layout.numel} coordinates but the state's residual has {residual.numel()}")
 
 
 def _layout(tree: Params, name: str) -> FlatLayout:

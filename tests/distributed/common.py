@@ -1,0 +1,194 @@
+"""What the spawned workers and the tests share: the inputs, the fake bucket, and the references.
+
+The workers (``workers.py``) feed these inputs to functopk on real process
+groups and record what they see; the tests compare the records with the
+single-process references defined here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import functopk as ft
+
+WORLD = 3
+PG_TIMEOUT_S = 20.0
+WATCHDOG_S = 150.0
+DEATH_EXIT_CODE = 17
+GROUPS = ("pair", "world")  # ranks {0, 1}, ranks {0, 1, 2}
+SIZES = {"pair": 2, "world": 3}
+
+# --------------------------------------------------------------------------- inputs
+
+
+def gen(*seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(seed) % 2**31)
+
+
+def allreduce_case(case: str, rank: int):
+    """``(indices, values, numel, capacity)`` of one ``sparse_allreduce`` case on one rank."""
+    g = gen(1, ALLREDUCE_CASES.index(case), rank)
+    if case == "fixed":  # the same k everywhere; indices overlap across ranks (drawn from 0..19 of 30)
+        idx = torch.randperm(20, generator=g)[:8]
+        return idx, torch.randn(8, generator=g), 30, 8
+    if case == "variable":  # different counts, duplicates within a rank, rank 1 sends nothing
+        count = (5, 0, 11)[rank]
+        idx = torch.randint(0, 12, (count,), generator=g)
+        return idx, torch.randn(count, generator=g), 12, None
+    if case == "variable_capacity":  # the same, with a fixed bound instead of a count exchange
+        count = (5, 0, 11)[rank]
+        return torch.randint(0, 12, (count,), generator=g), torch.randn(count, generator=g), 12, 16
+    if case == "fp64_odd":  # int32 indices + fp64 values, odd k: the unaligned unpacking path
+        idx = torch.randperm(40, generator=g)[:7].to(torch.int64)
+        return idx, torch.randn(7, generator=g, dtype=torch.float64), 40, 7
+    raise ValueError(case)
+
+
+ALLREDUCE_CASES = ("fixed", "variable", "variable_capacity", "fp64_odd")
+TREE_SHAPES = {"a": (5, 4), "b": (7,), "c": (2, 3, 2)}  # 39 coordinates
+TX_K, TX_STEPS = 5, 4
+TX_BAD = (1, "b", 2)  # in the non-finite run, step 1 has an Inf in rank 1's leaf "b" at position 2
+
+
+def tx_grads(rank: int, step: int):
+    g = gen(2, rank, step)
+    return {name: torch.randn(shape, generator=g) for name, shape in TREE_SHAPES.items()}
+
+
+# The hook on hand-made buckets. Four parameters; each iteration lists its buckets (the last bucket of an
+# iteration is the last in its tuple). DDP's first buckets, then a rebuild that reorders each bucket's
+# parameters; then the state is saved and loaded into a new state that sees other buckets again.
+HOOK_PARAMS = {"a": (4, 5), "b": (30,), "c": (10,), "d": (4, 5)}  # 80 coordinates
+HOOK_LAYOUTS = (
+    (("a", "b"), ("c", "d")),  # warm-up (dense)
+    (("a", "b"), ("c", "d")),
+    (("a", "b"), ("c", "d")),
+    (("b", "a"), ("d", "c")),  # rebuilt: the residuals move with their parameters
+)
+RESUME_LAYOUTS = (
+    (("d", "c", "b", "a"),),  # the checkpoint is placed into another bucketing
+    (("d", "c"), ("b", "a")),  # rank 1's "c" holds an Inf: no bucket's residual changes
+    (("d", "c"), ("b", "a")),
+)
+HOOK_BAD = (len(HOOK_LAYOUTS) + 1, 1, "c", 3)  # (iteration, rank, parameter, position) of the Inf
+HOOK_DENSITY = 0.1
+
+
+def hook_module() -> nn.Module:
+    return nn.ParameterDict({name: nn.Parameter(torch.zeros(shape)) for name, shape in HOOK_PARAMS.items()})
+
+
+def hook_grad(rank: int, it: int, name: str) -> torch.Tensor:
+    """The flat gradient of one parameter on one rank at one iteration (with the injected Inf)."""
+    numel = math.prod(HOOK_PARAMS[name])
+    grad = torch.randn(numel, generator=gen(3, rank, it, list(HOOK_PARAMS).index(name)))
+    if (it, rank, name) == HOOK_BAD[:3]:
+        grad[HOOK_BAD[3]] = math.inf
+    return grad
+
+
+def hook_layouts():
+    return HOOK_LAYOUTS + RESUME_LAYOUTS
+
+
+DDP_STEPS, DDP_WARMUP, DDP_DENSITY = 12, 2, 0.1
+AMP_STEPS, AMP_BAD_STEP, AMP_SCALE = 6, 3, 2.0**8  # rank 1's first conv weight gets an Inf at AMP_BAD_STEP
+UNUSED_STEPS = 8
+
+
+def unused_branches(rank: int, step: int) -> tuple[str, ...]:
+    """Which branches of :class:`Branchy` rank ``rank`` runs at ``step``.
+
+    Steps 0-3: both (warm-up, then residuals build up); 4-5: no rank uses "right"
+    (DDP drops its averaged values); 6: only rank 0 does; 7: both again.
+    """
+    if step in (4, 5):
+        return ("left",)
+    if step == 6:
+        return ("right",) if rank == 0 else ("left",)
+    return ("left", "right")
+
+
+class Branchy(nn.Module):
+    """A trunk and two heads; ``forward`` runs the heads it is told to (the others are unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 5)
+        self.left = nn.Linear(5, 3)
+        self.right = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, branches: tuple[str, ...]) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return sum(getattr(self, b)(h) for b in branches)
+
+
+class FakeBucket:
+    """The part of ``dist.GradBucket`` that ``topk_hook`` uses."""
+
+    def __init__(self, index: int, buf: torch.Tensor, params: list, last: bool):
+        self._index, self._buf, self._params, self._last = index, buf, params, last
+
+    def buffer(self):
+        return self._buf
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+    def parameters(self):
+        return self._params
+
+
+# --------------------------------------------------------------------------- reading the run
+
+
+def phase(run, name: str, rank: int):
+    got = run.results[rank].get(name)
+    assert got is not None, f"rank {rank} recorded nothing for phase {name!r} (exit codes {run.exitcodes})"
+    if isinstance(got, dict) and "error" in got:
+        pytest.fail(f"rank {rank} failed in phase {name!r}:\n{got['error']}")
+    return got
+
+
+def members(gname: str) -> range:
+    return range(SIZES[gname])
+
+
+# --------------------------------------------------------------------------- references
+
+
+def reference_sum(pairs, numel: int) -> torch.Tensor:
+    """Dense fp64 sum of every rank's pairs, one coordinate at a time in Python."""
+    out = [0.0] * numel
+    for idx, vals in pairs:
+        for i, v in zip(idx.tolist(), vals.double().tolist()):
+            out[i] += v
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def reference_ef_topk(grads_per_rank, residuals, k: int, reselect: bool):
+    """One step of error-feedback top-k averaging over ranks, on flat fp64 vectors (library top-k mask)."""
+    sent = []
+    new_res = []
+    for g, r in zip(grads_per_rank, residuals):
+        acc = g.double() + r
+        mask = ft.topk_mask(acc, k)
+        sent.append(torch.where(mask, acc, 0.0))
+        new_res.append(torch.where(mask, 0.0, acc))
+    total = sum(sent)
+    if reselect:
+        keep = ft.topk_mask(total, k)
+        new_res = [r + torch.where(keep, 0.0, s) for r, s in zip(new_res, sent)]
+        total = torch.where(keep, total, 0.0)
+    return total / len(grads_per_rank), new_res
+
+
+def flat(tree) -> torch.Tensor:
+    return torch.cat([tree[name].reshape(-1) for name in sorted(TREE_SHAPES)])
