@@ -68,6 +68,9 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import functopk as ft  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from optim_report import plot, summary, table  # noqa: E402
+
 try:
     import torchopt
 except ImportError:  # optional
@@ -377,77 +380,6 @@ def run(model: str, rounds: int, warmup: int, opts: list[str], compile_: bool, d
     return rows
 
 
-def fmt_err(r: dict) -> str:
-    return "-" if r["err"] is None else f"{r['err']:.1e}"
-
-
-def table(rows: list[dict]) -> str:
-    lines = [
-        "| optimizer | variant | median ms / step | IQR ms | vs torch.optim | max diff vs torch.optim | notes |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in rows:
-        lines.append(f"| {r['optimizer']} | {r['variant']} | {r['ms']:.1f} | {r['iqr']:.1f} | {r['ratio']:.2f}x | "
-                     f"{fmt_err(r)} | {r['notes']} |")
-    return "\n".join(lines)
-
-
-def summary(rows: list[dict]) -> str:
-    """One line per optimizer: the torch baseline and functopk's three ratios to it."""
-    lines = [
-        "| optimizer | functopk | torch.optim baseline | baseline ms | eager pure | eager in-place | compiled pure |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for name in dict.fromkeys(r["optimizer"] for r in rows):
-        mine = [r for r in rows if r["optimizer"] == name]
-        opt = OPTIMIZERS[name]
-        torch_name = f"`{opt.torch_class}`" if opt.torch_class else "none"
-        base = mine[0]
-        cells = []
-        for prefix in ("functopk eager pure", "functopk eager in-place", "functopk compiled pure"):
-            hit = [r for r in mine if r["variant"].startswith(prefix)]
-            if not hit:
-                cells.append("-")
-                continue
-            r = hit[0]
-            mark = " (graph breaks)" if "graph breaks" in r["variant"] else ""
-            mark += " FAILED PARITY" if r["failed"] else ""
-            cells.append(f"{r['ratio']:.2f}x{mark}")
-        lines.append(f"| {name} | `{opt.alias}` | {torch_name}: {base['variant']} | {base['ms']:.1f} | "
-                     + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    opts = list(dict.fromkeys(r["optimizer"] for r in rows))
-    names = ["functopk eager pure", "functopk eager in-place", "functopk compiled pure", "TorchOpt"]
-    names = [n for n in names if any(r["variant"].startswith(n) for r in rows)]
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(9, 0.9 * len(opts) + 3), 4.5))
-    for j, name in enumerate(names):
-        xs, ys = [], []
-        for i, opt in enumerate(opts):
-            for r in rows:
-                if r["optimizer"] == opt and r["variant"].startswith(name):
-                    xs.append(i + (j - (len(names) - 1) / 2) * width)
-                    ys.append(r["ratio"])
-        ax.bar(xs, ys, width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    labels = [o if OPTIMIZERS[o].torch_class else f"{o} (vs AdamW)" for o in opts]
-    ax.set_xticks(range(len(opts)), labels, rotation=30, ha="right")
-    ax.set_ylabel("median step time / torch.optim's (lower is better)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-
-
 def loadavg() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
@@ -473,7 +405,7 @@ def report(rows: list[dict], model: str, rounds: int, warmup: int, load_before: 
         f"Newton-Schulz); Lion and LAMB: against functopk's eager pure step. Compile: inductor with its "
         f"on-disk caches as configured (a rerun compiles faster).",
         "",
-        summary(rows),
+        summary(rows, OPTIMIZERS),
         "",
         table(rows),
         "",
@@ -515,7 +447,7 @@ def main() -> None:
     Path(args.results).write_text(text)
     malloc = "tuned malloc" if all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items()) else "default malloc"
     title = f"Optimizer step, {model} ({platform.machine()}, {torch.get_num_threads()} threads, {malloc})"
-    plot(rows, args.out, title)
+    plot(rows, args.out, title, OPTIMIZERS)
     print(f"\ntables: {args.results}\nplot: {args.out}")
     failed = [f"{r['optimizer']}/{r['variant']}" for r in rows if r["failed"]]
     if failed:

@@ -95,6 +95,52 @@ def load_checkpoint(directory: str, rank: int) -> dict | None:
     return torch.load(checkpoint_path(directory, step, rank), weights_only=True)
 
 
+def resume(
+    directory: str | None, model: DDP, opt: torch.optim.Optimizer, state: TopKHookState | None
+) -> tuple[int, torch.Tensor | None]:
+    """Load this rank's latest checkpoint, if any: the step reached and the epoch's running loss total."""
+    if not directory:
+        return 0, None
+    os.makedirs(directory, exist_ok=True)
+    saved = load_checkpoint(directory, dist.get_rank())
+    if saved is None:
+        return 0, None
+    model.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    if state is not None:
+        state.load_state_dict(saved["hook"])
+    if dist.get_rank() == 0:
+        print(f"resumed from the checkpoint of step {saved['step']}", flush=True)
+    return saved["step"], saved["epoch_total"].to(next(model.parameters()).device)
+
+
+def report(model: DDP, state: TopKHookState | None, x_test: torch.Tensor, y_test: torch.Tensor, elapsed: float) -> None:
+    """Test accuracy, that every replica holds the same parameters (and their hash), and the bytes sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = next(model.parameters()).device
+    model.eval()
+    with torch.no_grad():
+        accuracy = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
+    # Every replica holds the same parameters: check it.
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    identical = all(torch.equal(g, flat) for g in gathered)
+    if rank == 0:
+        digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
+        print(f"test accuracy {accuracy:.3f}; {elapsed:.1f} s; replicas identical: {identical}; "
+              f"parameters sha256 {digest}")  # fmt: skip
+        if state is not None:
+            t, last = state.total, state.last_step
+            print(f"per step after warm-up: {last.bytes_sent / 1e3:.1f} kB sent per rank instead of "
+                  f"{last.bytes_dense / 1e3:.1f} kB ({last.bytes_dense / last.bytes_sent:.0f}x less), "
+                  f"{last.bytes_gathered / 1e3:.1f} kB received")
+            print(f"in total over {state.iter} iterations ({state.warmup_iters} dense): {t.bytes_sent / 1e6:.3f} MB "
+                  f"sent per rank; plain allreduce: {t.bytes_dense / 1e6:.3f} MB "
+                  f"({t.bytes_dense / t.bytes_sent:.1f}x more); {state.skipped_iters} iterations with "
+                  f"non-finite gradients")  # fmt: skip
+
+
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
@@ -132,18 +178,7 @@ def main() -> None:
         print(f"{world} ranks ({'nccl' if use_cuda else 'gloo'}), {mode}; model has {n:,} parameters; "
               f"{len(x_train)} train / {len(x_test)} test images")  # fmt: skip
 
-    step, resumed_total = 0, None
-    if args.checkpoint_dir:
-        os.makedirs(args.checkpoint_dir, exist_ok=True)
-        saved = load_checkpoint(args.checkpoint_dir, rank)
-        if saved is not None:
-            model.module.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["optimizer"])
-            if state is not None:
-                state.load_state_dict(saved["hook"])
-            step, resumed_total = saved["step"], saved["epoch_total"].to(device)
-            if rank == 0:
-                print(f"resumed from the checkpoint of step {step}", flush=True)
+    step, resumed_total = resume(args.checkpoint_dir, model, opt, state)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     steps_per_epoch = len(loader)
@@ -178,27 +213,7 @@ def main() -> None:
             print(line, flush=True)
     elapsed = time.perf_counter() - start
 
-    model.eval()
-    with torch.no_grad():
-        accuracy = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
-    # Every replica holds the same parameters: check it.
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)
-    identical = all(torch.equal(g, flat) for g in gathered)
-    if rank == 0:
-        digest = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()[:16]
-        print(f"test accuracy {accuracy:.3f}; {elapsed:.1f} s; replicas identical: {identical}; "
-              f"parameters sha256 {digest}")  # fmt: skip
-        if state is not None:
-            t, last = state.total, state.last_step
-            print(f"per step after warm-up: {last.bytes_sent / 1e3:.1f} kB sent per rank instead of "
-                  f"{last.bytes_dense / 1e3:.1f} kB ({last.bytes_dense / last.bytes_sent:.0f}x less), "
-                  f"{last.bytes_gathered / 1e3:.1f} kB received")
-            print(f"in total over {state.iter} iterations ({state.warmup_iters} dense): {t.bytes_sent / 1e6:.3f} MB "
-                  f"sent per rank; plain allreduce: {t.bytes_dense / 1e6:.3f} MB "
-                  f"({t.bytes_dense / t.bytes_sent:.1f}x more); {state.skipped_iters} iterations with "
-                  f"non-finite gradients")  # fmt: skip
+    report(model, state, x_test, y_test, elapsed)
     # leave together: a rank tearing gloo down while its peer still talks to it can abort at exit; and
     # release DDP's reducer (which holds the process group and the hook state) before destroying the group
     del model, state, opt
