@@ -127,7 +127,7 @@ def test_ddp_example_runs_under_torchrun_and_resumes_bit_for_bit_after_a_crash(t
     restarts both ranks, they resume from step 10 and must end with the very same parameters."""
     whole, report = torchrun("--checkpoint-dir", str(tmp_path / "whole"), "--checkpoint-every", "5")
     assert whole.returncode == 0, report
-    assert "replicas identical: True" in whole.stdout and "kB sent per rank" in whole.stdout, report
+    assert "replicas identical: True" in whole.stdout and "kB handed over per rank" in whole.stdout, report
     assert "resumed" not in whole.stdout, report
     # one file per rank, the two newest checkpoints kept, and the marker naming the newest complete one
     assert sorted(os.listdir(tmp_path / "whole")) == [
