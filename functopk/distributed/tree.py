@@ -95,8 +95,11 @@ def _pairs(buf: torch.Tensor, k: int, numel: int, dtype: torch.dtype) -> tuple[t
     return idx.to(torch.int64), vals
 
 
-def _rounds(own: tuple[torch.Tensor, torch.Tensor], k: int, numel: int, group: dist.ProcessGroup, rank: int, world: int):
-    """The tree on ``own = (idx, vals)``: ``(indices, sums, own pairs alive)`` identical on every rank but the last."""
+def _rounds(
+    own: tuple[torch.Tensor, torch.Tensor], k: int, numel: int, group: dist.ProcessGroup, rank: int, world: int
+):
+    """The tree on ``own = (idx, vals)``: ``(indices, sums, alive)``; ``alive`` flags which of the final
+    pairs hold a surviving value of this rank's own."""
     idx, vals = own
     p2, rounds = _split(world)
     extra, dtype = world - p2, vals.dtype
