@@ -103,7 +103,7 @@ def _rounds(
     idx, vals = own
     p2, rounds = _split(world)
     extra, dtype = world - p2, vals.dtype
-    size = _pack(idx, vals, k, numel).numel()
+    size = k * (_itemsize(_index_dtype(numel)) + _itemsize(dtype))  # one packed message of k pairs
     if rank >= p2:  # hand the pairs to rank - p2; get its result and this rank's survival mask back
         peer = dist.get_global_rank(group, rank - p2)
         dist.send(_pack(idx, vals, k, numel), peer, group)
