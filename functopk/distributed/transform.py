@@ -12,6 +12,7 @@ from functopk._checks import check_bool, check_k_or_density, check_leaves, check
 from functopk.base import GradientTransformation, Params, Updates
 from functopk.distributed.agree import check_agreement, layout_code
 from functopk.distributed.exchange import _check_group_arg, _nonfinite, _receive, _resolve_group, _send, _wire_bytes
+from functopk.distributed.tree import _tree_step, tree_wire_bytes
 from functopk.sparse.api import resolve_k
 from functopk.tree.layout import FlatLayout
 
@@ -30,8 +31,9 @@ class DistributedTopKState(NamedTuple):
         count: Steps taken (int64, 0-d).
         bytes_sent: Bytes this rank put on the wire in the last step (int64, 0-d):
             ``k * (index bytes + value bytes)``.
-        bytes_gathered: Bytes every rank received in the last step (int64,
-            0-d): ``P`` times ``bytes_sent``.
+        bytes_gathered: Bytes this rank received in the last step (int64,
+            0-d): ``P`` times ``bytes_sent`` with the all-gather, about
+            ``bytes_sent`` with ``exchange="tree"``.
         update_density: Fraction of coordinates that are non-zero in the last
             averaged update (float32, 0-d): between ``k / n`` (all ranks chose
             the same coordinates) and ``P * k / n``; at most ``k / n`` with
@@ -105,6 +107,7 @@ def distributed_topk(
     density: float | None = None,
     group: dist.ProcessGroup | None = None,
     reselect: bool = False,
+    exchange: str = "allgather",
 ) -> GradientTransformation:
     """Data-parallel gradient averaging with sparse top-k communication and error feedback.
 
@@ -121,8 +124,18 @@ def distributed_topk(
     global top-k sparsification for low bandwidth networks"), so the update is
     exactly ``k``-sparse across the group; each rank adds the values it sent at
     the coordinates dropped there back into its residual, so no gradient mass
-    is lost. The exchange is still one all-gather (not gTop-k's tree
-    reduction): the bytes on the wire are the same either way.
+    is lost. With ``exchange="allgather"`` the pairs still travel in one
+    all-gather: ``k`` pairs sent and ``P k`` received per rank.
+
+    ``exchange="tree"`` is gTop-k's communication as well (see
+    :mod:`functopk.distributed.tree`): ``log2 P`` rounds of pairwise swaps,
+    each re-selecting the top ``k`` of the pair's sum, so a rank sends and
+    receives ``log2(P) * k`` pairs (``P`` not a power of two: one extra round
+    for the surplus ranks). It always re-selects (``reselect`` is not
+    consulted) and keeps a slightly different set than the all-gather's exact
+    top ``k`` of the sum: a coordinate dropped in an early round cannot come
+    back with the mass of later ones. What a merge drops from a rank's own
+    pairs goes back into that rank's residual, so no mass is lost either.
 
     The residual lives inside this transformation rather than in a wrapping
     ``error_feedback``: what must be subtracted from ``acc`` is what *this rank
@@ -158,6 +171,8 @@ def distributed_topk(
             (``k = functopk.sparse.k_from_density(density, n)``).
         group: The process group (default: the world), looked up at each update.
         reselect: Keep only the global top ``k`` of the sum (gTop-k).
+        exchange: ``"allgather"`` (one all-gather, exact) or ``"tree"``
+            (gTop-k's ``O(k log P)`` tree reduction, approximate re-selection).
 
     Example:
         >>> import torch, torch.distributed as dist, functopk as ft
@@ -173,6 +188,10 @@ def distributed_topk(
     k, density = check_k_or_density(k, density, allow_tensor=False)
     _check_group_arg(group, "group")
     check_bool(reselect, "reselect")
+    if not isinstance(exchange, str):
+        raise TypeError(f"exchange must be 'allgather' or 'tree', got {describe(exchange)}")
+    if exchange not in ("allgather", "tree"):
+        raise ValueError(f"exchange must be 'allgather' or 'tree', got {exchange!r}")
     agreed: set[tuple[int, int]] = set()  # (group, layout) pairs already checked against the other ranks
 
     def init(params: Params) -> DistributedTopKState:
@@ -207,20 +226,25 @@ def distributed_topk(
         if (id(grp), signature) not in agreed:
             check_agreement("distributed_topk", {
                 "the number of coordinates": layout.numel, "the tree layout (paths, shapes, dtypes)": signature,
-                "the residual dtype": str(res.dtype), "k": kk, "reselect": reselect,
+                "the residual dtype": str(res.dtype), "k": kk, "reselect": reselect, "exchange": exchange,
             }, grp, rank, world, res.device)  # fmt: skip
             agreed.add((id(grp), signature))
         residual = layout.ravel(updates, dtype=res.dtype).add_(res)  # a fresh buffer: ours to change
-        idx, vals, _, gathered = _send(residual, kk, grp, world, "the sparse all-gather of distributed_topk",
-                                       async_op=False)  # fmt: skip
-        mean = _receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, reselect)
-        bad = _nonfinite(gathered, world, kk, layout.numel, res.dtype)
-        sent = _wire_bytes(kk, layout.numel, res.dtype)
+        if exchange == "tree":
+            mean, bad = _tree_step(residual, kk, grp, rank, world, "the tree exchange of distributed_topk")
+            sent, received = tree_wire_bytes(kk, layout.numel, res.dtype, world, rank)
+        else:
+            idx, vals, _, gathered = _send(residual, kk, grp, world, "the sparse all-gather of distributed_topk",
+                                           async_op=False)  # fmt: skip
+            mean = _receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, reselect)
+            bad = _nonfinite(gathered, world, kk, layout.numel, res.dtype)
+            sent = _wire_bytes(kk, layout.numel, res.dtype)
+            received = sent * world
         new_state = DistributedTopKState(
             residual=torch.where(bad, res, residual, out=residual),
             count=state.count + 1,
             bytes_sent=torch.full_like(state.bytes_sent, sent),
-            bytes_gathered=torch.full_like(state.bytes_gathered, sent * world),
+            bytes_gathered=torch.full_like(state.bytes_gathered, received),
             update_density=(torch.count_nonzero(mean) / layout.numel).to(torch.float32),
             skipped=state.skipped + bad,
         )
