@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from functopk.distributed.exchange import _local_topk
-from functopk.distributed.threshold import threshold_select
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's functopk
+from functopk.distributed.exchange import _local_topk  # noqa: E402
+from functopk.distributed.threshold import threshold_select  # noqa: E402
 
 
 def gradients(n: int, steps: int, drift: float, seed: int):

@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 import torchvision
 
-import functopk.distributed.hook as H
-from functopk.distributed import TopKHookState, topk_hook
-from functopk.distributed.exchange import _local_topk
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # this checkout's functopk
+import functopk.distributed.hook as H  # noqa: E402
+from functopk.distributed import TopKHookState, topk_hook  # noqa: E402
+from functopk.distributed.exchange import _local_topk  # noqa: E402
 from tests.distributed.common import FakeBucket  # noqa: E402
 
 torch.set_num_threads(1)

@@ -1,5 +1,9 @@
 """Threshold-reuse top-k selection for the DDP hook (Ok-Topk / DGC style), exact by construction.
 
+References: Lin et al. (2018), Deep Gradient Compression (a threshold from a
+sample, with a fallback); Li and Hoefler (2022), Ok-Topk (thresholds reused
+across iterations). Unlike both, the result here is always the exact top ``k``.
+
 The hook's exact selection reads and ranks a whole bucket every step. Gradient
 magnitudes change slowly from step to step, so the previous step's ``k``-th
 magnitude, times a slack below 1, is usually a threshold that keeps a little
