@@ -21,8 +21,9 @@ images per rank) with each variant:
   feedback, warm start), one bucket (``bucket_cap_mb=10000``: its nested
   ``wait()`` needs a single bucket on gloo);
 * ``topk0.1`` / ``topk1``: ``functopk.distributed.topk_hook`` at density 0.1% / 1%
-  (exact selection; ``--topk-mode threshold-reuse`` is reserved for issue 14's
-  item 5 and not implemented yet);
+  (exact selection; ``--topk-mode threshold-reuse``: ``selection="threshold"``,
+  which reuses each bucket's previous k-th magnitude and selects the same
+  coordinates);
 * ``nocomm``: the same step on the bare module, no DDP: the compute floor.
 
 Each variant keeps its own model for the whole run; every one is warmed up
@@ -120,14 +121,8 @@ def make_topk_state(mode: str, density: float, warmup: int):
     """``(state, hook)`` of the top-k variant for ``--topk-mode``."""
     from functopk.distributed import TopKHookState, topk_hook
 
-    if mode == "exact":
-        return TopKHookState(density=density, warmup_iters=warmup), topk_hook
-    # ---------------- THRESHOLD-REUSE: the place for issue 14, item 5 (not implemented yet) ----------------
-    # Once functopk has a hook that reuses the previous step's threshold (Ok-Topk / DGC style, with an
-    # exact count check), build its state and hook here, e.g.
-    #     return TopKHookState(density=density, warmup_iters=warmup, selection="threshold-reuse"), topk_hook
-    # and the variants topk0.1 / topk1 run with it under --topk-mode threshold-reuse.
-    raise NotImplementedError("--topk-mode threshold-reuse: no such hook in functopk yet (issue 14, item 5)")
+    selection = {"exact": "exact", "threshold-reuse": "threshold"}[mode]
+    return TopKHookState(density=density, warmup_iters=warmup, selection=selection), topk_hook
 
 
 def build_variant(name: str, module, topk_mode: str, hook_warmup: int):
@@ -369,7 +364,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {VARIANTS}")
     p.add_argument("--rates", default="1gbit,10gbit,none", help="tc tbf rates; 'none' is unthrottled loopback")
     p.add_argument("--topk-mode", choices=["exact", "threshold-reuse"], default="exact",
-                   help="top-k selection; threshold-reuse is reserved (issue 14, item 5: not implemented yet)")
+                   help="top-k selection: exact, or threshold-reuse (TopKHookState(selection='threshold'))")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant, rate and round")
     p.add_argument("--skip", type=int, default=1, help="untimed steps before them (after switching variant)")
@@ -393,8 +388,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"rates look like 1gbit, 500mbit or none, got {bad}")
     if bad := [a for a in args.accuracy if a not in ("cnn", "resnet18", "resnet50")]:
         p.error(f"--accuracy tasks are cnn, resnet18, resnet50; got {bad}")
-    if args.topk_mode != "exact":
-        p.error("--topk-mode threshold-reuse is not implemented yet (issue 14, item 5)")
     if args.no_netns and args.rates != ["none"]:
         p.error("--no-netns measures unthrottled loopback only: pass --rates none")
     if args.warmup <= HOOK_WARMUP:

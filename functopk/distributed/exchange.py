@@ -242,14 +242,23 @@ def _wire_bytes(k: int, numel: int, value_dtype: torch.dtype) -> int:
 
 
 def _send(
-    acc: torch.Tensor, k: int, group: dist.ProcessGroup, world: int, what: str, *, async_op: bool
+    acc: torch.Tensor,
+    k: int,
+    group: dist.ProcessGroup,
+    world: int,
+    what: str,
+    *,
+    async_op: bool,
+    select: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor]:
     """Send the top ``k`` of ``acc`` (grads + residual): ``(idx, vals, work, gathered)``.
 
     ``acc`` is changed in place into the new residual (the sent entries
-    zeroed). A collective that fails at once raises :func:`_comm_error` naming ``what``.
+    zeroed). ``select(acc, k) -> (idx, vals)`` replaces :func:`_local_topk`
+    (it must select the same coordinates). A collective that fails at once
+    raises :func:`_comm_error` naming ``what``.
     """
-    idx, vals = _local_topk(acc, k)
+    idx, vals = (select or _local_topk)(acc, k)
     acc.index_fill_(0, idx, 0)  # what was not sent
     try:
         work, gathered = _exchange(idx, vals, acc.numel(), group, world, async_op)

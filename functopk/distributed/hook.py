@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -21,6 +22,7 @@ from functopk.distributed.exchange import (
     _wire_bytes,
 )
 from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, used_mask
+from functopk.distributed.threshold import threshold_select
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
@@ -84,6 +86,12 @@ class TopKHookState:
             Residuals hold *scaled* gradients; with the scaler known, each one is
             rescaled (exactly: scales are powers of two) when the loss scale
             changes, instead of being replayed at the old scale.
+        selection: ``"exact"`` (rank the whole bucket every step) or
+            ``"threshold"`` (reuse each bucket's previous ``k``-th magnitude to
+            gather candidates, then rank only them; the whole bucket is ranked
+            when there are fewer than ``k`` or far too many). Both select the
+            same coordinates, bit for bit; only the speed differs (see
+            ``docs/distributed.md`` and :mod:`functopk.distributed.threshold`).
 
     Attributes:
         iter: Iterations seen (counted when the last bucket of an iteration passes).
@@ -92,6 +100,9 @@ class TopKHookState:
             dtype and device. When DDP rebuilds its buckets, each new bucket's
             residual is assembled from the old ones parameter by parameter; entries
             of buckets not seen in an iteration are then dropped at its end.
+        threshold_fallbacks: With ``selection="threshold"``, the buckets (summed
+            over iterations) whose previous threshold did not hold, so that the
+            whole bucket was ranked (every bucket's first compressed step counts).
         skipped_iters: Compressed iterations whose residual update was skipped
             because some rank's gradients were non-finite (reading it syncs).
         find_unused_parameters: Whether all-zero local gradients keep their residual.
@@ -113,6 +124,7 @@ class TopKHookState:
         reselect: bool = False,
         model: torch.nn.Module | None = None,
         grad_scaler: Any = None,
+        selection: str = "exact",
     ) -> None:
         _check_group_arg(process_group, "process_group")
         self.process_group: dist.ProcessGroup | None = process_group
@@ -123,6 +135,12 @@ class TopKHookState:
         if grad_scaler is not None and not isinstance(getattr(grad_scaler, "_enabled", None), bool):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {describe(grad_scaler)}")
         self._scaler = grad_scaler
+        if not isinstance(selection, str):
+            raise TypeError(f"selection must be a str ('exact' or 'threshold'), got {describe(selection)}")
+        if selection not in ("exact", "threshold"):
+            raise ValueError(f"selection must be 'exact' or 'threshold', got {describe(selection)}")
+        self.selection: str = selection
+        self.threshold_fallbacks: int = 0
         self.iter: int = 0
         self.last_step: HookStats = HookStats()
         self.total: HookStats = HookStats()
@@ -384,7 +402,8 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     what = "the sparse all-gather of topk_hook"
     # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
     eligible = acc if keep is None else torch.where(keep, acc, 0)
-    idx, vals, work, gathered = _send(eligible, k, group, world, what, async_op=True)
+    select = None if state.selection == "exact" else partial(_threshold_select, state, mem)
+    idx, vals, work, gathered = _send(eligible, k, group, world, what, async_op=True, select=select)
     if keep is not None:
         torch.where(keep, eligible, acc, out=acc)
 
@@ -393,6 +412,13 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         return _receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
 
     return work.get_future().then(_finisher(group, what, finish))
+
+
+def _threshold_select(state: TopKHookState, mem: BucketMemory, flat: torch.Tensor, k: int):
+    """``selection="threshold"``: the exact top ``k`` through the bucket's previous threshold."""
+    idx, vals, mem.threshold, fell_back = threshold_select(flat, k, mem.threshold)
+    state.threshold_fallbacks += fell_back
+    return idx, vals
 
 
 # DDP's register_comm_hook compares the annotations with the real objects, and this

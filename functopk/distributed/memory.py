@@ -37,13 +37,14 @@ class Slot(NamedTuple):
 class BucketMemory:
     """One bucket's residual (committed) and the candidate of the running iteration (``scratch``)."""
 
-    __slots__ = ("residual", "scratch", "slots", "pending")
+    __slots__ = ("residual", "scratch", "slots", "pending", "threshold")
 
     def __init__(self, residual: torch.Tensor, slots: tuple[Slot, ...] | None) -> None:
         self.residual = residual
         self.scratch = torch.empty_like(residual)
         self.slots = slots  # None when the bucket's parameters do not tile its buffer (then no re-assembly)
         self.pending = False  # scratch holds an uncommitted candidate
+        self.threshold: float | None = None  # selection="threshold": slack times the last k-th magnitude
 
     def pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of a flat tensor laid out like this bucket."""

@@ -63,6 +63,9 @@ def tx_grads(rank: int, step: int):
 # iteration is the last in its tuple). DDP's first buckets, then a rebuild that reorders each bucket's
 # parameters; then the state is saved and loaded into a new state that sees other buckets again.
 HOOK_PARAMS = {"a": (4, 5), "b": (30,), "c": (10,), "d": (4, 5)}  # 80 coordinates
+# selection="threshold" vs "exact" (buckets above the exact kernel's 65536-coordinate scan size):
+THRESHOLD_PARAMS = {"a": 70_000, "b": 30_000, "c": 90_000}
+THRESHOLD_SCALES = (1.0, 1.01, 1.02, 8.0, 8.1, 0.01, 0.0101)  # x8: too few candidates; x1/800: too many
 HOOK_LAYOUTS = (
     (("a", "b"), ("c", "d")),  # warm-up (dense)
     (("a", "b"), ("c", "d")),

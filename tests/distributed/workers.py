@@ -34,6 +34,8 @@ from tests.distributed.common import (
     HOOK_PARAMS,
     PG_TIMEOUT_S,
     RESUME_LAYOUTS,
+    THRESHOLD_PARAMS,
+    THRESHOLD_SCALES,
     TX_BAD,
     TX_K,
     TX_STEPS,
@@ -179,6 +181,34 @@ def _hook_phase(rank: int, groups: dict):
         anonymous = TopKHookState(group, density=HOOK_DENSITY, warmup_iters=0)
         topk_hook(anonymous, FakeBucket(0, hook_grad(rank, 0, "b"), [torch.zeros(30)], last=True)).wait()
         out[(gname, "anonymous")] = _failure(anonymous.state_dict)
+    return out
+
+
+def _threshold_grad(rank: int, it: int, b: int, numel: int) -> torch.Tensor:
+    """Big-bucket gradients on a coarse grid (many ties), drifting slowly; the scale jumps at 3 and drops at 5."""
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + 10 * it + b))
+    g = (g * torch.linspace(0.5, 2.0, numel) * 8).round() / 8  # ties at every magnitude
+    return g * THRESHOLD_SCALES[it]
+
+
+def _threshold_phase(rank: int, groups: dict):
+    """``selection="exact"`` and ``"threshold"`` on the same buckets: the averaged buckets and the residuals."""
+    out = {}
+    group = groups["world"]
+    module = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros(s)) for n, s in THRESHOLD_PARAMS.items()})
+    layout = (("a", "b"), ("c",))
+    for selection in ("exact", "threshold"):
+        state = TopKHookState(group, density=HOOK_DENSITY, warmup_iters=0, model=module, selection=selection)
+        its = []
+        for it in range(len(THRESHOLD_SCALES)):
+            bufs = []
+            for b, names in enumerate(layout):
+                buf = torch.cat([_threshold_grad(rank, it, b, THRESHOLD_PARAMS[n]) for n in names])
+                bucket = FakeBucket(b, buf, [module[n] for n in names], last=b == len(layout) - 1)
+                bufs.append(topk_hook(state, bucket).wait().clone())
+            its.append({"buckets": bufs, "residuals": state.state_dict()["residuals"],
+                        "fallbacks": state.threshold_fallbacks})  # fmt: skip
+        out[selection] = its
     return out
 
 
@@ -431,6 +461,7 @@ def worker(rank: int, world: int, store: str, out_dir: str) -> None:
     run_phase("allreduce", _allreduce_phase, rank, groups)
     run_phase("transform", _transform_phase, rank, groups)
     run_phase("hook", _hook_phase, rank, groups)
+    run_phase("threshold", _threshold_phase, rank, groups)
     run_phase("agreement", _agreement_phase, rank, groups)
     dist.barrier()
     if rank == 2:
