@@ -21,7 +21,7 @@ count, NAdam's ``mu_product``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -29,7 +29,7 @@ import torch
 
 from functopk.base import OptState
 
-__all__ = ["Layout", "as_tree", "join", "layout_of", "split"]
+__all__ = ["Layout", "as_tree", "join", "layout_of", "part_of", "split"]
 
 
 def as_tree(values: Sequence[Any]) -> dict[int, Any]:
@@ -53,6 +53,16 @@ class Layout(NamedTuple):
     is_part: tuple[bool, ...]
 
 
+def part_of(ptree: Any) -> Callable[[Any], bool]:
+    """Whether a state node is a *part*: a subtree with exactly ``ptree``'s structure (one entry per parameter)."""
+    spec = optree.tree_structure(ptree)
+
+    def is_part(node: Any) -> bool:
+        return not isinstance(node, torch.Tensor) and optree.tree_structure(node) == spec
+
+    return is_part
+
+
 def _field_path(accessor: optree.PyTreeAccessor) -> list[str]:
     """The accessor as names: NamedTuple fields by name, other entries by key or index."""
     out = []
@@ -68,11 +78,7 @@ def layout_of(state: OptState, n: int, rename: Mapping[str, str] | None = None, 
     through ``rename``; when two items would get the same name, each takes its
     full path (``"1.count"``) instead. ``prefix`` is put before every name.
     """
-    tree_spec = optree.tree_structure(as_tree(range(n)))  # type: ignore[arg-type]
-
-    def is_part(node: Any) -> bool:
-        return not isinstance(node, torch.Tensor) and optree.tree_structure(node) == tree_spec
-
+    is_part = part_of(as_tree(range(n)))
     accessors, items, spec = optree.tree_flatten_with_accessor(state, is_leaf=is_part)
     parts = tuple(is_part(x) for x in items)
     paths = [_field_path(a) for a in accessors]

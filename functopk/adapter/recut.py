@@ -14,6 +14,7 @@ import optree
 import torch
 
 from functopk._checks import describe
+from functopk.adapter.per_param import part_of
 from functopk.base import OptState
 from functopk.tree.maths import PyTree
 
@@ -45,11 +46,7 @@ def same_ptree(a: PyTree, b: PyTree) -> bool:
 
 def _param_parts(state: OptState, ptree: PyTree) -> tuple[list[Any], optree.PyTreeSpec, list[bool]]:
     """Flatten ``state`` down to its subtrees shaped like ``ptree`` (per-parameter state) and other leaves."""
-    spec = optree.tree_structure(ptree)
-
-    def is_part(node: Any) -> bool:
-        return not isinstance(node, torch.Tensor) and optree.tree_structure(node) == spec
-
+    is_part = part_of(ptree)
     parts, skeleton = optree.tree_flatten(state, is_leaf=is_part)
     return parts, skeleton, [is_part(x) for x in parts]
 

@@ -23,6 +23,7 @@ from functopk.base import GradientTransformation
 from functopk.optim import adam_variants as _adam_variants
 from functopk.optim import alias
 from functopk.optim import classic as _classic
+from functopk.optim._shared import group_scalar
 from functopk.optim.adafactor import TORCH_BUILDERS as _ADAFACTOR_BUILDERS
 from functopk.optim.adafactor import TORCH_STATE_NAMES as _ADAFACTOR_NAMES
 from functopk.optim.muon import TORCH_BUILDERS as _MUON_BUILDERS
@@ -48,45 +49,34 @@ class TorchSpec(NamedTuple):
     state_names: Mapping[str, str]
 
 
-def _betas(h: Hyperparams) -> tuple[Any, Any]:
-    b1, b2 = h["betas"]
-    return _scalar(b1), _scalar(b2)
-
-
-def _scalar(value: Any) -> Any:
-    """A one-element tensor as a 0-d view of it (torch accepts betas of shape (1,) or (1, 1)); others as given."""
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == 1:
-        return value.reshape(())
-    return value
-
-
 def _sgd(h: Hyperparams) -> GradientTransformation:
     return alias.sgd(
-        _scalar(h["lr"]), momentum=_scalar(h["momentum"]), nesterov=h["nesterov"],
-        dampening=_scalar(h["dampening"]), weight_decay=_scalar(h["weight_decay"]), maximize=h["maximize"],
+        group_scalar(h["lr"]), momentum=group_scalar(h["momentum"]), nesterov=h["nesterov"],
+        dampening=group_scalar(h["dampening"]), weight_decay=group_scalar(h["weight_decay"]), maximize=h["maximize"],
     )
 
 
 def _adam(h: Hyperparams, decoupled: bool = False) -> GradientTransformation:
-    b1, b2 = _betas(h)
+    b1, b2 = group_scalar(h["betas"])
     make = alias.adamw if decoupled or h.get("decoupled_weight_decay", False) else alias.adam
     return make(
-        _scalar(h["lr"]), b1=b1, b2=b2, eps=_scalar(h["eps"]), weight_decay=_scalar(h["weight_decay"]),
+        group_scalar(h["lr"]), b1=b1, b2=b2, eps=group_scalar(h["eps"]), weight_decay=group_scalar(h["weight_decay"]),
         amsgrad=h["amsgrad"], maximize=h["maximize"],
     )
 
 
 def _rmsprop(h: Hyperparams) -> GradientTransformation:
     return alias.rmsprop(
-        _scalar(h["lr"]), alpha=_scalar(h["alpha"]), eps=_scalar(h["eps"]), weight_decay=_scalar(h["weight_decay"]),
-        momentum=_scalar(h["momentum"]), centered=h["centered"], maximize=h["maximize"],
+        group_scalar(h["lr"]), alpha=group_scalar(h["alpha"]), eps=group_scalar(h["eps"]),
+        weight_decay=group_scalar(h["weight_decay"]), momentum=group_scalar(h["momentum"]), centered=h["centered"],
+        maximize=h["maximize"],
     )
 
 
 def _adagrad(h: Hyperparams) -> GradientTransformation:
     return alias.adagrad(
-        _scalar(h["lr"]), lr_decay=_scalar(h["lr_decay"]), weight_decay=_scalar(h["weight_decay"]),
-        initial_accumulator_value=_scalar(h["initial_accumulator_value"]), eps=_scalar(h["eps"]),
+        group_scalar(h["lr"]), lr_decay=group_scalar(h["lr_decay"]), weight_decay=group_scalar(h["weight_decay"]),
+        initial_accumulator_value=group_scalar(h["initial_accumulator_value"]), eps=group_scalar(h["eps"]),
         maximize=h["maximize"],
     )
 

@@ -38,6 +38,7 @@ from functopk._checks import (
     require_params,
 )
 from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count
+from functopk.optim._shared import group_scalar
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
 
@@ -317,22 +318,14 @@ def adafactor(
 # --------------------------------------------------------------------------- the torch.optim adapter's tables
 
 
-def _scalar(value: Any) -> Any:
-    """A torch param-group number as given; a one-element tensor as a 0-d tensor."""
-    return value.reshape(()) if isinstance(value, torch.Tensor) else value
-
-
 def _from_torch(group: dict[str, Any]) -> GradientTransformation:
     """:func:`adafactor` from a ``torch.optim.Adafactor`` param group (``foreach`` is ignored)."""
-    eps: Any = group["eps"]
-    if isinstance(eps, (tuple, list)):  # adafactor checks it
-        eps = tuple(None if e is None else _scalar(e) for e in eps)
     return adafactor(
-        _scalar(group["lr"]),
-        beta2_decay=_scalar(group["beta2_decay"]),
-        eps=eps,
-        d=_scalar(group["d"]),
-        weight_decay=_scalar(group["weight_decay"]),
+        group_scalar(group["lr"]),
+        beta2_decay=group_scalar(group["beta2_decay"]),
+        eps=group_scalar(group["eps"]),  # a pair; adafactor checks it
+        d=group_scalar(group["d"]),
+        weight_decay=group_scalar(group["weight_decay"]),
         maximize=group["maximize"],
     )
 

@@ -29,6 +29,7 @@ import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.optim._shared import group_scalar
 from functopk.optim.adaptive import _ema_sq, adam_config
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
@@ -114,11 +115,6 @@ def _as(value: Hyper, dtype: torch.dtype) -> Hyper:
 def _learning_rate(cfg: _Config, count: torch.Tensor) -> Hyper:
     lr = cfg.learning_rate
     return lr(count) if callable(lr) else lr
-
-
-def _abs(xs: Leaves) -> Leaves:
-    """``|x|`` for each ``x``, one ``_foreach_abs`` kernel (functopk.tree.foreach has no ``abs``)."""
-    return list(torch._foreach_abs(list(xs))) if xs else []
 
 
 # --------------------------------------------------------------------------- NAdam
@@ -415,7 +411,7 @@ def adamax(
     def update(grads: Leaves, state: AdamaxState, params: Leaves | None) -> tuple[Leaves, AdamaxState]:
         g = _gradient(grads, params, cfg)
         m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
-        u = foreach.maximum(foreach.mul(state.nu, cfg.b2), foreach.add_scalar_(_abs(g), cfg.eps))
+        u = foreach.maximum(foreach.mul(state.nu, cfg.b2), foreach.add_scalar_(foreach.abs(g), cfg.eps))
         t, dtype = _times(state.count)
         lr = _learning_rate(cfg, state.count)
         step = (lr / (1.0 - torch.pow(_as(cfg.b1, dtype), t))) * -1.0
@@ -429,24 +425,15 @@ def adamax(
 # --------------------------------------------------------------------------- torch.optim correspondence
 
 
-def _group_scalar(value: Any) -> Any:
-    """A param group's number as is, a one-element tensor as a 0-d view of it (its value is not read)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"a tensor hyperparameter must have one element, got shape {tuple(value.shape)}")
-        return value.reshape(())
-    return value
-
-
 def _group_common(group: dict[str, Any]) -> dict[str, Any]:
     """The arguments the three share, from a torch param group (foreach, capturable, ... ignored)."""
     b1, b2 = group["betas"]
     return {
-        "learning_rate": _group_scalar(group["lr"]),
-        "b1": _group_scalar(b1),
-        "b2": _group_scalar(b2),
-        "eps": _group_scalar(group["eps"]),
-        "weight_decay": _group_scalar(group["weight_decay"]),
+        "learning_rate": group_scalar(group["lr"]),
+        "b1": group_scalar(b1),
+        "b2": group_scalar(b2),
+        "eps": group_scalar(group["eps"]),
+        "weight_decay": group_scalar(group["weight_decay"]),
         "maximize": group.get("maximize", False),
     }
 
@@ -454,7 +441,7 @@ def _group_common(group: dict[str, Any]) -> dict[str, Any]:
 def _nadam_from_torch(group: dict[str, Any]) -> GradientTransformation:
     return nadam(
         **_group_common(group),
-        momentum_decay=_group_scalar(group["momentum_decay"]),
+        momentum_decay=group_scalar(group["momentum_decay"]),
         decoupled_weight_decay=group.get("decoupled_weight_decay", False),
     )
 

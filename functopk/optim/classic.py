@@ -26,6 +26,7 @@ from functopk._checks import (
     is_zero,
 )
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.optim._shared import group_scalar
 from functopk.optim.adaptive import _ema_sq
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
@@ -408,34 +409,25 @@ def _next_eta_mu(
 # --------------------------------------------------------------------------- torch.optim param groups
 
 
-def _scalar(value: Any) -> Any:
-    """A one-element tensor of any shape as a 0-d tensor (torch accepts ``lr=torch.tensor([0.1])``)."""
-    return value.reshape(()) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-
-
-def _scalars(value: Any) -> Any:
-    """A pair such as ``etas``, each element through :func:`_scalar`."""
-    return tuple(_scalar(v) for v in value) if isinstance(value, (tuple, list)) else value
-
-
 def _adadelta_from_group(group: dict[str, Any]) -> GradientTransformation:
     return adadelta(
-        _scalar(group["lr"]), rho=_scalar(group["rho"]), eps=_scalar(group["eps"]),
-        weight_decay=_scalar(group["weight_decay"]), maximize=group["maximize"],
+        group_scalar(group["lr"]), rho=group_scalar(group["rho"]), eps=group_scalar(group["eps"]),
+        weight_decay=group_scalar(group["weight_decay"]), maximize=group["maximize"],
     )
 
 
 def _rprop_from_group(group: dict[str, Any]) -> GradientTransformation:
     return rprop(
-        _scalar(group["lr"]), etas=_scalars(group["etas"]), step_sizes=_scalars(group["step_sizes"]),
+        group_scalar(group["lr"]), etas=group_scalar(group["etas"]), step_sizes=group_scalar(group["step_sizes"]),
         maximize=group["maximize"],
     )
 
 
 def _asgd_from_group(group: dict[str, Any]) -> GradientTransformation:
     return asgd(
-        _scalar(group["lr"]), lambd=_scalar(group["lambd"]), alpha=_scalar(group["alpha"]), t0=_scalar(group["t0"]),
-        weight_decay=_scalar(group["weight_decay"]), maximize=group["maximize"],
+        group_scalar(group["lr"]), lambd=group_scalar(group["lambd"]), alpha=group_scalar(group["alpha"]),
+        t0=group_scalar(group["t0"]),
+        weight_decay=group_scalar(group["weight_decay"]), maximize=group["maximize"],
     )
 
 

@@ -50,13 +50,6 @@ class ScaleByLionState(NamedTuple):
     mu: PyTree
 
 
-def _sign_(buffers: Leaves) -> Leaves:
-    """``sign(b)`` in place in ``buffers`` (fresh tensors the caller owns; ``sign(0) == 0``, NaN stays NaN)."""
-    if buffers:
-        torch._foreach_sign_(buffers)
-    return buffers
-
-
 def scale_by_lion(b1: Hyper = 0.9, b2: Hyper = 0.99) -> GradientTransformation:
     """Replace updates by the sign of a momentum interpolation: Lion's direction (Chen et al., 2023).
 
@@ -90,7 +83,7 @@ def scale_by_lion(b1: Hyper = 0.9, b2: Hyper = 0.99) -> GradientTransformation:
         return ScaleByLionState(count=init_count(params), mu=foreach.zeros_like(params))
 
     def update(grads: Leaves, state: ScaleByLionState, params: Leaves | None) -> tuple[Leaves, ScaleByLionState]:
-        out = _sign_(foreach.lerp(state.mu, grads, 1.0 - b1))
+        out = foreach.sign_(foreach.lerp(state.mu, grads, 1.0 - b1))
         mu = foreach.lerp(state.mu, grads, 1.0 - b2)
         return out, ScaleByLionState(count=state.count + 1, mu=mu)
 

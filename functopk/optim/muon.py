@@ -27,6 +27,7 @@ from functopk._checks import (
     path_str,
 )
 from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count, leafwise
+from functopk.optim._shared import group_scalar
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
@@ -271,23 +272,15 @@ def muon(
 # --------------------------------------------------------------------------- the torch.optim adapter's tables
 
 
-def _scalar(value: Any) -> Any:
-    """A torch param-group number as given; a one-element tensor as a 0-d tensor."""
-    return value.reshape(()) if isinstance(value, torch.Tensor) else value
-
-
 def _from_torch(group: dict[str, Any]) -> GradientTransformation:
     """:func:`muon` from a ``torch.optim.Muon`` param group."""
-    coefficients = group["ns_coefficients"]
-    if isinstance(coefficients, (tuple, list)):
-        coefficients = tuple(_scalar(c) for c in coefficients)
     return muon(
-        _scalar(group["lr"]),
-        weight_decay=_scalar(group["weight_decay"]),
-        momentum=_scalar(group["momentum"]),
+        group_scalar(group["lr"]),
+        weight_decay=group_scalar(group["weight_decay"]),
+        momentum=group_scalar(group["momentum"]),
         nesterov=group["nesterov"],
-        ns_coefficients=coefficients,
-        eps=_scalar(group["eps"]),
+        ns_coefficients=group_scalar(group["ns_coefficients"]),
+        eps=group_scalar(group["eps"]),
         ns_steps=group["ns_steps"],
         adjust_lr_fn=group["adjust_lr_fn"],
     )

@@ -122,6 +122,11 @@ def neg(xs: Leaves) -> list[torch.Tensor]:
     return list(torch._foreach_neg(list(xs))) if xs else []
 
 
+def abs(xs: Leaves) -> list[torch.Tensor]:  # noqa: A001 (the module's namespace: foreach.abs)
+    """``|x|`` for each ``x``."""
+    return list(torch._foreach_abs(list(xs))) if xs else []
+
+
 def clamp(xs: Leaves, low: Scalar, high: Scalar) -> list[torch.Tensor]:
     """``x`` clamped to ``[low, high]`` (NaN stays NaN)."""
     if not xs:
@@ -216,6 +221,13 @@ def add_scalar_(buffers: list[torch.Tensor], scalar: Scalar) -> list[torch.Tenso
     """``b += scalar`` in place, in ``buffers`` (fresh tensors the caller owns), which are returned."""
     if buffers:
         torch._foreach_add_(buffers, scalar)
+    return buffers
+
+
+def sign_(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``sign(b)`` in place, in ``buffers`` (fresh tensors the caller owns; ``sign(0) == 0``, NaN stays NaN)."""
+    if buffers:
+        torch._foreach_sign_(buffers)
     return buffers
 
 

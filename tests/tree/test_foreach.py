@@ -55,6 +55,10 @@ def test_binary_and_unary_ops(device):
     same(foreach.addcmul(xs, ys, ys, 0.5), [x + 0.5 * y * y for x, y in zip(xs, ys)])
     same(foreach.sqrt(ys), [y.sqrt() for y in ys])
     same(foreach.neg(xs), [-x for x in xs])
+    same(foreach.abs(xs), [x.abs() for x in xs])
+    signs = [x.clone() for x in xs]
+    assert foreach.sign_(signs) is signs
+    same(signs, [x.sign() for x in xs])
     same(foreach.maximum(xs, ys), [torch.maximum(x, y) for x, y in zip(xs, ys)])
     same(foreach.clamp(xs, -1.0, 1.0), [x.clamp(-1.0, 1.0) for x in xs])
     same(foreach.clamp(xs, torch.tensor(-1.0), torch.tensor(1.0)), [x.clamp(-1.0, 1.0) for x in xs])
