@@ -24,6 +24,8 @@ images per rank) with each variant:
   (exact selection; ``--topk-mode threshold-reuse``: ``selection="threshold"``,
   which reuses each bucket's previous k-th magnitude and selects the same
   coordinates);
+* ``topk0.1mc`` / ``topk1mc``: the same with DGC's momentum correction in the
+  hook (``TopKHookState(momentum=0.9)``) and SGD without momentum;
 * ``nocomm``: the same step on the bare module, no DDP: the compute floor.
 
 Each variant keeps its own model for the whole run; every one is warmed up
@@ -60,13 +62,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_link_report import TOPK_DENSITY, loadavg, plot, report  # noqa: E402
+from ddp_link_report import HOOK_MOMENTUM, TOPK_DENSITY, loadavg, optimizer_momentum, plot, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NETNS_FLAG = "FUNCTOPK_DDP_LINK_NETNS"
 WORLD = 2
-VARIANTS = ["dense", "fp16", "powersgd1", "powersgd4", "topk0.1", "topk1"]
+VARIANTS = ["dense", "fp16", "powersgd1", "powersgd4", "topk0.1", "topk1", "topk0.1mc", "topk1mc"]
 HOOK_WARMUP = 2  # dense iterations of the hooks (DDP rebuilds its buckets after the first)
 
 
@@ -117,12 +119,12 @@ def timed_hook(state: TimedHook, bucket):
     return fut
 
 
-def make_topk_state(mode: str, density: float, warmup: int):
+def make_topk_state(mode: str, density: float, warmup: int, momentum: float):
     """``(state, hook)`` of the top-k variant for ``--topk-mode``."""
     from functopk.distributed import TopKHookState, topk_hook
 
     selection = {"exact": "exact", "threshold-reuse": "threshold"}[mode]
-    return TopKHookState(density=density, warmup_iters=warmup, selection=selection), topk_hook
+    return TopKHookState(density=density, warmup_iters=warmup, selection=selection, momentum=momentum), topk_hook
 
 
 def build_variant(name: str, module, topk_mode: str, hook_warmup: int):
@@ -142,7 +144,8 @@ def build_variant(name: str, module, topk_mode: str, hook_warmup: int):
     if name == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif name in TOPK_DENSITY:
-        state = TimedHook(*make_topk_state(topk_mode, TOPK_DENSITY[name], hook_warmup))
+        momentum = HOOK_MOMENTUM if name.endswith("mc") else 0.0
+        state = TimedHook(*make_topk_state(topk_mode, TOPK_DENSITY[name], hook_warmup, momentum))
         model.register_comm_hook(state, timed_hook)
         return model, state
     elif name != "dense":
@@ -228,7 +231,7 @@ def timing_worker(spec: dict) -> dict:
         runs = {}
         for name in ["nocomm", *spec["variants"]]:
             model, state = build_variant(name, copy.deepcopy(base), spec["topk_mode"], HOOK_WARMUP)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=optimizer_momentum(name))
             for i in range(spec["warmup"]):
                 train_step(model, opt, *batches[i % len(batches)])
             runs[name] = (model, opt, state)
@@ -299,7 +302,7 @@ def train_accuracy(arch: str, name: str, seed: int, spec: dict) -> float:
     loader = DataLoader(train_set, batch_size=32, sampler=sampler, drop_last=True)
     torch.manual_seed(seed)
     model, _ = build_variant(name, make_model(), "exact", spec["acc_warmup"])
-    opt = torch.optim.SGD(model.parameters(), lr=spec["acc_lr"][arch], momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=spec["acc_lr"][arch], momentum=optimizer_momentum(name))
     for epoch in range(spec["acc_epochs"][arch]):
         sampler.set_epoch(epoch)
         model.train()

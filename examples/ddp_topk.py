@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--density", type=float, default=0.01, help="fraction of each bucket sent per step")
     parser.add_argument("--warmup-iters", type=int, default=10, help="dense iterations before compressing")
     parser.add_argument("--reselect", action="store_true", help="gTop-k: keep the global top k of the sum")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
+    parser.add_argument("--no-momentum-correction", action="store_true",
+                        help="top-k: keep the momentum in the optimizer (plain error feedback) instead of in the "
+                             "hook (DGC's momentum correction, TopKHookState(momentum=...), the default)")  # fmt: skip
     parser.add_argument("--dense", action="store_true", help="plain DDP allreduce (no hook), for comparison")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -170,14 +174,19 @@ def main() -> None:
     model = DDP(make_model().to(device), device_ids=[device.index] if use_cuda else None)
     state = None
     if not args.dense:
-        # model= gives the residuals parameter names, so that they survive a restart
+        # model= gives the residuals parameter names, so that they survive a restart. With momentum correction
+        # the hook keeps the velocity (and sends momentum updates), so the optimizer has none.
+        in_hook = 0.0 if args.no_momentum_correction else args.momentum
         state = TopKHookState(density=args.density, warmup_iters=args.warmup_iters, reselect=args.reselect,
-                              model=model)  # fmt: skip
+                              momentum=in_hook, model=model)  # fmt: skip
         model.register_comm_hook(state, topk_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    in_optimizer = args.momentum if state is None or not state.momentum else 0.0
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=in_optimizer)
     n = sum(p.numel() for p in model.parameters())
     if rank == 0:
         mode = "dense allreduce" if args.dense else f"topk_hook, density {args.density:g}"
+        if state is not None and state.momentum:
+            mode += f", momentum correction {state.momentum:g}"
         print(f"{world} ranks ({'nccl' if use_cuda else 'gloo'}), {mode}; model has {n:,} parameters; "
               f"{len(x_train)} train / {len(x_test)} test images")  # fmt: skip
 

@@ -125,8 +125,9 @@ def _reselect(total: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, residu
     """
     keep = topk_mask(total, k)  # library tie rule: identical bits on every rank give an identical set
     total.masked_fill_(~keep, 0)
-    # residual is zero at idx (those values were sent); put back the ones the global selection dropped.
-    residual.index_put_((idx,), torch.where(keep[idx], torch.zeros_like(vals), vals))
+    # Put back the values the global selection dropped. Added, not written: residual is zero where a value
+    # was sent, but an index may also name a held-back coordinate (its value 0, its residual kept).
+    residual.index_add_(0, idx, torch.where(keep[idx], torch.zeros_like(vals), vals))
     return total, residual
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from functopk._checks import check_bool, check_density, check_int, describe
+from functopk._checks import check_bool, check_density, check_int, check_number, describe
 from functopk.distributed.agree import check_agreement
 from functopk.distributed.exchange import (
     _check_group_arg,
@@ -22,43 +22,13 @@ from functopk.distributed.exchange import (
     _wire_bytes,
 )
 from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, used_mask
+from functopk.distributed.stats import HookStats
 from functopk.distributed.threshold import threshold_select
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
 
 FORMAT = "functopk.topk_hook"
-
-
-class HookStats(NamedTuple):
-    """Communication counts of :func:`topk_hook`, for one rank.
-
-    Attributes:
-        bytes_sent: Bytes this rank handed to collectives: ``k * (index + value
-            bytes)`` per compressed bucket, ``n * value bytes`` per dense one.
-        bytes_gathered: Bytes of the collectives' results on this rank: ``P``
-            times the above for compressed buckets, ``n * value bytes`` for dense.
-        bytes_dense: What plain allreduce would have handed over: ``n * value bytes`` per bucket.
-        coords_sent: Coordinates sent (``k`` per compressed bucket, ``n`` per dense one).
-        coords: All coordinates of the buckets.
-
-    Adding two ``HookStats`` adds them field by field.
-
-    Example:
-        >>> from functopk.distributed import HookStats
-        >>> step = HookStats(bytes_sent=8, coords_sent=1, coords=100)
-        >>> step + step
-        HookStats(bytes_sent=16, bytes_gathered=0, bytes_dense=0, coords_sent=2, coords=200)
-    """
-
-    bytes_sent: int = 0
-    bytes_gathered: int = 0
-    bytes_dense: int = 0
-    coords_sent: int = 0
-    coords: int = 0
-
-    def __add__(self, other: HookStats) -> HookStats:  # type: ignore[override]
-        return HookStats(*(a + b for a, b in zip(self, other)))
 
 
 class TopKHookState:
@@ -92,6 +62,18 @@ class TopKHookState:
             when there are fewer than ``k`` or far too many). Both select the
             same coordinates, bit for bit; only the speed differs (see
             ``docs/distributed.md`` and :mod:`functopk.distributed.threshold`).
+        momentum: Momentum correction with momentum factor masking (Lin et al.
+            2018, Deep Gradient Compression), in ``[0, 1)``; 0 (the default)
+            turns it off. The hook keeps a local velocity ``u = momentum * u +
+            grad`` per bucket and accumulates *it* in the residual, so a
+            coordinate sent after waiting carries the momentum it would have
+            had; where a value was sent, both are cleared. The hook then sends
+            a momentum update: use an optimizer **without** momentum (e.g.
+            ``SGD(momentum=0)``). Dense iterations (warm-up, buckets too small
+            to compress) send ``u`` itself, i.e. plain momentum SGD. Costs one
+            more pass and two more bucket-sized buffers per bucket. On the
+            example's task it closes top-k's accuracy gap to dense momentum SGD
+            (``docs/distributed.md``).
 
     Attributes:
         iter: Iterations seen (counted when the last bucket of an iteration passes).
@@ -112,7 +94,7 @@ class TopKHookState:
     Example:
         >>> from functopk.distributed import TopKHookState
         >>> TopKHookState(density=0.01, warmup_iters=5)
-        TopKHookState(density=0.01, warmup_iters=5, reselect=False, iter=0)
+        TopKHookState(density=0.01, warmup_iters=5, reselect=False, momentum=0.0, iter=0)
     """
 
     def __init__(
@@ -125,6 +107,7 @@ class TopKHookState:
         model: torch.nn.Module | None = None,
         grad_scaler: Any = None,
         selection: str = "exact",
+        momentum: float = 0.0,
     ) -> None:
         _check_group_arg(process_group, "process_group")
         self.process_group: dist.ProcessGroup | None = process_group
@@ -140,6 +123,7 @@ class TopKHookState:
         if selection not in ("exact", "threshold"):
             raise ValueError(f"selection must be 'exact' or 'threshold', got {describe(selection)}")
         self.selection: str = selection
+        self.momentum: float = check_number(momentum, "momentum", minimum=0.0, below=1.0)
         self.threshold_fallbacks: int = 0
         self.iter: int = 0
         self.last_step: HookStats = HookStats()
@@ -148,6 +132,7 @@ class TopKHookState:
         self._seen: set[tuple[Any, ...]] = set()
         self._buckets: dict[tuple[Any, ...], BucketMemory] = {}
         self._loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint not yet placed in a bucket
+        self._loaded_velocity: dict[str, torch.Tensor] = {}  # the same for velocities (momentum correction)
         self._flags: list[torch.Tensor] = []  # per bucket of the running iteration (after warm-up): non-finite?
         self._expect = 0  # how many flags the running iteration's buckets will append
         self._commit_due = False
@@ -159,7 +144,7 @@ class TopKHookState:
 
     def __repr__(self) -> str:
         return (f"TopKHookState(density={self.density}, warmup_iters={self.warmup_iters}, "
-                f"reselect={self.reselect}, iter={self.iter})")  # fmt: skip
+                f"reselect={self.reselect}, momentum={self.momentum}, iter={self.iter})")  # fmt: skip
 
     @property
     def residuals(self) -> dict[tuple[Any, ...], torch.Tensor]:
@@ -176,57 +161,69 @@ class TopKHookState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state as a plain dict (``torch.save`` / ``torch.load(weights_only=True)`` round-trip it).
 
-        Residuals are keyed by parameter name (from ``model=``) and shaped like
-        the parameters, in gradient units (divided by the loss scale they were
-        kept at), so they load into any bucketing. Residuals differ from rank to
-        rank: save one file per rank (see ``docs/distributed.md``).
+        Residuals (and, with ``momentum``, velocities under ``"velocities"``) are
+        keyed by parameter name (from ``model=``) and shaped like the
+        parameters, in gradient units (divided by the loss scale they were kept
+        at), so they load into any bucketing. They differ from rank to rank:
+        save one file per rank (see ``docs/distributed.md``).
 
         Raises:
             ValueError: residuals exist but the state was built without ``model=``.
         """
         self._settle()
-        residuals = {name: t.clone() for name, t in self._loaded.items()}
+        out = {
+            "format": FORMAT, "version": 1,
+            "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
+            "momentum": self.momentum, "iter": self.iter, "skipped_iters": self.skipped_iters,
+            "last_step": self.last_step._asdict(), "total": self.total._asdict(),
+            "residuals": self._by_name("residual", self._loaded),
+        }  # fmt: skip
+        if self.momentum:
+            out["velocities"] = self._by_name("velocity", self._loaded_velocity)
+        return out
+
+    def _by_name(self, field: str, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every bucket's ``field`` (residual or velocity) split by parameter name, in gradient units."""
+        named = {name: t.clone() for name, t in loaded.items()}
         for mem in self._buckets.values():
+            flat = getattr(mem, field)
+            if flat is None:
+                continue
             if mem.slots is None:
-                raise ValueError("TopKHookState.state_dict: a bucket's parameters do not tile its buffer, so its "
-                                 "residual cannot be saved by parameter")  # fmt: skip
-            for s, piece in zip(mem.slots, mem.pieces(mem.residual)):
+                raise ValueError(f"TopKHookState.state_dict: a bucket's parameters do not tile its buffer, so its "
+                                 f"{field} cannot be saved by parameter")  # fmt: skip
+            for s, piece in zip(mem.slots, mem.pieces(flat)):
                 if s.pid not in self._names:
                     raise ValueError("TopKHookState.state_dict needs the parameters' names: build the state with "
                                      "TopKHookState(..., model=ddp_model)")  # fmt: skip
                 piece = piece.view(s.shape)
-                residuals[self._names[s.pid]] = piece.clone() if self._unit is None else piece / self._unit
-        return {
-            "format": FORMAT, "version": 1,
-            "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
-            "iter": self.iter, "skipped_iters": self.skipped_iters,
-            "last_step": self.last_step._asdict(), "total": self.total._asdict(),
-            "residuals": residuals,
-        }  # fmt: skip
+                named[self._names[s.pid]] = piece.clone() if self._unit is None else piece / self._unit
+        return named
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` (this rank's own): iteration count, statistics, residuals.
 
-        The configuration (``density``, ``warmup_iters``, ``reselect``) is this
-        state's own, not the saved one. Residuals are matched to parameters by
-        name and placed into whatever buckets DDP builds next, bit for bit.
+        The configuration (``density``, ``warmup_iters``, ``reselect``,
+        ``momentum``) is this state's own, not the saved one. Residuals (and
+        velocities) are matched to parameters by name and placed into whatever
+        buckets DDP builds next, bit for bit. Without saved velocities, a state
+        with ``momentum`` starts them at zero.
 
         Raises:
             ValueError: not a ``topk_hook`` state dict; residuals but no ``model=``;
-                names unknown to the model, or sizes that differ from its parameters'.
+                names unknown to the model, or sizes that differ from its
+                parameters'; saved velocities but ``momentum=0`` (they would be lost).
         """
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
             raise ValueError(f"state_dict is not a TopKHookState.state_dict() (format {FORMAT!r}), "
                              f"got {describe(state_dict)}")  # fmt: skip
-        residuals = dict(state_dict["residuals"])
-        if residuals and not self._numels:
-            raise ValueError("TopKHookState.load_state_dict needs the parameters' names to place the saved "
-                             "residuals: build the state with TopKHookState(..., model=ddp_model)")  # fmt: skip
-        unknown = sorted(set(residuals) - set(self._numels))
-        resized = sorted(n for n, t in residuals.items() if n in self._numels and t.numel() != self._numels[n])
-        if unknown or resized:
-            raise ValueError(f"TopKHookState.load_state_dict: residuals that match no parameter of the model "
-                             f"{_listed(unknown)}, or whose size differs from it {_listed(resized)}")  # fmt: skip
+        residuals, velocities = dict(state_dict["residuals"]), dict(state_dict.get("velocities", {}))
+        if velocities and not self.momentum:
+            raise ValueError("TopKHookState.load_state_dict: the checkpoint holds momentum-correction velocities "
+                             "but this state has momentum=0; build it with the momentum it was saved with "
+                             f"({state_dict.get('momentum')})")  # fmt: skip
+        for what, saved in (("residuals", residuals), ("velocities", velocities)):
+            self._check_names(what, saved)
         self.iter = check_int(state_dict["iter"], "state_dict['iter']", minimum=0)
         self.last_step, self.total = HookStats(**state_dict["last_step"]), HookStats(**state_dict["total"])
         self._skipped_before, self._skipped = int(state_dict["skipped_iters"]), None
@@ -234,6 +231,17 @@ class TopKHookState:
         self._commit_due, self._agreed, self._scale_now = False, False, None
         self._unit = None if self._scaler is None else 1.0
         self._loaded = {name: t.detach().clone() for name, t in residuals.items()}
+        self._loaded_velocity = {name: t.detach().clone() for name, t in velocities.items()}
+
+    def _check_names(self, what: str, saved: dict[str, torch.Tensor]) -> None:
+        if saved and not self._numels:
+            raise ValueError(f"TopKHookState.load_state_dict needs the parameters' names to place the saved "
+                             f"{what}: build the state with TopKHookState(..., model=ddp_model)")  # fmt: skip
+        unknown = sorted(set(saved) - set(self._numels))
+        resized = sorted(n for n, t in saved.items() if n in self._numels and t.numel() != self._numels[n])
+        if unknown or resized:
+            raise ValueError(f"TopKHookState.load_state_dict: {what} that match no parameter of the model "
+                             f"{_listed(unknown)}, or whose size differs from it {_listed(resized)}")  # fmt: skip
 
     # ------------------------------------------------------------------ the hook's steps
 
@@ -242,8 +250,8 @@ class TopKHookState:
         if not self._agreed:
             check_agreement("topk_hook", {
                 "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
-                "the iteration (state.iter)": self.iter, "the size of the first bucket": buf.numel(),
-                "the gradient dtype": str(buf.dtype),
+                "momentum": self.momentum, "the iteration (state.iter)": self.iter,
+                "the size of the first bucket": buf.numel(), "the gradient dtype": str(buf.dtype),
             }, group, rank, world, buf.device)  # fmt: skip
             self._agreed = True
         self._settle()
@@ -252,7 +260,7 @@ class TopKHookState:
         """Commit the finished iteration: each bucket's candidate residual, unless a value was non-finite."""
         if not self._commit_due:
             return
-        pending = [mem for mem in self._buckets.values() if mem.pending]
+        pending = [mem for mem in self._buckets.values() if mem.pending or mem.vpending]
         flags, expected, scale = self._flags, self._expect, self._scale_now
         self._commit_due, self._flags, self._expect, self._scale_now = False, [], 0, None
         if not pending:
@@ -273,21 +281,40 @@ class TopKHookState:
         if mem is None:
             slots = bucket_slots(bucket, buf.numel())
             residual = torch.zeros_like(buf)
+            velocity = torch.zeros_like(buf) if self.momentum else None
             if slots is not None:
-                assemble(residual, slots, self._buckets.values(), self._names, self._loaded, self._unit)
-            mem = self._buckets[key] = BucketMemory(residual, slots)
+                for field, target, loaded in (("residual", residual, self._loaded),
+                                              ("velocity", velocity, self._loaded_velocity)):  # fmt: skip
+                    if target is not None:
+                        assemble(target, field, slots, self._buckets.values(), self._names, loaded, self._unit)
+            mem = self._buckets[key] = BucketMemory(residual, slots, velocity)
         return key, mem
 
-    def _accumulate(self, mem: BucketMemory, buf: torch.Tensor) -> torch.Tensor:
-        """``mem.scratch = buf + residual`` (the residual brought to the current loss scale): the candidate."""
-        mem.pending = True
+    def _rescale(self) -> torch.Tensor | None:
+        """The factor that brings the memory to the running iteration's loss scale (``None``: 1)."""
         scale = None if self._scaler is None else getattr(self._scaler, "_scale", None)
-        if scale is not None:
-            if self._scale_now is None:
-                self._scale_now = scale.detach().clone()  # GradScaler.update changes _scale in place
-            if self._unit is not None:
-                return torch.addcmul(buf, mem.residual, self._scale_now / self._unit, out=mem.scratch)
-        return torch.add(buf, mem.residual, out=mem.scratch)
+        if scale is None:
+            return None
+        if self._scale_now is None:
+            self._scale_now = scale.detach().clone()  # GradScaler.update changes _scale in place
+        return None if self._unit is None else self._scale_now / self._unit
+
+    def _velocity(self, mem: BucketMemory, buf: torch.Tensor, ratio: torch.Tensor | None) -> torch.Tensor:
+        """``mem.vscratch = momentum * velocity + buf``: the candidate velocity (momentum correction)."""
+        assert mem.velocity is not None and mem.vscratch is not None
+        mem.vpending = True
+        if ratio is None:
+            return torch.add(buf, mem.velocity, alpha=self.momentum, out=mem.vscratch)
+        return torch.addcmul(buf, mem.velocity, ratio * self.momentum, out=mem.vscratch)
+
+    def _accumulate(self, mem: BucketMemory, buf: torch.Tensor) -> torch.Tensor:
+        """``mem.scratch = buf (or the new velocity) + residual`` (brought to the current loss scale): the candidate."""
+        mem.pending = True
+        ratio = self._rescale()
+        new = buf if mem.velocity is None else self._velocity(mem, buf, ratio)
+        if ratio is not None:
+            return torch.addcmul(new, mem.residual, ratio, out=mem.scratch)
+        return torch.add(new, mem.residual, out=mem.scratch)
 
     def _record(self, bucket: Any, stats: HookStats, key: tuple[Any, ...] | None) -> None:
         self._step = self._step + stats
@@ -296,7 +323,7 @@ class TopKHookState:
         if bucket.is_last():
             self.last_step, self.total = self._step, self.total + self._step
             self._step = HookStats()
-            if self.iter >= self.warmup_iters:
+            if self.iter >= self.warmup_iters or self.momentum:
                 for stale in set(self._buckets) - self._seen:
                     del self._buckets[stale]
             self._seen = set()
@@ -380,10 +407,14 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     assert isinstance(k, int)  # a Python density gives a Python count
     sent = _wire_bytes(k, n, buf.dtype)
     if state.iter < state.warmup_iters or sent >= n * vbytes:
-        # After warm-up, a bucket too small to compress still reports Inf/NaN, for the other buckets' residuals.
-        check = state.iter >= state.warmup_iters
+        # After warm-up (or with a velocity to protect), a dense bucket still reports Inf/NaN.
+        check = state.iter >= state.warmup_iters or bool(state.momentum)
         state._expect += check
-        state._record(bucket, HookStats(n * vbytes, n * vbytes, n * vbytes, n, n), None)
+        key = None
+        if state.momentum:  # send the velocity: plain momentum SGD
+            key, mem = state._memory(bucket, buf)
+            buf.copy_(state._velocity(mem, buf, state._rescale()))
+        state._record(bucket, HookStats(n * vbytes, n * vbytes, n * vbytes, n, n), key)
         buf.div_(world)  # divide first, as DDP's default hook does
         work = dist.all_reduce(buf, group=group, async_op=True)
 
@@ -409,9 +440,26 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     def finish() -> torch.Tensor:
         state._flags.append(_nonfinite(gathered, world, k, n, buf.dtype))
-        return _receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
+        out = _receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
+        if mem.vscratch is not None:  # momentum factor masking: no velocity where the residual was spent
+            _mask_velocity(mem.vscratch, idx, acc if state.reselect else None, keep)
+        return out
 
     return work.get_future().then(_finisher(group, what, finish))
+
+
+def _mask_velocity(
+    velocity: torch.Tensor, idx: torch.Tensor, residual: torch.Tensor | None, held: torch.Tensor | None
+) -> None:
+    """Zero ``velocity`` at the sent ``idx``: with gTop-k (``residual`` given) only where nothing was put
+    back, and never at coordinates held back (``held`` False: unused parameters, which send nothing)."""
+    if residual is None and held is None:
+        velocity.index_fill_(0, idx, 0)
+        return
+    spent = torch.ones_like(idx, dtype=torch.bool) if held is None else held[idx]
+    if residual is not None:
+        spent &= residual[idx] == 0
+    velocity.index_put_((idx,), torch.where(spent, 0.0, velocity[idx]))
 
 
 def _threshold_select(state: TopKHookState, mem: BucketMemory, flat: torch.Tensor, k: int):

@@ -13,6 +13,10 @@ bucket-keyed residual fragile, and this module handles both:
   the committed residual and, while an iteration runs, the candidate one
   (``scratch``); the iteration's verdict picks one of the two on device,
   without a host sync (:func:`commit`).
+
+With momentum correction (``TopKHookState(momentum=...)``) a bucket also keeps
+a velocity, handled the same way (committed ``velocity``, candidate
+``vscratch``, re-assembled and saved by parameter).
 """
 
 from __future__ import annotations
@@ -35,15 +39,20 @@ class Slot(NamedTuple):
 
 
 class BucketMemory:
-    """One bucket's residual (committed) and the candidate of the running iteration (``scratch``)."""
+    """One bucket's residual and velocity (committed) and their candidates of the running iteration."""
 
-    __slots__ = ("residual", "scratch", "slots", "pending", "threshold")
+    __slots__ = ("residual", "scratch", "velocity", "vscratch", "slots", "pending", "vpending", "threshold")
 
-    def __init__(self, residual: torch.Tensor, slots: tuple[Slot, ...] | None) -> None:
+    def __init__(
+        self, residual: torch.Tensor, slots: tuple[Slot, ...] | None, velocity: torch.Tensor | None = None
+    ) -> None:
         self.residual = residual
         self.scratch = torch.empty_like(residual)
+        self.velocity = velocity  # None without momentum correction
+        self.vscratch = None if velocity is None else torch.empty_like(velocity)
         self.slots = slots  # None when the bucket's parameters do not tile its buffer (then no re-assembly)
-        self.pending = False  # scratch holds an uncommitted candidate
+        self.pending = False  # scratch holds an uncommitted candidate residual
+        self.vpending = False  # vscratch holds an uncommitted candidate velocity
         self.threshold: float | None = None  # selection="threshold": slack times the last k-th magnitude
 
     def pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -67,47 +76,51 @@ def bucket_slots(bucket: Any, numel: int) -> tuple[Slot, ...] | None:
 
 
 def assemble(
-    residual: torch.Tensor,
+    target: torch.Tensor,
+    field: str,
     slots: tuple[Slot, ...],
     others: Iterable[BucketMemory],
     names: dict[int, str],
     loaded: dict[str, torch.Tensor],
     unit: torch.Tensor | float | None,
 ) -> None:
-    """Fill a new bucket's zeroed ``residual`` parameter by parameter.
+    """Fill a new bucket's zeroed ``target`` (its ``field``: residual or velocity) parameter by parameter.
 
     A parameter's slice comes from the bucket that held it before (DDP rebuilt
     its buckets), else from ``loaded`` by its name (a checkpoint, in gradient
-    units: multiplied by ``unit``, the loss scale the residuals are kept at; the
+    units: multiplied by ``unit``, the loss scale the memory is kept at; the
     entry is consumed), else stays zero. Values are copied bit for bit (loss
     scales are powers of two).
     """
-    where: dict[int, tuple[BucketMemory, Slot]] = {}
+    where: dict[int, tuple[torch.Tensor, Slot]] = {}
     for mem in others:
-        for s in mem.slots or ():
-            where[s.pid] = (mem, s)
+        source = getattr(mem, field)
+        for s in mem.slots if source is not None and mem.slots is not None else ():
+            where[s.pid] = (source, s)
     for s in slots:
-        target = residual[s.offset : s.offset + s.numel]
+        piece = target[s.offset : s.offset + s.numel]
         if s.pid in where:
-            mem, old = where[s.pid]
-            target.copy_(mem.residual[old.offset : old.offset + old.numel])
+            source, old = where[s.pid]
+            piece.copy_(source[old.offset : old.offset + old.numel])
         elif names.get(s.pid) in loaded:
-            target.copy_(loaded.pop(names[s.pid]).reshape(-1))
+            piece.copy_(loaded.pop(names[s.pid]).reshape(-1))
             if unit is not None:
-                target.mul_(unit)
+                piece.mul_(unit)
 
 
 def commit(pending: list[BucketMemory], bad: torch.Tensor) -> None:
-    """End of an iteration: each candidate becomes the residual unless ``bad`` (a 0-d bool, on device).
+    """End of an iteration: each candidate becomes the residual (velocity) unless ``bad`` (a 0-d bool, on device).
 
-    One ``torch.where`` per bucket, on integer views of the bits (the widest
+    One ``torch.where`` per buffer, on integer views of the bits (the widest
     word that divides the buffer): bit for bit, NaN-proof, and on CPU about
     twice as fast as on the floats.
     """
     for mem in pending:
-        residual, scratch = _words(mem.residual), _words(mem.scratch)
-        torch.where(bad, residual, scratch, out=residual)
-        mem.pending = False
+        for flag, kept, candidate in (("pending", mem.residual, mem.scratch), ("vpending", mem.velocity, mem.vscratch)):
+            if getattr(mem, flag):
+                assert kept is not None and candidate is not None
+                torch.where(bad, _words(kept), _words(candidate), out=_words(kept))
+                setattr(mem, flag, False)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,7 @@ RESUME_LAYOUTS = (
 )
 HOOK_BAD = (len(HOOK_LAYOUTS) + 1, 1, "c", 3)  # (iteration, rank, parameter, position) of the Inf
 HOOK_DENSITY = 0.1
+HOOK_MOMENTUM = 0.75  # momentum correction (a power-of-two fraction: fp32 and fp64 references agree closely)
 
 
 def hook_module() -> nn.Module:
@@ -178,19 +179,26 @@ def reference_sum(pairs, numel: int) -> torch.Tensor:
 
 def reference_ef_topk(grads_per_rank, residuals, k: int, reselect: bool):
     """One step of error-feedback top-k averaging over ranks, on flat fp64 vectors (library top-k mask)."""
-    sent = []
-    new_res = []
+    mean, new_res, _ = reference_ef_topk_spent(grads_per_rank, residuals, k, reselect)
+    return mean, new_res
+
+
+def reference_ef_topk_spent(grads_per_rank, residuals, k: int, reselect: bool):
+    """:func:`reference_ef_topk`, also returning each rank's mask of the coordinates whose residual was spent."""
+    sent, new_res, masks = [], [], []
     for g, r in zip(grads_per_rank, residuals):
         acc = g.double() + r
         mask = ft.topk_mask(acc, k)
+        masks.append(mask)
         sent.append(torch.where(mask, acc, 0.0))
         new_res.append(torch.where(mask, 0.0, acc))
     total = sum(sent)
     if reselect:
         keep = ft.topk_mask(total, k)
         new_res = [r + torch.where(keep, 0.0, s) for r, s in zip(new_res, sent)]
+        masks = [m & keep for m in masks]
         total = torch.where(keep, total, 0.0)
-    return total / len(grads_per_rank), new_res
+    return total / len(grads_per_rank), new_res, masks
 
 
 def flat(tree) -> torch.Tensor:

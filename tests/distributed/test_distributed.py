@@ -35,6 +35,7 @@ from tests.distributed.common import (
     GROUPS,
     HOOK_BAD,
     HOOK_DENSITY,
+    HOOK_MOMENTUM,
     HOOK_PARAMS,
     PG_TIMEOUT_S,
     SIZES,
@@ -49,6 +50,7 @@ from tests.distributed.common import (
     members,
     phase,
     reference_ef_topk,
+    reference_ef_topk_spent,
     reference_sum,
     tx_grads,
 )
@@ -132,41 +134,54 @@ def numel(name: str) -> int:
     return math.prod(HOOK_PARAMS[name])
 
 
-def hook_reference(gname: str, reselect: bool):
-    """Per iteration: the expected mean of each bucket, and each rank's residual per parameter (fp64).
+def hook_reference(gname: str, reselect: bool, momentum: float = 0.0):
+    """Per iteration: the expected mean of each bucket, and each rank's residual and velocity per parameter (fp64).
 
-    The bucket layouts change (rebuild, resume); the residual lives per parameter here, so it follows
-    its parameter into any bucket. The iteration with the Inf keeps every residual as it was.
+    The bucket layouts change (rebuild, resume); the memory lives per parameter here, so it follows
+    its parameter into any bucket. The iteration with the Inf keeps every residual and velocity as it was.
+    With ``momentum`` (DGC's momentum correction): ``u = momentum * u + g`` takes the gradient's place,
+    dense iterations send ``u``, and ``u`` is cleared where the residual was spent.
     """
     size = SIZES[gname]
-    residual = [{} for _ in range(size)]
+    residual, velocity = [{} for _ in range(size)], [{} for _ in range(size)]
+
+    def held(memory, r, names):
+        return torch.cat([memory[r].get(name, torch.zeros(numel(name), dtype=torch.float64)) for name in names])
+
     for it, layout in enumerate(hook_layouts()):
         means = []
-        new = [dict(res) for res in residual]
+        new, new_u = [dict(res) for res in residual], [dict(u) for u in velocity]
         for names in layout:
-            grads = [torch.cat([hook_grad(r, it, name) for name in names]) for r in range(size)]
-            if it == 0:  # warm-up: plain averaging
-                means.append(sum(g.double() for g in grads) / size)
+            grads = [torch.cat([hook_grad(r, it, name) for name in names]).double() for r in range(size)]
+            if momentum:
+                grads = [momentum * held(velocity, r, names) + g for r, g in enumerate(grads)]
+                for r in range(size):
+                    new_u[r].update(zip(names, torch.split(grads[r], [numel(name) for name in names])))
+            if it == 0:  # warm-up: plain averaging (of the velocities, with momentum)
+                means.append(sum(grads) / size)
                 continue
             n = grads[0].numel()
-            held = [torch.cat([residual[r].get(name, torch.zeros(numel(name), dtype=torch.float64)) for name in names])
-                    for r in range(size)]  # fmt: skip
-            mean, after = reference_ef_topk(grads, held, ft.sparse.k_from_density(HOOK_DENSITY, n), reselect)
+            residuals = [held(residual, r, names) for r in range(size)]
+            mean, after, spent = reference_ef_topk_spent(grads, residuals, ft.sparse.k_from_density(HOOK_DENSITY, n),
+                                                         reselect)  # fmt: skip
             means.append(mean)
             for r in range(size):
-                pieces = torch.split(after[r], [numel(name) for name in names])
-                new[r].update(zip(names, pieces))
+                sizes = [numel(name) for name in names]
+                new[r].update(zip(names, torch.split(after[r], sizes)))
+                if momentum:
+                    new_u[r].update(zip(names, torch.split(torch.where(spent[r], 0.0, grads[r]), sizes)))
         if it != HOOK_BAD[0]:
-            residual = new
-        yield layout, means, residual
+            residual, velocity = new, new_u
+        yield layout, means, residual, velocity
 
 
 @pytest.mark.parametrize("gname", GROUPS)
 @pytest.mark.parametrize("reselect", [False, True])
-def test_topk_hook_on_buckets_matches_reference_through_rebuild_resume_and_inf(run, gname, reselect):
+@pytest.mark.parametrize("momentum", [0.0, HOOK_MOMENTUM])
+def test_topk_hook_on_buckets_matches_reference_through_rebuild_resume_and_inf(run, gname, reselect, momentum):
     size = SIZES[gname]
-    got = [phase(run, "hook", r)[(gname, reselect)] for r in members(gname)]
-    for it, (layout, means, residual) in enumerate(hook_reference(gname, reselect)):
+    got = [phase(run, "hook", r)[(gname, reselect, momentum)] for r in members(gname)]
+    for it, (layout, means, residual, velocity) in enumerate(hook_reference(gname, reselect, momentum)):
         for b, expected in enumerate(means):
             for r in members(gname):
                 out = got[r]["iters"][it]["buckets"][b]
@@ -187,13 +202,21 @@ def test_topk_hook_on_buckets_matches_reference_through_rebuild_resume_and_inf(r
         )
         assert rec["iter"] == it + 1
         assert rec["skipped"] == (1 if it >= HOOK_BAD[0] else 0)
-        assert rec["entries"] == (0 if it == 0 else len(layout))  # the old buckets' entries dropped
+        # the old buckets' entries dropped (with momentum, the warm-up keeps velocities in bucket memories too)
+        assert rec["entries"] == (0 if it == 0 and not momentum else len(layout))
         for r in members(gname):
             saved = got[r]["iters"][it]["residuals"]
-            assert sorted(saved) == sorted(residual[r]), f"iteration {it}: saved {sorted(saved)}"
-            for name, expected in residual[r].items():
-                assert saved[name].shape == HOOK_PARAMS[name], name
-                torch.testing.assert_close(saved[name].reshape(-1).double(), expected, rtol=1e-5, atol=1e-6)
+            velocities = got[r]["iters"][it]["velocities"]
+            assert (velocities is None) == (not momentum)
+            for expected_memory, saved_memory in ((residual[r], saved), (velocity[r], velocities or {})):
+                # with momentum every parameter has bucket memory from the start (its residual zero in warm-up)
+                names = sorted(HOOK_PARAMS) if momentum else sorted(expected_memory)
+                assert sorted(saved_memory) == names, f"iteration {it}: {sorted(saved_memory)}"
+                for name in names:
+                    expected = expected_memory.get(name, torch.zeros(numel(name), dtype=torch.float64))
+                    assert saved_memory[name].shape == HOOK_PARAMS[name], name
+                    torch.testing.assert_close(saved_memory[name].reshape(-1).double(), expected, rtol=1e-5,
+                                               atol=1e-6)  # fmt: skip
     # A bucket of other parameters starts from zero; the old entries are dropped.
     grads = [hook_grad(r, 0, "a").repeat(4) for r in members(gname)]
     zero = [torch.zeros(80, dtype=torch.float64) for _ in members(gname)]
@@ -215,8 +238,8 @@ def test_ddp_hook_trains_keeps_replicas_identical_and_counts_bytes(run):
         sizes = rec["bucket_sizes"]
         gathers = [c for c in rec["collectives"] if c[0] != "all_reduce"]
         reduces = [c for c in rec["collectives"] if c[0] == "all_reduce"]
-        if step == 0:  # the first hook call checks the configuration: one all-gather of 6 int64 codes per rank
-            assert gathers[0][1:] == (6 * 8, size * 6 * 8), gathers
+        if step == 0:  # the first hook call checks the configuration: one all-gather of 7 int64 codes per rank
+            assert gathers[0][1:] == (7 * 8, size * 7 * 8), gathers
             gathers = gathers[1:]
         if step < DDP_WARMUP:
             assert gathers == [] and len(reduces) == len(sizes)
@@ -333,6 +356,9 @@ def test_distributed_topk_init_checks_the_tree():
         ({"process_group": 1}, TypeError, "process_group must be a torch.distributed"),
         ({"model": {"w": 1}}, TypeError, "model must be a torch.nn.Module"),
         ({"grad_scaler": 2.0}, TypeError, "grad_scaler must be a torch.amp.GradScaler or None, got float"),
+        ({"momentum": 1.0}, ValueError, "momentum must be < 1.0, got 1.0"),
+        ({"momentum": -0.5}, ValueError, "momentum must be >= 0.0, got -0.5"),
+        ({"momentum": "0.9"}, TypeError, "momentum must be a real number, got str"),
     ],
 )
 def test_hook_state_rejects_bad_arguments(kwargs, exc, match):

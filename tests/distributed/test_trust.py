@@ -75,6 +75,25 @@ def test_amp_inf_on_one_rank_skips_exactly_the_steps_dense_ddp_skips(run):
             assert torch.equal(bits(t), bits(skip[-1]["residuals"][name])), name
 
 
+def test_amp_with_momentum_correction_skips_the_bad_step_without_a_trace(run):
+    """The same with TopKHookState(momentum=0.9): velocities, like residuals, are kept, rescaled and restored."""
+    got = [phase(run, "amp", r) for r in (0, 1)]
+    for r in (0, 1):
+        mc, skip = got[r]["mc"], got[r]["mc_skip"]
+        assert [s["stepped"] for s in mc] == [step != AMP_BAD_STEP for step in range(AMP_STEPS)]
+        assert [s["skipped"] for s in mc] == [int(step >= AMP_BAD_STEP) for step in range(AMP_STEPS)]
+        before, after = mc[AMP_BAD_STEP - 1]["velocities"], mc[AMP_BAD_STEP]["velocities"]
+        assert sorted(before) == sorted(after) and any(t.abs().sum() > 0 for t in before.values())
+        for name in before:
+            assert torch.equal(bits(before[name]), bits(after[name])), name
+        assert torch.equal(bits(mc[-1]["params"]), bits(skip[-1]["params"]))
+        assert torch.equal(bits(mc[-1]["params"]), bits(got[0]["mc"][-1]["params"]))
+        assert not torch.equal(mc[-1]["params"], got[r]["topk"][-1]["params"])  # momentum did something
+        for key in ("residuals", "velocities"):
+            for name, t in mc[-1][key].items():
+                assert torch.equal(bits(t), bits(skip[-1][key][name])), (key, name)
+
+
 def test_amp_without_the_scaler_in_the_hook_replays_the_residual_at_the_old_scale(run):
     """The control of the test above: without grad_scaler=, the halved scale leaves the residual 2x too big."""
     for r in (0, 1):
@@ -137,6 +156,28 @@ def test_hook_load_state_dict_checks_names_and_sizes():
         TopKHookState(model=module).load_state_dict({"iter": 3})
 
 
+def test_hook_load_state_dict_with_velocities_needs_momentum_and_checks_them():
+    module = hook_module()
+    fresh = TopKHookState(model=module, momentum=0.9).state_dict()
+    assert fresh["velocities"] == {} and fresh["momentum"] == 0.9
+    saved = dict(fresh, residuals={"a": torch.ones(4, 5)}, velocities={"a": torch.full((4, 5), 2.0)})
+    state = TopKHookState(model=module, momentum=0.9)
+    state.load_state_dict(saved)
+    again = state.state_dict()
+    assert torch.equal(again["velocities"]["a"], saved["velocities"]["a"]) and sorted(again["residuals"]) == ["a"]
+    no_momentum = TopKHookState(model=module)
+    with pytest.raises(ValueError, match=r"holds momentum-correction velocities but this state has momentum=0"):
+        no_momentum.load_state_dict(saved)
+    assert no_momentum.iter == 0 and no_momentum.state_dict()["residuals"] == {}  # nothing half-loaded
+    with pytest.raises(ValueError, match=r"velocities that match no parameter of the model 'z'"):
+        TopKHookState(model=module, momentum=0.9).load_state_dict(dict(saved, velocities={"z": torch.ones(3)}))
+    # A checkpoint saved without momentum correction loads into a state with it: velocities start at zero.
+    plain = dict(TopKHookState(model=module).state_dict(), residuals={"a": torch.ones(4, 5)})
+    switched = TopKHookState(model=module, momentum=0.9)
+    switched.load_state_dict(plain)
+    assert switched.state_dict()["velocities"] == {}
+
+
 # --------------------------------------------------------------------------- 3. agreement across ranks
 
 
@@ -187,3 +228,18 @@ def test_without_the_model_ddp_drops_the_unused_mass(run):
     assert not got[0]["find_unused"]
     errors = conservation_error(got)
     assert errors["right.weight"] > 1e-6 and errors["trunk.weight"] < 1e-8, errors
+
+
+def test_reselect_puts_dropped_values_back_without_overwriting_a_held_back_residual():
+    """gTop-k's put-back adds the dropped values: an index that named a held-back coordinate (an unused
+    parameter's, sent as 0 because the bucket had fewer than k eligible values) keeps its residual."""
+    from functopk.distributed.exchange import _reselect
+
+    residual = torch.tensor([0.0, 5.0, 0.0, 0.0])  # coordinate 1 is held back with residual 5; 0 and 2 were sent
+    idx, vals = torch.tensor([0, 1, 2]), torch.tensor([3.0, 0.0, -1.0])
+    total = torch.tensor([3.0, 0.0, -1.0, 0.5])  # the mean over ranks: its top 2 are coordinates 0 and 2
+    total, residual = _reselect(total, idx, vals, residual, k=2)
+    assert total.tolist() == [3.0, 0.0, -1.0, 0.0]
+    assert residual.tolist() == [0.0, 5.0, 0.0, 0.0]
+    total, residual = _reselect(torch.tensor([3.0, 0.0, -1.0, 2.0]), idx, vals, torch.tensor([0.0, 5.0, 0.0, 0.0]), 2)
+    assert total.tolist() == [3.0, 0.0, 0.0, 2.0] and residual.tolist() == [0.0, 5.0, -1.0, 0.0]  # -1 dropped, back

@@ -10,6 +10,7 @@ import datetime
 import faulthandler
 import inspect
 import io
+import itertools
 import math
 import os
 import socket
@@ -31,6 +32,7 @@ from tests.distributed.common import (
     DEATH_EXIT_CODE,
     HOOK_DENSITY,
     HOOK_LAYOUTS,
+    HOOK_MOMENTUM,
     HOOK_PARAMS,
     PG_TIMEOUT_S,
     RESUME_LAYOUTS,
@@ -152,8 +154,10 @@ def _hook_iteration(state, module, rank: int, it: int, layout) -> dict:
         buf = torch.cat([hook_grad(rank, it, name) for name in names])
         bucket = FakeBucket(b, buf, [module[name] for name in names], last=b == len(layout) - 1)
         outs.append(topk_hook(state, bucket).wait().clone())
+    saved = state.state_dict()
     return {"buckets": outs, "last_step": state.last_step, "iter": state.iter, "skipped": state.skipped_iters,
-            "residuals": state.state_dict()["residuals"], "entries": len(state.residuals)}  # fmt: skip
+            "residuals": saved["residuals"], "velocities": saved.get("velocities"),
+            "entries": len(state.residuals)}  # fmt: skip
 
 
 def _hook_phase(rank: int, groups: dict):
@@ -161,9 +165,10 @@ def _hook_phase(rank: int, groups: dict):
     for gname, group in groups.items():
         if group is None:
             continue
-        for reselect in (False, True):
+        for reselect, momentum in itertools.product((False, True), (0.0, HOOK_MOMENTUM)):
             module = hook_module()
-            kwargs = {"density": HOOK_DENSITY, "warmup_iters": 1, "reselect": reselect, "model": module}
+            kwargs = {"density": HOOK_DENSITY, "warmup_iters": 1, "reselect": reselect, "model": module,
+                      "momentum": momentum}  # fmt: skip
             state = TopKHookState(group, **kwargs)
             its = [_hook_iteration(state, module, rank, it, layout) for it, layout in enumerate(HOOK_LAYOUTS)]
             saved = _roundtrip(state.state_dict())
@@ -175,8 +180,10 @@ def _hook_phase(rank: int, groups: dict):
             stranger = torch.nn.Parameter(torch.zeros(sum(math.prod(s) for s in HOOK_PARAMS.values())))
             topk_hook(resumed, FakeBucket(0, hook_grad(rank, 0, "a").repeat(4), [stranger], last=True)).wait()
             stranger_residual = next(iter(resumed.residuals.values())).clone()
-            out[(gname, reselect)] = {"iters": its, "saved": saved, "entries_after_stranger": len(resumed.residuals),
-                                      "stranger_residual": stranger_residual}  # fmt: skip
+            out[(gname, reselect, momentum)] = {
+                "iters": its, "saved": saved, "entries_after_stranger": len(resumed.residuals),
+                "stranger_residual": stranger_residual,
+            }  # fmt: skip
         # Without model=, the residuals have no names to be saved by.
         anonymous = TopKHookState(group, density=HOOK_DENSITY, warmup_iters=0)
         topk_hook(anonymous, FakeBucket(0, hook_grad(rank, 0, "b"), [torch.zeros(30)], last=True)).wait()
@@ -304,24 +311,27 @@ def _amp_run(rank: int, pair, mode: str):
 
     ``mode``: ``"topk"`` (hook + GradScaler, the scaler passed to the hook), ``"topk_unaware"`` (the
     scaler not passed), ``"dense"`` (DDP's allreduce + GradScaler), ``"topk_skip"`` (hook, no scaler,
-    and the bad step left out altogether: what a skipped step should amount to).
+    and the bad step left out altogether: what a skipped step should amount to); ``"mc"`` and
+    ``"mc_skip"``: ``"topk"`` and ``"topk_skip"`` with momentum correction in the hook.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     net = small_cnn()
     model = DDP(net, process_group=pair, bucket_cap_mb=0.0005)  # several buckets
-    scaler = None if mode == "topk_skip" else torch.amp.GradScaler("cpu", init_scale=AMP_SCALE, growth_interval=1000)
+    skip = mode.endswith("skip")
+    scaler = None if skip else torch.amp.GradScaler("cpu", init_scale=AMP_SCALE, growth_interval=1000)
     state = None
     if mode != "dense":
         state = TopKHookState(pair, density=0.1, warmup_iters=1, model=model,
-                              grad_scaler=scaler if mode == "topk" else None)  # fmt: skip
+                              grad_scaler=scaler if mode in ("topk", "mc") else None,
+                              momentum=0.9 if mode.startswith("mc") else 0.0)  # fmt: skip
         model.register_comm_hook(state, topk_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     weight = net[0].weight
     steps: list = []
     for step in range(AMP_STEPS):
-        if mode == "topk_skip" and step == AMP_BAD_STEP:
+        if skip and step == AMP_BAD_STEP:
             steps.append(None)
             continue
         x, y = batch(n=16, seed=100 * step + rank)
@@ -342,13 +352,15 @@ def _amp_run(rank: int, pair, mode: str):
             "stepped": not torch.equal(before, _flat_params(net)),
             "params": _flat_params(net),
             "residuals": None if state is None else state.state_dict()["residuals"],
+            "velocities": None if state is None else state.state_dict().get("velocities"),
             "skipped": None if state is None else state.skipped_iters,
         })  # fmt: skip
     return steps
 
 
 def _amp_phase(rank: int, pair):
-    return {mode: _amp_run(rank, pair, mode) for mode in ("topk", "topk_unaware", "dense", "topk_skip")}
+    modes = ("topk", "topk_unaware", "dense", "topk_skip", "mc", "mc_skip")
+    return {mode: _amp_run(rank, pair, mode) for mode in modes}
 
 
 def _unused_run(rank: int, pair, with_model: bool):
