@@ -21,8 +21,10 @@ from functopk.distributed.exchange import (
     _send,
     _wire_bytes,
 )
+from functopk.distributed.hook_tree import tree_bucket
 from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, used_mask
 from functopk.distributed.threshold import threshold_select
+from functopk.distributed.tree import tree_wire_bytes
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
@@ -35,9 +37,13 @@ class HookStats(NamedTuple):
 
     Attributes:
         bytes_sent: Bytes this rank handed to collectives: ``k * (index + value
-            bytes)`` per compressed bucket, ``n * value bytes`` per dense one.
+            bytes)`` per compressed bucket (``exchange="tree"``: what it sends over
+            the tree's rounds, :func:`functopk.distributed.tree.tree_wire_bytes`,
+            ``log2(P)`` times that for power-of-two ``P``), ``n * value bytes``
+            per dense one.
         bytes_gathered: Bytes of the collectives' results on this rank: ``P``
-            times the above for compressed buckets, ``n * value bytes`` for dense.
+            times ``k`` pairs for compressed buckets (``exchange="tree"``: the
+            bytes it receives over the rounds), ``n * value bytes`` for dense.
         bytes_dense: What plain allreduce would have handed over: ``n * value bytes`` per bucket.
         coords_sent: Coordinates sent (``k`` per compressed bucket, ``n`` per dense one).
         coords: All coordinates of the buckets.
@@ -92,6 +98,15 @@ class TopKHookState:
             when there are fewer than ``k`` or far too many). Both select the
             same coordinates, bit for bit; only the speed differs (see
             ``docs/distributed.md`` and :mod:`functopk.distributed.threshold`).
+        exchange: ``"allgather"`` (one all-gather of every rank's ``k`` pairs:
+            ``(P - 1) k`` pairs on the wire per rank, overlapped with the
+            backward pass) or ``"tree"`` (gTop-k's tree, as
+            ``distributed_topk(exchange="tree")``: ``log2(P) k`` pairs per rank
+            in ``log2 P`` rounds of pairwise swaps, each keeping the top ``k``
+            of the pair's sum; what a merge drops of a rank's pairs stays in
+            that rank's residual; run synchronously, without overlap, see
+            :mod:`functopk.distributed.hook_tree`). The tree always re-selects
+            (``reselect`` is not consulted).
 
     Attributes:
         iter: Iterations seen (counted when the last bucket of an iteration passes).
@@ -125,6 +140,7 @@ class TopKHookState:
         model: torch.nn.Module | None = None,
         grad_scaler: Any = None,
         selection: str = "exact",
+        exchange: str = "allgather",
     ) -> None:
         _check_group_arg(process_group, "process_group")
         self.process_group: dist.ProcessGroup | None = process_group
@@ -139,7 +155,12 @@ class TopKHookState:
             raise TypeError(f"selection must be a str ('exact' or 'threshold'), got {describe(selection)}")
         if selection not in ("exact", "threshold"):
             raise ValueError(f"selection must be 'exact' or 'threshold', got {describe(selection)}")
+        if not isinstance(exchange, str):
+            raise TypeError(f"exchange must be a str ('allgather' or 'tree'), got {describe(exchange)}")
+        if exchange not in ("allgather", "tree"):
+            raise ValueError(f"exchange must be 'allgather' or 'tree', got {describe(exchange)}")
         self.selection: str = selection
+        self.exchange: str = exchange
         self.threshold_fallbacks: int = 0
         self.iter: int = 0
         self.last_step: HookStats = HookStats()
@@ -158,8 +179,9 @@ class TopKHookState:
         self._unit: torch.Tensor | float | None = None  # the loss scale the residuals are in (None: unscaled)
 
     def __repr__(self) -> str:
+        tree = ", exchange='tree'" if self.exchange == "tree" else ""
         return (f"TopKHookState(density={self.density}, warmup_iters={self.warmup_iters}, "
-                f"reselect={self.reselect}, iter={self.iter})")  # fmt: skip
+                f"reselect={self.reselect}{tree}, iter={self.iter})")  # fmt: skip
 
     @property
     def residuals(self) -> dict[tuple[Any, ...], torch.Tensor]:
@@ -199,7 +221,7 @@ class TopKHookState:
         return {
             "format": FORMAT, "version": 1,
             "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
-            "iter": self.iter, "skipped_iters": self.skipped_iters,
+            "exchange": self.exchange, "iter": self.iter, "skipped_iters": self.skipped_iters,
             "last_step": self.last_step._asdict(), "total": self.total._asdict(),
             "residuals": residuals,
         }  # fmt: skip
@@ -207,7 +229,7 @@ class TopKHookState:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` (this rank's own): iteration count, statistics, residuals.
 
-        The configuration (``density``, ``warmup_iters``, ``reselect``) is this
+        The configuration (``density``, ``warmup_iters``, ``reselect``, ``exchange``) is this
         state's own, not the saved one. Residuals are matched to parameters by
         name and placed into whatever buckets DDP builds next, bit for bit.
 
@@ -242,8 +264,8 @@ class TopKHookState:
         if not self._agreed:
             check_agreement("topk_hook", {
                 "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
-                "the iteration (state.iter)": self.iter, "the size of the first bucket": buf.numel(),
-                "the gradient dtype": str(buf.dtype),
+                "exchange": self.exchange, "the iteration (state.iter)": self.iter,
+                "the size of the first bucket": buf.numel(), "the gradient dtype": str(buf.dtype),
             }, group, rank, world, buf.device)  # fmt: skip
             self._agreed = True
         self._settle()
@@ -336,7 +358,7 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     bit-identical buckets.
 
     The first call checks that every rank has the same ``density``,
-    ``warmup_iters``, ``reselect``, iteration count and first bucket (one
+    ``warmup_iters``, ``reselect``, ``exchange``, iteration count and first bucket (one
     small collective) and raises ``ValueError`` naming the field otherwise.
     An iteration in which any rank's gradients are non-finite leaves every
     residual as it was (the averaged buckets still carry the Inf/NaN, so a
@@ -347,6 +369,16 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     of the backward pass as for plain allreduce. If it fails (a peer died or
     timed out), the future fails with a ``RuntimeError`` that says so, and
     DDP raises it from ``backward()``.
+
+    With ``TopKHookState(..., exchange="tree")`` each compressed bucket goes
+    through gTop-k's tree instead (``log2 P`` rounds of pairwise swaps, as
+    ``distributed_topk(exchange="tree")``): ``log2(P) k`` pairs sent and
+    received per rank instead of the all-gather's ``k`` sent and ``P k``
+    received, and a result that keeps the top ``k`` of each merge rather
+    than of the exact sum (what a merge drops of this rank's pairs stays in
+    its residual). The rounds depend on each other and run inside the hook
+    call, which returns a completed future: the tree does not overlap with
+    the backward pass (see :mod:`functopk.distributed.hook_tree` for why).
 
     Args:
         state: The hook's :class:`TopKHookState`.
@@ -398,11 +430,14 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     state._expect += 1
     acc = state._accumulate(mem, buf)  # grads + residual: after _send, this iteration's candidate residual
     keep = used_mask(mem, buf) if state.find_unused_parameters else None
+    select = None if state.selection == "exact" else partial(_threshold_select, state, mem)
+    if state.exchange == "tree":
+        state._record(bucket, HookStats(*tree_wire_bytes(k, n, buf.dtype, world, rank), n * vbytes, k, n), key)
+        return tree_bucket(buf, acc, keep, k, select, (group, rank, world), state._flags)
     state._record(bucket, HookStats(sent, sent * world, n * vbytes, k, n), key)
     what = "the sparse all-gather of topk_hook"
     # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
     eligible = acc if keep is None else torch.where(keep, acc, 0)
-    select = None if state.selection == "exact" else partial(_threshold_select, state, mem)
     idx, vals, work, gathered = _send(eligible, k, group, world, what, async_op=True, select=select)
     if keep is not None:
         torch.where(keep, eligible, acc, out=acc)
