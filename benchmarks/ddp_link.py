@@ -26,6 +26,9 @@ images per rank) with each variant:
   coordinates);
 * ``topk0.1mc`` / ``topk1mc``: the same with DGC's momentum correction in the
   hook (``TopKHookState(momentum=0.9)``) and SGD without momentum;
+* ``topk-tree0.1`` / ``topk-tree1`` (not run unless named in ``--variants``): the
+  same with ``TopKHookState(exchange="tree")``, gTop-k's tree per bucket
+  (``log2(P) k`` pairs per rank, rounds run synchronously in the hook);
 * ``nocomm``: the same step on the bare module, no DDP: the compute floor.
 
 Each variant keeps its own model for the whole run; every one is warmed up
@@ -69,6 +72,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 NETNS_FLAG = "FUNCTOPK_DDP_LINK_NETNS"
 WORLD = 2
 VARIANTS = ["dense", "fp16", "powersgd1", "powersgd4", "topk0.1", "topk1", "topk0.1mc", "topk1mc"]
+EXTRA_VARIANTS = ["topk-tree0.1", "topk-tree1"]  # only when named in --variants
 HOOK_WARMUP = 2  # dense iterations of the hooks (DDP rebuilds its buckets after the first)
 
 
@@ -119,12 +123,14 @@ def timed_hook(state: TimedHook, bucket):
     return fut
 
 
-def make_topk_state(mode: str, density: float, warmup: int, momentum: float):
-    """``(state, hook)`` of the top-k variant for ``--topk-mode``."""
+def make_topk_state(mode: str, density: float, warmup: int, momentum: float = 0.0, exchange: str = "allgather"):
+    """``(state, hook)`` of the top-k variant for ``--topk-mode``, ``momentum`` and ``exchange``."""
     from functopk.distributed import TopKHookState, topk_hook
 
     selection = {"exact": "exact", "threshold-reuse": "threshold"}[mode]
-    return TopKHookState(density=density, warmup_iters=warmup, selection=selection, momentum=momentum), topk_hook
+    state = TopKHookState(density=density, warmup_iters=warmup, selection=selection, momentum=momentum,
+                          exchange=exchange)  # fmt: skip
+    return state, topk_hook
 
 
 def build_variant(name: str, module, topk_mode: str, hook_warmup: int):
@@ -145,7 +151,8 @@ def build_variant(name: str, module, topk_mode: str, hook_warmup: int):
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif name in TOPK_DENSITY:
         momentum = HOOK_MOMENTUM if name.endswith("mc") else 0.0
-        state = TimedHook(*make_topk_state(topk_mode, TOPK_DENSITY[name], hook_warmup, momentum))
+        exchange = "tree" if name.startswith("topk-tree") else "allgather"
+        state = TimedHook(*make_topk_state(topk_mode, TOPK_DENSITY[name], hook_warmup, momentum, exchange))
         model.register_comm_hook(state, timed_hook)
         return model, state
     elif name != "dense":
@@ -177,6 +184,8 @@ def computed_bytes(name: str, module, coords_sent: int, world: int) -> float:
         return ring_bytes("allreduce", 2 * n, world)
     if name.startswith("powersgd"):
         return ring_bytes("allreduce", 4 * powersgd_numel(module, int(name[8:])), world)
+    if name.startswith("topk-tree"):  # log2(P) swaps of k pairs (P a power of two)
+        return (world.bit_length() - 1) * 8 * coords_sent
     if name in TOPK_DENSITY:
         return ring_bytes("allgather", 8 * coords_sent, world)
     return 0.0
@@ -364,7 +373,8 @@ def torchrun(spec: dict, tmp: str) -> dict:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="resnet18,resnet50", help="torchvision models, comma-separated")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {VARIANTS}")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, from {VARIANTS + EXTRA_VARIANTS}")  # fmt: skip
     p.add_argument("--rates", default="1gbit,10gbit,none", help="tc tbf rates; 'none' is unthrottled loopback")
     p.add_argument("--topk-mode", choices=["exact", "threshold-reuse"], default="exact",
                    help="top-k selection: exact, or threshold-reuse (TopKHookState(selection='threshold'))")
@@ -384,8 +394,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models, args.variants, args.rates = (s.split(",") for s in (args.models, args.variants, args.rates))
     args.accuracy = [a for a in args.accuracy.split(",") if a]
-    if bad := [v for v in args.variants if v not in VARIANTS]:
-        p.error(f"unknown variants {bad}; choose from {VARIANTS}")
+    if bad := [v for v in args.variants if v not in VARIANTS + EXTRA_VARIANTS]:
+        p.error(f"unknown variants {bad}; choose from {VARIANTS + EXTRA_VARIANTS}")
     args.variants = ["dense", *[v for v in args.variants if v != "dense"]]  # the reference of every ratio
     if bad := [r for r in args.rates if r != "none" and not r.endswith("bit")]:
         p.error(f"rates look like 1gbit, 500mbit or none, got {bad}")

@@ -11,7 +11,8 @@ import statistics
 from pathlib import Path
 
 RATES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "none": "unthrottled"}
-TOPK_DENSITY = {"topk0.1": 0.001, "topk1": 0.01, "topk0.1mc": 0.001, "topk1mc": 0.01}
+TOPK_DENSITY = {"topk0.1": 0.001, "topk1": 0.01, "topk0.1mc": 0.001, "topk1mc": 0.01,
+                "topk-tree0.1": 0.001, "topk-tree1": 0.01}
 HOOK_MOMENTUM = 0.9  # the "mc" variants: momentum correction in the hook, none in the optimizer
 
 
@@ -31,7 +32,8 @@ def med(xs: list[float]) -> float:
 LABELS = {"nocomm": "compute only (no DDP)", "dense": "dense allreduce", "fp16": "fp16 compress hook",
           "powersgd1": "PowerSGD rank 1", "powersgd4": "PowerSGD rank 4",
           "topk0.1": "topk_hook 0.1%", "topk1": "topk_hook 1%",
-          "topk0.1mc": "topk_hook 0.1% + momentum corr.", "topk1mc": "topk_hook 1% + momentum corr."}  # fmt: skip
+          "topk0.1mc": "topk_hook 0.1% + momentum corr.", "topk1mc": "topk_hook 1% + momentum corr.",
+          "topk-tree0.1": "topk_hook tree 0.1%", "topk-tree1": "topk_hook tree 1%"}  # fmt: skip
 
 
 def time_table(arch: str, res: dict, rates: list[str]) -> list[str]:

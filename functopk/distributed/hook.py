@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from functopk._checks import check_bool, check_density, check_int, check_number, describe
 from functopk.distributed.agree import check_agreement
@@ -21,9 +20,12 @@ from functopk.distributed.exchange import (
     _send,
     _wire_bytes,
 )
-from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, used_mask
+from functopk.distributed.hook_tree import tree_bucket
+from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, mask_velocity, used_mask
+from functopk.distributed.names import by_name, check_names, model_info
 from functopk.distributed.stats import HookStats
 from functopk.distributed.threshold import threshold_select
+from functopk.distributed.tree import tree_wire_bytes
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
@@ -74,6 +76,15 @@ class TopKHookState:
             more pass and two more bucket-sized buffers per bucket. On the
             example's task it closes top-k's accuracy gap to dense momentum SGD
             (``docs/distributed.md``).
+        exchange: ``"allgather"`` (one all-gather of every rank's ``k`` pairs:
+            ``(P - 1) k`` pairs on the wire per rank, overlapped with the
+            backward pass) or ``"tree"`` (gTop-k's tree, as
+            ``distributed_topk(exchange="tree")``: ``log2(P) k`` pairs per rank
+            in ``log2 P`` rounds of pairwise swaps, each keeping the top ``k``
+            of the pair's sum; what a merge drops of a rank's pairs stays in
+            that rank's residual; run synchronously, without overlap, see
+            :mod:`functopk.distributed.hook_tree`). The tree always re-selects
+            (``reselect`` is not consulted).
 
     Attributes:
         iter: Iterations seen (counted when the last bucket of an iteration passes).
@@ -108,13 +119,14 @@ class TopKHookState:
         grad_scaler: Any = None,
         selection: str = "exact",
         momentum: float = 0.0,
+        exchange: str = "allgather",
     ) -> None:
         _check_group_arg(process_group, "process_group")
         self.process_group: dist.ProcessGroup | None = process_group
         self.density: float = float(check_density(density, allow_tensor=False))
         self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
         self.reselect: bool = check_bool(reselect, "reselect")
-        self._names, self._numels, self.find_unused_parameters = _model_info(model)
+        self._names, self._numels, self.find_unused_parameters = model_info(model)
         if grad_scaler is not None and not isinstance(getattr(grad_scaler, "_enabled", None), bool):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {describe(grad_scaler)}")
         self._scaler = grad_scaler
@@ -122,8 +134,13 @@ class TopKHookState:
             raise TypeError(f"selection must be a str ('exact' or 'threshold'), got {describe(selection)}")
         if selection not in ("exact", "threshold"):
             raise ValueError(f"selection must be 'exact' or 'threshold', got {describe(selection)}")
+        if not isinstance(exchange, str):
+            raise TypeError(f"exchange must be a str ('allgather' or 'tree'), got {describe(exchange)}")
+        if exchange not in ("allgather", "tree"):
+            raise ValueError(f"exchange must be 'allgather' or 'tree', got {describe(exchange)}")
         self.selection: str = selection
         self.momentum: float = check_number(momentum, "momentum", minimum=0.0, below=1.0)
+        self.exchange: str = exchange
         self.threshold_fallbacks: int = 0
         self.iter: int = 0
         self.last_step: HookStats = HookStats()
@@ -143,8 +160,9 @@ class TopKHookState:
         self._unit: torch.Tensor | float | None = None  # the loss scale the residuals are in (None: unscaled)
 
     def __repr__(self) -> str:
+        tree = ", exchange='tree'" if self.exchange == "tree" else ""
         return (f"TopKHookState(density={self.density}, warmup_iters={self.warmup_iters}, "
-                f"reselect={self.reselect}, momentum={self.momentum}, iter={self.iter})")  # fmt: skip
+                f"reselect={self.reselect}, momentum={self.momentum}{tree}, iter={self.iter})")  # fmt: skip
 
     @property
     def residuals(self) -> dict[tuple[Any, ...], torch.Tensor]:
@@ -174,40 +192,24 @@ class TopKHookState:
         out = {
             "format": FORMAT, "version": 1,
             "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
-            "momentum": self.momentum, "iter": self.iter, "skipped_iters": self.skipped_iters,
+            "momentum": self.momentum, "exchange": self.exchange, "iter": self.iter,
+            "skipped_iters": self.skipped_iters,
             "last_step": self.last_step._asdict(), "total": self.total._asdict(),
-            "residuals": self._by_name("residual", self._loaded),
+            "residuals": by_name(self._buckets.values(), "residual", self._loaded, self._names, self._unit),
         }  # fmt: skip
         if self.momentum:
-            out["velocities"] = self._by_name("velocity", self._loaded_velocity)
+            out["velocities"] = by_name(self._buckets.values(), "velocity", self._loaded_velocity, self._names,
+                                        self._unit)  # fmt: skip
         return out
-
-    def _by_name(self, field: str, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every bucket's ``field`` (residual or velocity) split by parameter name, in gradient units."""
-        named = {name: t.clone() for name, t in loaded.items()}
-        for mem in self._buckets.values():
-            flat = getattr(mem, field)
-            if flat is None:
-                continue
-            if mem.slots is None:
-                raise ValueError(f"TopKHookState.state_dict: a bucket's parameters do not tile its buffer, so its "
-                                 f"{field} cannot be saved by parameter")  # fmt: skip
-            for s, piece in zip(mem.slots, mem.pieces(flat)):
-                if s.pid not in self._names:
-                    raise ValueError("TopKHookState.state_dict needs the parameters' names: build the state with "
-                                     "TopKHookState(..., model=ddp_model)")  # fmt: skip
-                piece = piece.view(s.shape)
-                named[self._names[s.pid]] = piece.clone() if self._unit is None else piece / self._unit
-        return named
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` (this rank's own): iteration count, statistics, residuals.
 
         The configuration (``density``, ``warmup_iters``, ``reselect``,
-        ``momentum``) is this state's own, not the saved one. Residuals (and
-        velocities) are matched to parameters by name and placed into whatever
-        buckets DDP builds next, bit for bit. Without saved velocities, a state
-        with ``momentum`` starts them at zero.
+        ``momentum``, ``exchange``) is this state's own, not the saved one.
+        Residuals (and velocities) are matched to parameters by name and placed
+        into whatever buckets DDP builds next, bit for bit. Without saved
+        velocities, a state with ``momentum`` starts them at zero.
 
         Raises:
             ValueError: not a ``topk_hook`` state dict; residuals but no ``model=``;
@@ -223,7 +225,7 @@ class TopKHookState:
                              "but this state has momentum=0; build it with the momentum it was saved with "
                              f"({state_dict.get('momentum')})")  # fmt: skip
         for what, saved in (("residuals", residuals), ("velocities", velocities)):
-            self._check_names(what, saved)
+            check_names(what, saved, self._numels)
         self.iter = check_int(state_dict["iter"], "state_dict['iter']", minimum=0)
         self.last_step, self.total = HookStats(**state_dict["last_step"]), HookStats(**state_dict["total"])
         self._skipped_before, self._skipped = int(state_dict["skipped_iters"]), None
@@ -233,16 +235,6 @@ class TopKHookState:
         self._loaded = {name: t.detach().clone() for name, t in residuals.items()}
         self._loaded_velocity = {name: t.detach().clone() for name, t in velocities.items()}
 
-    def _check_names(self, what: str, saved: dict[str, torch.Tensor]) -> None:
-        if saved and not self._numels:
-            raise ValueError(f"TopKHookState.load_state_dict needs the parameters' names to place the saved "
-                             f"{what}: build the state with TopKHookState(..., model=ddp_model)")  # fmt: skip
-        unknown = sorted(set(saved) - set(self._numels))
-        resized = sorted(n for n, t in saved.items() if n in self._numels and t.numel() != self._numels[n])
-        if unknown or resized:
-            raise ValueError(f"TopKHookState.load_state_dict: {what} that match no parameter of the model "
-                             f"{_listed(unknown)}, or whose size differs from it {_listed(resized)}")  # fmt: skip
-
     # ------------------------------------------------------------------ the hook's steps
 
     def _begin(self, group: dist.ProcessGroup, rank: int, world: int, buf: torch.Tensor) -> None:
@@ -250,7 +242,7 @@ class TopKHookState:
         if not self._agreed:
             check_agreement("topk_hook", {
                 "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
-                "momentum": self.momentum, "the iteration (state.iter)": self.iter,
+                "momentum": self.momentum, "exchange": self.exchange, "the iteration (state.iter)": self.iter,
                 "the size of the first bucket": buf.numel(), "the gradient dtype": str(buf.dtype),
             }, group, rank, world, buf.device)  # fmt: skip
             self._agreed = True
@@ -331,26 +323,6 @@ class TopKHookState:
             self.iter += 1
 
 
-def _model_info(model: Any) -> tuple[dict[int, str], dict[str, int], bool]:
-    """``({id(param): name}, {name: numel}, find_unused_parameters)`` of the trainable parameters of ``model``."""
-    if model is None:
-        return {}, {}, False
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (the DDP model or the module it wraps) or None, "
-                        f"got {describe(model)}")  # fmt: skip
-    find_unused = False
-    if isinstance(model, DistributedDataParallel):
-        find_unused, model = bool(model.find_unused_parameters), model.module
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    return {id(p): name for name, p in named}, {name: p.numel() for name, p in named}, find_unused
-
-
-def _listed(names: list[str], limit: int = 5) -> str:
-    if not names:
-        return "(none)"
-    return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
 def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average gradients with top-k sparse exchange and error feedback.
 
@@ -363,7 +335,7 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     bit-identical buckets.
 
     The first call checks that every rank has the same ``density``,
-    ``warmup_iters``, ``reselect``, iteration count and first bucket (one
+    ``warmup_iters``, ``reselect``, ``exchange``, iteration count and first bucket (one
     small collective) and raises ``ValueError`` naming the field otherwise.
     An iteration in which any rank's gradients are non-finite leaves every
     residual as it was (the averaged buckets still carry the Inf/NaN, so a
@@ -374,6 +346,16 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     of the backward pass as for plain allreduce. If it fails (a peer died or
     timed out), the future fails with a ``RuntimeError`` that says so, and
     DDP raises it from ``backward()``.
+
+    With ``TopKHookState(..., exchange="tree")`` each compressed bucket goes
+    through gTop-k's tree instead (``log2 P`` rounds of pairwise swaps, as
+    ``distributed_topk(exchange="tree")``): ``log2(P) k`` pairs sent and
+    received per rank instead of the all-gather's ``k`` sent and ``P k``
+    received, and a result that keeps the top ``k`` of each merge rather
+    than of the exact sum (what a merge drops of this rank's pairs stays in
+    its residual). The rounds depend on each other and run inside the hook
+    call, which returns a completed future: the tree does not overlap with
+    the backward pass (see :mod:`functopk.distributed.hook_tree` for why).
 
     Args:
         state: The hook's :class:`TopKHookState`.
@@ -429,11 +411,14 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     state._expect += 1
     acc = state._accumulate(mem, buf)  # grads + residual: after _send, this iteration's candidate residual
     keep = used_mask(mem, buf) if state.find_unused_parameters else None
+    select = None if state.selection == "exact" else partial(_threshold_select, state, mem)
+    if state.exchange == "tree":
+        state._record(bucket, HookStats(*tree_wire_bytes(k, n, buf.dtype, world, rank), n * vbytes, k, n), key)
+        return tree_bucket(buf, acc, keep, k, select, (group, rank, world), state._flags, mem.vscratch)
     state._record(bucket, HookStats(sent, sent * world, n * vbytes, k, n), key)
     what = "the sparse all-gather of topk_hook"
     # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
     eligible = acc if keep is None else torch.where(keep, acc, 0)
-    select = None if state.selection == "exact" else partial(_threshold_select, state, mem)
     idx, vals, work, gathered = _send(eligible, k, group, world, what, async_op=True, select=select)
     if keep is not None:
         torch.where(keep, eligible, acc, out=acc)
@@ -442,24 +427,10 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         state._flags.append(_nonfinite(gathered, world, k, n, buf.dtype))
         out = _receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
         if mem.vscratch is not None:  # momentum factor masking: no velocity where the residual was spent
-            _mask_velocity(mem.vscratch, idx, acc if state.reselect else None, keep)
+            mask_velocity(mem.vscratch, idx, acc if state.reselect else None, keep)
         return out
 
     return work.get_future().then(_finisher(group, what, finish))
-
-
-def _mask_velocity(
-    velocity: torch.Tensor, idx: torch.Tensor, residual: torch.Tensor | None, held: torch.Tensor | None
-) -> None:
-    """Zero ``velocity`` at the sent ``idx``: with gTop-k (``residual`` given) only where nothing was put
-    back, and never at coordinates held back (``held`` False: unused parameters, which send nothing)."""
-    if residual is None and held is None:
-        velocity.index_fill_(0, idx, 0)
-        return
-    spent = torch.ones_like(idx, dtype=torch.bool) if held is None else held[idx]
-    if residual is not None:
-        spent &= residual[idx] == 0
-    velocity.index_put_((idx,), torch.where(spent, 0.0, velocity[idx]))
 
 
 def _threshold_select(state: TopKHookState, mem: BucketMemory, flat: torch.Tensor, k: int):

@@ -147,3 +147,17 @@ def used_mask(mem: BucketMemory, buf: torch.Tensor) -> torch.Tensor | None:
     norms = torch._foreach_norm(mem.pieces(buf), ord=1)  # exact zero test: no squares to underflow
     used = torch.stack(norms) != 0
     return torch.cat([u.expand(s.numel) for u, s in zip(used, mem.slots)])
+
+
+def mask_velocity(
+    velocity: torch.Tensor, idx: torch.Tensor, residual: torch.Tensor | None, held: torch.Tensor | None
+) -> None:
+    """Zero ``velocity`` at the sent ``idx``: with gTop-k (``residual`` given) only where nothing was put
+    back, and never at coordinates held back (``held`` False: unused parameters, which send nothing)."""
+    if residual is None and held is None:
+        velocity.index_fill_(0, idx, 0)
+        return
+    spent = torch.ones_like(idx, dtype=torch.bool) if held is None else held[idx]
+    if residual is not None:
+        spent &= residual[idx] == 0
+    velocity.index_put_((idx,), torch.where(spent, 0.0, velocity[idx]))

@@ -12,9 +12,13 @@ class HookStats(NamedTuple):
 
     Attributes:
         bytes_sent: Bytes this rank handed to collectives: ``k * (index + value
-            bytes)`` per compressed bucket, ``n * value bytes`` per dense one.
+            bytes)`` per compressed bucket (``exchange="tree"``: what it sends over
+            the tree's rounds, :func:`functopk.distributed.tree.tree_wire_bytes`,
+            ``log2(P)`` times that for power-of-two ``P``), ``n * value bytes``
+            per dense one.
         bytes_gathered: Bytes of the collectives' results on this rank: ``P``
-            times the above for compressed buckets, ``n * value bytes`` for dense.
+            times ``k`` pairs for compressed buckets (``exchange="tree"``: the
+            bytes it receives over the rounds), ``n * value bytes`` for dense.
         bytes_dense: What plain allreduce would have handed over: ``n * value bytes`` per bucket.
         coords_sent: Coordinates sent (``k`` per compressed bucket, ``n`` per dense one).
         coords: All coordinates of the buckets.

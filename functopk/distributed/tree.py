@@ -131,19 +131,40 @@ def _tree_step(acc: torch.Tensor, k: int, group: dist.ProcessGroup, rank: int, w
     """One ``distributed_topk`` exchange over the tree: ``(mean, nonfinite)``.
 
     ``acc`` (grads + residual, 1-d) is changed in place into the new
-    residual: the sent entries zeroed, then those of this rank's sent pairs
-    that a merge dropped put back. ``mean`` is the dense sum of the final
-    ``k`` pairs divided by ``P``, bit-identical on every rank; ``nonfinite``
-    (0-d bool, the same on every rank) says whether it holds a NaN or Inf.
+    residual (see :func:`_tree_reduce_`); ``mean`` is a new tensor.
     """
-    numel = acc.numel()
     idx, vals = _local_topk(acc, k)
     acc.index_fill_(0, idx, 0)
+    mean = torch.zeros_like(acc)
+    return mean, _tree_reduce_(acc, (idx, vals), mean, group, rank, world, what)
+
+
+def _tree_reduce_(
+    residual: torch.Tensor,
+    sent: tuple[torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    group: dist.ProcessGroup,
+    rank: int,
+    world: int,
+    what: str,
+) -> torch.Tensor:
+    """The tree exchange of this rank's selected pairs ``sent = (idx, vals)``; the 0-d bool ``nonfinite``.
+
+    The one implementation behind ``distributed_topk(exchange="tree")`` and
+    ``topk_hook`` with ``exchange="tree"``. ``residual`` (1-d, zero at the sent
+    ``idx``) gets back those of this rank's sent values that a merge dropped;
+    ``out`` (zeroed, ``residual``'s size) receives the dense sum of the final
+    ``k`` pairs divided by ``P``, bit-identical on every rank. ``nonfinite``
+    (the same on every rank) says whether that sum holds a NaN or Inf. A
+    failed send or receive raises :func:`_comm_error` naming ``what``.
+    """
+    idx, vals = sent
+    numel = residual.numel()
     try:
-        final_idx, sums, alive = _rounds((idx, vals), k, numel, group, rank, world)
+        final_idx, sums, alive = _rounds((idx, vals), idx.numel(), numel, group, rank, world)
     except RuntimeError as exc:
         raise _comm_error(what, group, exc) from exc
-    survived = torch.zeros(numel, dtype=torch.bool, device=acc.device).index_put_((final_idx,), alive)
-    acc.index_put_((idx,), torch.where(survived[idx], torch.zeros_like(vals), vals))
-    mean = torch.zeros_like(acc).index_put_((final_idx,), sums.div(world))
-    return mean, ~torch.isfinite(sums).all()
+    survived = torch.zeros(numel, dtype=torch.bool, device=residual.device).index_put_((final_idx,), alive)
+    residual.index_put_((idx,), torch.where(survived[idx], torch.zeros_like(vals), vals))
+    out.index_put_((final_idx,), sums.div(world))
+    return ~torch.isfinite(sums).all()

@@ -1,4 +1,5 @@
-"""The one spawned gloo run that every test of this folder reads (see ``workers.py``)."""
+"""The runs the tests of this folder read: one spawned 3-rank gloo run (``workers.py``) and one forked
+8-rank run (``tree_workers.py``). No process group is ever created in the pytest process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.common import WATCHDOG_S, WORLD
+from tests.distributed.tree_workers import TREE_WATCHDOG_S, TREE_WORLD, tree_worker
 from tests.distributed.workers import worker
 
 
@@ -34,3 +36,27 @@ def run(tmp_path_factory):
                for r in range(WORLD)]  # fmt: skip
     return SimpleNamespace(results=results, exitcodes=[p.exitcode for p in procs], stragglers=stragglers,
                            seconds=time.monotonic() - t0)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tree_run(tmp_path_factory):
+    """The forked 8-rank run of ``test_tree.py`` and ``test_hook_tree.py``: per-rank results, exit codes, duration."""
+    out = tmp_path_factory.mktemp("tree")
+    # forkserver: one server imports torch once and forks the 8 ranks (spawn re-imports torch in each: ~25 s on
+    # 2 cores instead of ~3 s); the server is single-threaded, and no process group exists in this process.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "functopk.distributed", "tests.distributed.tree_workers"])
+    procs = [ctx.Process(target=tree_worker, args=(r, str(out / "store"), str(out)), daemon=True)
+             for r in range(TREE_WORLD)]  # fmt: skip
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, t0 + TREE_WATCHDOG_S - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) if (out / f"rank{r}.pt").exists() else {}
+               for r in range(TREE_WORLD)]  # fmt: skip
+    return SimpleNamespace(results=results, exitcodes=[p.exitcode for p in procs], seconds=time.monotonic() - t0)

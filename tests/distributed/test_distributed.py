@@ -238,8 +238,8 @@ def test_ddp_hook_trains_keeps_replicas_identical_and_counts_bytes(run):
         sizes = rec["bucket_sizes"]
         gathers = [c for c in rec["collectives"] if c[0] != "all_reduce"]
         reduces = [c for c in rec["collectives"] if c[0] == "all_reduce"]
-        if step == 0:  # the first hook call checks the configuration: one all-gather of 7 int64 codes per rank
-            assert gathers[0][1:] == (7 * 8, size * 7 * 8), gathers
+        if step == 0:  # the first hook call checks the configuration: one all-gather of 8 int64 codes per rank
+            assert gathers[0][1:] == (8 * 8, size * 8 * 8), gathers
             gathers = gathers[1:]
         if step < DDP_WARMUP:
             assert gathers == [] and len(reduces) == len(sizes)

@@ -1,6 +1,7 @@
 """The gTop-k tree exchange (``functopk.distributed.tree``) on gloo, P = 2, 3, 4, 6, 8, against a brute-force reference.
 
-One run of 8 forked ranks (``tree_workers.py``) with subgroups of the first
+One run of 8 forked ranks (``tree_workers.py``, the ``tree_run`` fixture of
+``conftest.py``, shared with ``test_hook_tree.py``) with subgroups of the first
 2, 3, 4, 6 and 8 ranks; the workers record, the tests compare with the dense
 single-process reference of ``tree_reference.py``. No process group is ever
 created in the pytest process.
@@ -9,12 +10,9 @@ created in the pytest process.
 from __future__ import annotations
 
 import math
-import time
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from functopk.distributed.transform import distributed_topk
 from functopk.distributed.tree import _merge, tree_wire_bytes
@@ -22,41 +20,15 @@ from tests.distributed.tree_reference import tree_reference
 from tests.distributed.tree_workers import (
     TREE_CASES,
     TREE_GROUPS,
-    TREE_WATCHDOG_S,
-    TREE_WORLD,
     TX_K,
     TX_SHAPES,
     TX_STEPS,
     tree_acc,
-    tree_worker,
     tx_grads,
 )
 from tests.helpers import bits
 
 GROUPS = list(TREE_GROUPS)
-
-
-@pytest.fixture(scope="module")
-def tree_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tree")
-    # forkserver: one server imports torch once and forks the 8 ranks (spawn re-imports torch in each: ~25 s on
-    # 2 cores instead of ~3 s); the server is single-threaded, and no process group exists in this process.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "functopk.distributed", "tests.distributed.tree_workers"])
-    procs = [ctx.Process(target=tree_worker, args=(r, str(out / "store"), str(out)), daemon=True)
-             for r in range(TREE_WORLD)]  # fmt: skip
-    t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, t0 + TREE_WATCHDOG_S - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) if (out / f"rank{r}.pt").exists() else {}
-               for r in range(TREE_WORLD)]  # fmt: skip
-    return SimpleNamespace(results=results, exitcodes=[p.exitcode for p in procs], seconds=time.monotonic() - t0)
 
 
 def _got(run, gname: str, rank: int) -> dict:
@@ -66,7 +38,8 @@ def _got(run, gname: str, rank: int) -> dict:
 
 
 def test_the_run_finished(tree_run):
-    assert tree_run.exitcodes == [0] * TREE_WORLD, (tree_run.exitcodes, [r.get("error") for r in tree_run.results])
+    errors = [r.get("error") for r in tree_run.results]
+    assert tree_run.exitcodes == [0] * len(tree_run.exitcodes), (tree_run.exitcodes, errors)
 
 
 @pytest.mark.parametrize("case", list(TREE_CASES))

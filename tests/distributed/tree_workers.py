@@ -1,4 +1,7 @@
-"""The spawned ranks of ``test_tree.py``: 8 gloo ranks, subgroups of 2, 3, 4, 6 and 8; they only record.
+"""The forked ranks of ``test_tree.py`` and ``test_hook_tree.py``: 8 gloo ranks, subgroups of 2, 3, 4, 6 and 8.
+
+They only record: the tree exchange and ``distributed_topk(exchange="tree")``
+here, ``topk_hook(exchange="tree")`` in ``hook_tree_workers.py``.
 
 Every byte the tree hands to ``torch.distributed`` is counted by wrapping
 ``send``, ``recv`` and ``batch_isend_irecv`` in the worker process.
@@ -14,9 +17,11 @@ import traceback
 
 import torch
 
+from tests.distributed.hook_tree_workers import HT_DDP_GROUP, hook_tree_ddp_phase, hook_tree_phase
+
 TREE_WORLD = 8
 TREE_GROUPS = {"p2": 2, "p3": 3, "p4": 4, "p6": 6, "p8": 8}  # the first n ranks
-TREE_WATCHDOG_S = 90.0
+TREE_WATCHDOG_S = 120.0
 # (numel, k, dtype): int32 indices with fp32 values; fp64 values with an odd k
 TREE_CASES = {"fp32": (64, 6, torch.float32), "fp64_odd": (40, 7, torch.float64), "dense_k": (12, 12, torch.float32)}
 TX_SHAPES = {"a": (5, 4), "b": (7,), "c": (2, 3, 2)}  # 39 coordinates
@@ -119,7 +124,10 @@ def tree_worker(rank: int, store: str, out_dir: str) -> None:
         for name, n in TREE_GROUPS.items():
             if rank < n:
                 results[name] = {"raw": _raw(rank, groups[name], counter, n),
-                                 "transform": _transform(rank, groups[name], counter)}  # fmt: skip
+                                 "transform": _transform(rank, groups[name], counter),
+                                 "hook": hook_tree_phase(rank, groups[name], counter, n)}  # fmt: skip
+        if rank < TREE_GROUPS[HT_DDP_GROUP]:
+            results[HT_DDP_GROUP]["ddp"] = hook_tree_ddp_phase(rank, groups[HT_DDP_GROUP], counter)
         dist.barrier()
     except Exception:
         results["error"] = traceback.format_exc()
