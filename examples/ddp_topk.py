@@ -5,6 +5,10 @@ rank, each training on its own shard of the data:
 
     torchrun --nproc-per-node 2 examples/ddp_topk.py [--density 0.01] [--epochs 8] [--dense]
 
+The momentum (0.9) lives in the hook (DGC's momentum correction,
+TopKHookState(momentum=...)) and SGD has none; --no-momentum-correction keeps
+it in SGD with plain error feedback in the hook, which loses accuracy.
+
 On CPU the ranks talk through gloo; with one GPU per rank, NCCL. Prints the
 loss per epoch, the test accuracy, and the bytes each rank handed to the
 collectives, against what plain DDP allreduce would have sent.

@@ -203,3 +203,33 @@ def reference_ef_topk_spent(grads_per_rank, residuals, k: int, reselect: bool):
 
 def flat(tree) -> torch.Tensor:
     return torch.cat([tree[name].reshape(-1) for name in sorted(TREE_SHAPES)])
+
+
+def ddp_recording_buckets(group, **state_kwargs):
+    """``(net, model, state, sizes, opt)``: a small CNN in DDP over ``group`` with several buckets and
+    ``topk_hook`` (``TopKHookState(group, **state_kwargs)``) behind a hook that appends each bucket's size
+    to ``sizes``; SGD with lr 0.5. The same initial model on every rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from functopk.distributed import TopKHookState, topk_hook
+    from tests.helpers import small_cnn
+
+    torch.manual_seed(0)
+    net = small_cnn()
+    model = DDP(net, process_group=group, bucket_cap_mb=0.0005)
+    state = TopKHookState(group, **state_kwargs)
+    sizes: list = []
+
+    def hook(state, bucket):
+        sizes.append(bucket.buffer().numel())
+        return topk_hook(state, bucket)
+
+    model.register_comm_hook(state, hook)
+    return net, model, state, sizes, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+def group_result(run, gname: str, rank: int) -> dict:
+    """What rank ``rank`` recorded for subgroup ``gname`` in a forked tree run (its error, if any, raised)."""
+    res = run.results[rank]
+    assert "error" not in res, res["error"]
+    return res[gname]

@@ -15,8 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.common import FakeBucket
-from tests.helpers import batch, small_cnn
+from tests.distributed.common import FakeBucket, ddp_recording_buckets
+from tests.helpers import batch
 
 HT_PARAMS = {"a": (6, 5), "b": (17,), "c": (23,)}  # 70 coordinates
 HT_LAYOUT = (("a", "b"), ("c",))  # two buckets: 47 and 23 coordinates
@@ -99,22 +99,8 @@ def _hook_tree_iters(rank: int, group, counter, world: int, momentum: float) -> 
 
 def hook_tree_ddp_phase(rank: int, group, counter) -> dict:
     """DDP training of a small CNN with the tree hook; several buckets per step."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from functopk.distributed import TopKHookState, topk_hook
-
-    torch.manual_seed(0)
-    net = small_cnn()
-    model = DDP(net, process_group=group, bucket_cap_mb=0.0005)
-    state = TopKHookState(group, density=HT_DDP_DENSITY, warmup_iters=HT_DDP_WARMUP, exchange="tree")
-    sizes: list = []
-
-    def hook(state, bucket):
-        sizes.append(bucket.buffer().numel())
-        return topk_hook(state, bucket)
-
-    model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    net, model, state, sizes, opt = ddp_recording_buckets(group, density=HT_DDP_DENSITY,
+                                                          warmup_iters=HT_DDP_WARMUP, exchange="tree")  # fmt: skip
     x, y = batch(n=16, seed=20 + rank)
     steps = []
     counter.take()

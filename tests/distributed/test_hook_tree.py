@@ -19,6 +19,7 @@ import functopk as ft
 from functopk.distributed import TopKHookState
 from functopk.distributed.tree import tree_wire_bytes
 from functopk.sparse import k_from_density
+from tests.distributed.common import group_result
 from tests.distributed.hook_tree_workers import (
     HT_BAD,
     HT_DDP_DENSITY,
@@ -42,9 +43,7 @@ GROUPS = list(TREE_GROUPS)
 
 
 def _hook(run, gname: str, rank: int) -> dict:
-    res = run.results[rank]
-    assert "error" not in res, res["error"]
-    return res[gname]["hook"]
+    return group_result(run, gname, rank)["hook"]
 
 
 def _cat(tree: dict, names) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from functopk.distributed.transform import distributed_topk
 from functopk.distributed.tree import _merge, tree_wire_bytes
+from tests.distributed.common import group_result
 from tests.distributed.tree_reference import tree_reference
 from tests.distributed.tree_workers import (
     TREE_CASES,
@@ -31,12 +32,6 @@ from tests.helpers import bits
 GROUPS = list(TREE_GROUPS)
 
 
-def _got(run, gname: str, rank: int) -> dict:
-    res = run.results[rank]
-    assert "error" not in res, res["error"]
-    return res[gname]
-
-
 def test_the_run_finished(tree_run):
     errors = [r.get("error") for r in tree_run.results]
     assert tree_run.exitcodes == [0] * len(tree_run.exitcodes), (tree_run.exitcodes, errors)
@@ -49,7 +44,7 @@ def test_tree_equals_the_reference_bitwise_on_every_rank(tree_run, gname, case):
     accs = [tree_acc(case, r) for r in range(world)]
     mean, residuals, _ = tree_reference(accs, TREE_CASES[case][1])
     for r in range(world):
-        got = _got(tree_run, gname, r)["raw"][case]
+        got = group_result(tree_run, gname, r)["raw"][case]
         assert torch.equal(bits(got["mean"]), bits(mean)), (r, got["mean"], mean)
         assert torch.equal(bits(got["residual"]), bits(residuals[r])), r
         assert not got["bad"]
@@ -66,7 +61,7 @@ def test_wire_bytes_per_rank_are_log2_p_times_k_pairs(tree_run, gname, case):
     numel, k, dtype = TREE_CASES[case]
     pair = 4 + torch.empty((), dtype=dtype).element_size()  # int32 index + value
     for r in range(world):
-        sent, received = _got(tree_run, gname, r)["raw"][case]["bytes"]
+        sent, received = group_result(tree_run, gname, r)["raw"][case]["bytes"]
         assert (sent, received) == tree_wire_bytes(k, numel, dtype, world, r)
         if world & (world - 1) == 0:
             assert sent == received == int(math.log2(world)) * k * pair
@@ -74,7 +69,7 @@ def test_wire_bytes_per_rank_are_log2_p_times_k_pairs(tree_run, gname, case):
 
 @pytest.mark.parametrize("gname", GROUPS)
 def test_an_inf_on_one_rank_is_seen_by_every_rank(tree_run, gname):
-    assert all(_got(tree_run, gname, r)["raw"]["inf"] for r in range(TREE_GROUPS[gname]))
+    assert all(group_result(tree_run, gname, r)["raw"]["inf"] for r in range(TREE_GROUPS[gname]))
 
 
 @pytest.mark.parametrize("gname", GROUPS)
@@ -86,7 +81,7 @@ def test_distributed_topk_tree_equals_the_reference_over_steps(tree_run, gname):
         accs = [torch.cat([tx_grads(r, step)[n].reshape(-1) for n in names]) + residuals[r] for r in range(world)]
         mean, residuals, _ = tree_reference(accs, TX_K)
         for r in range(world):
-            got = _got(tree_run, gname, r)["transform"]["steps"][step]
+            got = group_result(tree_run, gname, r)["transform"]["steps"][step]
             flat = torch.cat([got["updates"][n].reshape(-1) for n in names])
             assert torch.equal(bits(flat), bits(mean)), (step, r)
             assert torch.equal(bits(got["residual"]), bits(residuals[r])), (step, r)
@@ -97,7 +92,7 @@ def test_distributed_topk_tree_equals_the_reference_over_steps(tree_run, gname):
 @pytest.mark.parametrize("gname", GROUPS)
 def test_ranks_with_different_exchanges_fail_naming_the_field(tree_run, gname):
     for r in range(TREE_GROUPS[gname]):
-        assert "exchange" in _got(tree_run, gname, r)["transform"]["mismatch"]
+        assert "exchange" in group_result(tree_run, gname, r)["transform"]["mismatch"]
 
 
 def test_merge_is_symmetric_and_ties_go_to_the_lower_index():

@@ -46,6 +46,7 @@ from tests.distributed.common import (
     Branchy,
     FakeBucket,
     allreduce_case,
+    ddp_recording_buckets,
     hook_grad,
     hook_module,
     tx_grads,
@@ -263,22 +264,9 @@ def _record_collectives(log: list):
 
 def _ddp_phase(rank: int, pair):
     """DDP with topk_hook on the 2-rank group (constructing DDP imports torch._dynamo: slow, so 2 ranks only)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     log: list = []
     _record_collectives(log)
-    torch.manual_seed(0)  # the same initial model everywhere (DDP would broadcast it anyway)
-    net = small_cnn()
-    model = DDP(net, process_group=pair, bucket_cap_mb=0.0005)
-    state = TopKHookState(pair, density=DDP_DENSITY, warmup_iters=DDP_WARMUP)
-    bucket_sizes: list = []
-
-    def hook(state, bucket):
-        bucket_sizes.append(bucket.buffer().numel())
-        return topk_hook(state, bucket)
-
-    model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    net, model, state, bucket_sizes, opt = ddp_recording_buckets(pair, density=DDP_DENSITY, warmup_iters=DDP_WARMUP)
     x, y = batch(n=16, seed=10 + rank)  # each rank its own data
     steps = []
     for _ in range(DDP_STEPS):
