@@ -22,6 +22,7 @@ from functopk.distributed.exchange import (
     _wire_bytes,
 )
 from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, used_mask
+from functopk.distributed.resume import Layout, Regroup, check_layout
 from functopk.distributed.threshold import threshold_select
 from functopk.sparse.api import k_from_density
 
@@ -132,6 +133,11 @@ class TopKHookState:
         self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
         self.reselect: bool = check_bool(reselect, "reselect")
         self._names, self._numels, self.find_unused_parameters = _model_info(model)
+        # DDP rebuilds its buckets after a process's first iteration unless it finds unused parameters
+        rebuilds = not self.find_unused_parameters or bool(getattr(model, "static_graph", True))
+        self._layout = Layout(rebuilds)  # the buckets' parameters, for checkpoints (see resume.py)
+        self._regroup: Regroup | None = None  # the first iteration after load_state_dict (see resume.py)
+        self._saved_layout: tuple[tuple[str, ...], ...] | None = None
         if grad_scaler is not None and not isinstance(getattr(grad_scaler, "_enabled", None), bool):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {describe(grad_scaler)}")
         self._scaler = grad_scaler
@@ -178,8 +184,12 @@ class TopKHookState:
 
         Residuals are keyed by parameter name (from ``model=``) and shaped like
         the parameters, in gradient units (divided by the loss scale they were
-        kept at), so they load into any bucketing. Residuals differ from rank to
-        rank: save one file per rank (see ``docs/distributed.md``).
+        kept at), so they load into any bucketing. ``"layout"`` lists the
+        parameter names of each bucket of the last iteration, in order (``None``
+        after a process's first iteration, before DDP has rebuilt its buckets):
+        :meth:`load_state_dict` uses it to select within the same buckets.
+        Residuals differ from rank to rank: save one file per rank (see
+        ``docs/distributed.md``).
 
         Raises:
             ValueError: residuals exist but the state was built without ``model=``.
@@ -197,11 +207,11 @@ class TopKHookState:
                 piece = piece.view(s.shape)
                 residuals[self._names[s.pid]] = piece.clone() if self._unit is None else piece / self._unit
         return {
-            "format": FORMAT, "version": 1,
+            "format": FORMAT, "version": 2,
             "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
             "iter": self.iter, "skipped_iters": self.skipped_iters,
             "last_step": self.last_step._asdict(), "total": self.total._asdict(),
-            "residuals": residuals,
+            "residuals": residuals, "layout": self._layout.names(self._names),
         }  # fmt: skip
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -209,9 +219,15 @@ class TopKHookState:
 
         The configuration (``density``, ``warmup_iters``, ``reselect``) is this
         state's own, not the saved one. Residuals are matched to parameters by
-        name and placed into whatever buckets DDP builds next, bit for bit.
+        name and placed into whatever buckets DDP builds next, bit for bit. If
+        the first iteration after loading finds DDP's buckets different from the
+        saved ``"layout"`` (a new process starts with DDP's initial buckets), the
+        hook reduces within the saved buckets instead, so that a resumed run
+        takes the same steps as an uninterrupted one, bit for bit (that one
+        iteration does not overlap communication with the backward pass).
 
         Raises:
+            TypeError: a ``"layout"`` that is not a list of lists of names.
             ValueError: not a ``topk_hook`` state dict; residuals but no ``model=``;
                 names unknown to the model, or sizes that differ from its parameters'.
         """
@@ -227,6 +243,7 @@ class TopKHookState:
         if unknown or resized:
             raise ValueError(f"TopKHookState.load_state_dict: residuals that match no parameter of the model "
                              f"{_listed(unknown)}, or whose size differs from it {_listed(resized)}")  # fmt: skip
+        saved = check_layout(state_dict.get("layout"), self._numels)
         self.iter = check_int(state_dict["iter"], "state_dict['iter']", minimum=0)
         self.last_step, self.total = HookStats(**state_dict["last_step"]), HookStats(**state_dict["total"])
         self._skipped_before, self._skipped = int(state_dict["skipped_iters"]), None
@@ -234,6 +251,10 @@ class TopKHookState:
         self._commit_due, self._agreed, self._scale_now = False, False, None
         self._unit = None if self._scaler is None else 1.0
         self._loaded = {name: t.detach().clone() for name, t in residuals.items()}
+        by_name = {name: pid for pid, name in self._names.items()}
+        ids = None if saved is None else tuple(tuple(by_name[n] for n in group) for group in saved)
+        self._saved_layout, self._regroup = saved, None if ids is None else Regroup(ids)
+        self._layout.last, self._layout.loaded, self._layout.running = ids, ids is not None, []
 
     # ------------------------------------------------------------------ the hook's steps
 
@@ -243,7 +264,7 @@ class TopKHookState:
             check_agreement("topk_hook", {
                 "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
                 "the iteration (state.iter)": self.iter, "the size of the first bucket": buf.numel(),
-                "the gradient dtype": str(buf.dtype),
+                "the gradient dtype": str(buf.dtype), "the loaded bucket layout": self._saved_layout,
             }, group, rank, world, buf.device)  # fmt: skip
             self._agreed = True
         self._settle()
@@ -293,7 +314,9 @@ class TopKHookState:
         self._step = self._step + stats
         if key is not None:
             self._seen.add(key)
+        self._layout.add(key[0] if key is not None else tuple(map(id, bucket.parameters())))
         if bucket.is_last():
+            self._layout.end()
             self.last_step, self.total = self._step, self.total + self._step
             self._step = HookStats()
             if self.iter >= self.warmup_iters:
@@ -372,6 +395,10 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         >>> del model  # DDP holds the process group: release it first
         >>> dist.destroy_process_group()
     """
+    if state._regroup is not None:  # the first iteration after load_state_dict (see resume.py)
+        deferred = state._regroup.arrive(state, bucket, topk_hook)
+        if deferred is not None:
+            return deferred
     group, rank, world = _resolve_group(state.process_group, "topk_hook")
     buf = bucket.buffer()
     state._begin(group, rank, world, buf)

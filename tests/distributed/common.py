@@ -73,7 +73,7 @@ HOOK_LAYOUTS = (
     (("b", "a"), ("d", "c")),  # rebuilt: the residuals move with their parameters
 )
 RESUME_LAYOUTS = (
-    (("d", "c", "b", "a"),),  # the checkpoint is placed into another bucketing
+    (("b", "a"), ("c",), ("d",)),  # other buckets from the 2nd on: the hook reduces within the saved ones instead
     (("d", "c"), ("b", "a")),  # rank 1's "c" holds an Inf: no bucket's residual changes
     (("d", "c"), ("b", "a")),
 )
@@ -96,6 +96,11 @@ def hook_grad(rank: int, it: int, name: str) -> torch.Tensor:
 
 def hook_layouts():
     return HOOK_LAYOUTS + RESUME_LAYOUTS
+
+
+def hook_selected(it: int):
+    """The buckets within which the hook selects at iteration ``it``: after loading, first the saved ones."""
+    return HOOK_LAYOUTS[-1] if it == len(HOOK_LAYOUTS) else hook_layouts()[it]
 
 
 DDP_STEPS, DDP_WARMUP, DDP_DENSITY = 12, 2, 0.1
