@@ -19,6 +19,10 @@ WORLD = 3
 PG_TIMEOUT_S = 20.0
 WATCHDOG_S = 150.0
 DEATH_EXIT_CODE = 17
+# What the forkserver of test_tree.py and test_resume.py imports once, before it forks the ranks (the
+# first of the two to start it decides, so both name everything both need):
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "functopk.distributed", "tests.helpers",
+                      "tests.distributed.tree_workers", "tests.distributed.resume_workers"]  # fmt: skip
 GROUPS = ("pair", "world")  # ranks {0, 1}, ranks {0, 1, 2}
 SIZES = {"pair": 2, "world": 3}
 
@@ -73,11 +77,13 @@ HOOK_LAYOUTS = (
     (("b", "a"), ("d", "c")),  # rebuilt: the residuals move with their parameters
 )
 RESUME_LAYOUTS = (
-    (("b", "a"), ("c",), ("d",)),  # other buckets from the 2nd on: the hook reduces within the saved ones instead
-    (("d", "c"), ("b", "a")),  # rank 1's "c" holds an Inf: no bucket's residual changes
+    # Other buckets from the 2nd on: the hook reduces within the saved ones instead, deferring the 2nd and 3rd.
+    # Rank 1's "c" holds an Inf: no bucket's residual changes.
+    (("b", "a"), ("c",), ("d",)),
+    (("d", "c"), ("b", "a")),
     (("d", "c"), ("b", "a")),
 )
-HOOK_BAD = (len(HOOK_LAYOUTS) + 1, 1, "c", 3)  # (iteration, rank, parameter, position) of the Inf
+HOOK_BAD = (len(HOOK_LAYOUTS), 1, "c", 3)  # (iteration, rank, parameter, position) of the Inf
 HOOK_DENSITY = 0.1
 
 

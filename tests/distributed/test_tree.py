@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from functopk.distributed.transform import distributed_topk
 from functopk.distributed.tree import _merge, tree_wire_bytes
+from tests.distributed.common import FORKSERVER_PRELOAD
 from tests.distributed.tree_reference import tree_reference
 from tests.distributed.tree_workers import (
     TREE_CASES,
@@ -42,7 +43,7 @@ def tree_run(tmp_path_factory):
     # forkserver: one server imports torch once and forks the 8 ranks (spawn re-imports torch in each: ~25 s on
     # 2 cores instead of ~3 s); the server is single-threaded, and no process group exists in this process.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "functopk.distributed", "tests.distributed.tree_workers"])
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     procs = [ctx.Process(target=tree_worker, args=(r, str(out / "store"), str(out)), daemon=True)
              for r in range(TREE_WORLD)]  # fmt: skip
     t0 = time.monotonic()
