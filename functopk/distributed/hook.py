@@ -133,7 +133,8 @@ class TopKHookState:
         self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
         self.reselect: bool = check_bool(reselect, "reselect")
         self._names, self._numels, self.find_unused_parameters = _model_info(model)
-        # DDP rebuilds its buckets after a process's first iteration unless it finds unused parameters
+        # DDP rebuilds its buckets after a process's first iteration, unless it finds unused parameters (and
+        # has no static graph)
         rebuilds = not self.find_unused_parameters or bool(getattr(model, "static_graph", True))
         self._layout = Layout(rebuilds)  # the buckets' parameters, for checkpoints (see resume.py)
         self._regroup: Regroup | None = None  # the first iteration after load_state_dict (see resume.py)
@@ -395,10 +396,8 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         >>> del model  # DDP holds the process group: release it first
         >>> dist.destroy_process_group()
     """
-    if state._regroup is not None:  # the first iteration after load_state_dict (see resume.py)
-        deferred = state._regroup.arrive(state, bucket, topk_hook)
-        if deferred is not None:
-            return deferred
+    if state._regroup is not None and (deferred := state._regroup.arrive(state, bucket, topk_hook)) is not None:
+        return deferred  # the first iteration after load_state_dict, buckets unlike the saved ones (resume.py)
     group, rank, world = _resolve_group(state.process_group, "topk_hook")
     buf = bucket.buffer()
     state._begin(group, rank, world, buf)

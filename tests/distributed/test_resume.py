@@ -63,20 +63,28 @@ def test_the_runs_finished(resume_run):
 
 
 def test_ddp_starts_every_process_with_other_buckets_than_it_rebuilds(resume_run):
-    through = _got(resume_run, "through", 0)["through"]["layouts"]
-    resumed = _got(resume_run, "resume", 0)["resumed"]["layouts"]
+    through = _got(resume_run, "through", 0)[False, "through"]["layouts"]
+    resumed = _got(resume_run, "resume", 0)[False, "resumed"]["layouts"]
     initial, rebuilt = through[0], through[1]
     assert len(initial) == 1 and len(rebuilt) >= 3, (initial, rebuilt)
     assert all(layout == rebuilt for layout in through[1:])
     assert resumed[0] == initial and resumed[1] == rebuilt  # a new process starts over with the initial bucket
     # The checkpoint records the buckets the uninterrupted run used next.
-    assert _got(resume_run, "resume", 0)["saved_layout"] == rebuilt
+    assert _got(resume_run, "resume", 0)[False, "saved_layout"] == rebuilt
 
 
-def test_resumed_run_equals_the_uninterrupted_one_bit_for_bit(resume_run):
+def test_with_find_unused_parameters_ddp_keeps_its_first_buckets(resume_run):
+    through = _got(resume_run, "through", 0)[True, "through"]["layouts"]
+    resumed = _got(resume_run, "resume", 0)[True, "resumed"]["layouts"]
+    assert len(through[0]) >= 3 and all(layout == through[0] for layout in through + resumed)
+    assert _got(resume_run, "resume", 0)[True, "saved_layout"] == through[0]
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["default", "find_unused_parameters"])
+def test_resumed_run_equals_the_uninterrupted_one_bit_for_bit(resume_run, unused):
     for r in range(WORLD):
-        through = _got(resume_run, "through", r)["through"]
-        resumed = _got(resume_run, "resume", r)["resumed"]
+        through = _got(resume_run, "through", r)[unused, "through"]
+        resumed = _got(resume_run, "resume", r)[unused, "resumed"]
         for name, expected in through["final"].items():
             assert torch.equal(bits(resumed["final"][name]), bits(expected)), f"rank {r}: {name} differs"
         for name, expected in through["hook"]["residuals"].items():
@@ -87,11 +95,25 @@ def test_resumed_run_equals_the_uninterrupted_one_bit_for_bit(resume_run):
     assert resumed["hook"]["iter"] == STEPS and STEPS > SAVE_AT
 
 
+def test_several_real_ddp_buckets_can_be_deferred(resume_run):
+    """Resumed by a DDP that finds unused parameters: its buckets differ from the saved ones from the first on.
+
+    The first step after loading equals the uninterrupted run's bit for bit; that DDP never rebuilds, so the
+    later steps select within its own buckets (not compared).
+    """
+    for r in range(WORLD):
+        through = _got(resume_run, "through", r)[False, "through"]
+        mixed = _got(resume_run, "resume", r)["mixed"]
+        saved = _got(resume_run, "resume", r)[False, "saved_layout"]
+        assert len(mixed["layouts"][0]) >= 2 and mixed["layouts"][0][0] != saved[0], mixed["layouts"][0]
+        assert torch.equal(bits(mixed["trace"][0]), bits(through["trace"][SAVE_AT]))
+
+
 def test_without_the_saved_layout_the_resumed_run_differs(resume_run):
     """The control: the first step after loading selects within DDP's single initial bucket."""
     for r in range(WORLD):
-        through = _got(resume_run, "through", r)["through"]["final"]
-        control = _got(resume_run, "resume", r)["control"]["final"]
+        through = _got(resume_run, "through", r)[False, "through"]["final"]
+        control = _got(resume_run, "resume", r)[False, "control"]["final"]
         assert any(not torch.equal(control[n], through[n]) for n in through if n.endswith("weight"))
 
 
