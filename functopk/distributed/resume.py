@@ -182,17 +182,16 @@ class Regroup:
 
         def done(all_done: torch.futures.Future[Any]) -> torch.Tensor:
             try:
-                all_done.wait()
-                results = [f.wait() for f in futs]  # all complete; wait() syncs CUDA streams
-            except BaseException as exc:
-                self._fail(exc)
-                raise
-            if same:
-                for g, result in zip(stand_ins, results):
+                all_done.wait()  # raises the first failure (the others may still run)
+                results = [f.wait() for f in futs]  # all complete now; wait() syncs CUDA streams
+                for g, result in zip(stand_ins, results) if same else ():
                     offset = 0
                     for p in g.parameters():
                         pieces[id(p)][0].copy_(result[offset : offset + p.numel()])
                         offset += p.numel()
+            except BaseException as exc:
+                self._fail(exc)
+                raise
             for a in arrived[:-1]:
                 a.fut.set_result(a.buf)
             return arrived[-1].buf
