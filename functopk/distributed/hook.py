@@ -78,7 +78,7 @@ class TopKHookState:
         reselect: gTop-k re-selection of each bucket's summed top ``k`` (see
             :func:`distributed_topk`).
         model: The DDP model (or the module it wraps). Gives the parameter names
-            that :meth:`state_dict` and :meth:`load_state_dict` key residuals (and bucket layouts) by
+            that :meth:`state_dict` and :meth:`load_state_dict` key residuals by
             (read once; no reference to the model is kept), and, from a DDP model
             built with ``find_unused_parameters=True``, turns on holding back the
             residual of parameters whose local gradient is all zero (DDP drops
