@@ -23,6 +23,7 @@ from functopk.distributed.exchange import (
 from functopk.distributed.hook_tree import tree_bucket
 from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, mask_velocity, used_mask
 from functopk.distributed.names import by_name, check_names, model_info
+from functopk.distributed.resume import Layout, Regroup, check_layout
 from functopk.distributed.stats import HookStats
 from functopk.distributed.threshold import threshold_select
 from functopk.distributed.tree import tree_wire_bytes
@@ -127,6 +128,12 @@ class TopKHookState:
         self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
         self.reselect: bool = check_bool(reselect, "reselect")
         self._names, self._numels, self.find_unused_parameters = model_info(model)
+        # DDP rebuilds its buckets after a process's first iteration, unless it finds unused parameters (and
+        # has no static graph)
+        rebuilds = not self.find_unused_parameters or bool(getattr(model, "static_graph", True))
+        self._layout = Layout(rebuilds)  # the buckets' parameters, for checkpoints (see resume.py)
+        self._regroup: Regroup | None = None  # the first iteration after load_state_dict (see resume.py)
+        self._saved_layout: tuple[tuple[str, ...], ...] | None = None
         if grad_scaler is not None and not isinstance(getattr(grad_scaler, "_enabled", None), bool):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {describe(grad_scaler)}")
         self._scaler = grad_scaler
@@ -182,20 +189,25 @@ class TopKHookState:
         Residuals (and, with ``momentum``, velocities under ``"velocities"``) are
         keyed by parameter name (from ``model=``) and shaped like the
         parameters, in gradient units (divided by the loss scale they were kept
-        at), so they load into any bucketing. They differ from rank to rank:
-        save one file per rank (see ``docs/distributed.md``).
+        at), so they load into any bucketing. ``"layout"`` lists the parameter
+        names of each bucket of the last iteration, in order (``None`` after a
+        process's first iteration, before DDP has rebuilt its buckets):
+        :meth:`load_state_dict` uses it to select within the same buckets. They
+        differ from rank to rank: save one file per rank (see
+        ``docs/distributed.md``).
 
         Raises:
             ValueError: residuals exist but the state was built without ``model=``.
         """
         self._settle()
         out = {
-            "format": FORMAT, "version": 1,
+            "format": FORMAT, "version": 2,
             "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
             "momentum": self.momentum, "exchange": self.exchange, "iter": self.iter,
             "skipped_iters": self.skipped_iters,
             "last_step": self.last_step._asdict(), "total": self.total._asdict(),
             "residuals": by_name(self._buckets.values(), "residual", self._loaded, self._names, self._unit),
+            "layout": self._layout.names(self._names),
         }  # fmt: skip
         if self.momentum:
             out["velocities"] = by_name(self._buckets.values(), "velocity", self._loaded_velocity, self._names,
@@ -209,9 +221,15 @@ class TopKHookState:
         ``momentum``, ``exchange``) is this state's own, not the saved one.
         Residuals (and velocities) are matched to parameters by name and placed
         into whatever buckets DDP builds next, bit for bit. Without saved
-        velocities, a state with ``momentum`` starts them at zero.
+        velocities, a state with ``momentum`` starts them at zero. If the first
+        iteration after loading finds DDP's buckets different from the saved
+        ``"layout"`` (a new process starts with DDP's initial buckets), the hook
+        reduces within the saved buckets instead, so that a resumed run takes
+        the same steps as an uninterrupted one, bit for bit (that one iteration
+        does not overlap communication with the backward pass).
 
         Raises:
+            TypeError: a ``"layout"`` that is not a list of lists of names.
             ValueError: not a ``topk_hook`` state dict; residuals but no ``model=``;
                 names unknown to the model, or sizes that differ from its
                 parameters'; saved velocities but ``momentum=0`` (they would be lost).
@@ -224,8 +242,9 @@ class TopKHookState:
             raise ValueError("TopKHookState.load_state_dict: the checkpoint holds momentum-correction velocities "
                              "but this state has momentum=0; build it with the momentum it was saved with "
                              f"({state_dict.get('momentum')})")  # fmt: skip
-        for what, saved in (("residuals", residuals), ("velocities", velocities)):
-            check_names(what, saved, self._numels)
+        for what, named in (("residuals", residuals), ("velocities", velocities)):
+            check_names(what, named, self._numels)
+        saved = check_layout(state_dict.get("layout"), self._numels)
         self.iter = check_int(state_dict["iter"], "state_dict['iter']", minimum=0)
         self.last_step, self.total = HookStats(**state_dict["last_step"]), HookStats(**state_dict["total"])
         self._skipped_before, self._skipped = int(state_dict["skipped_iters"]), None
@@ -234,6 +253,10 @@ class TopKHookState:
         self._unit = None if self._scaler is None else 1.0
         self._loaded = {name: t.detach().clone() for name, t in residuals.items()}
         self._loaded_velocity = {name: t.detach().clone() for name, t in velocities.items()}
+        pid_of = {name: pid for pid, name in self._names.items()}
+        ids = None if saved is None else tuple(tuple(pid_of[n] for n in group) for group in saved)
+        self._saved_layout, self._regroup = saved, None if ids is None else Regroup(ids)
+        self._layout.last, self._layout.loaded, self._layout.running = ids, ids is not None, []
 
     # ------------------------------------------------------------------ the hook's steps
 
@@ -244,6 +267,7 @@ class TopKHookState:
                 "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
                 "momentum": self.momentum, "exchange": self.exchange, "the iteration (state.iter)": self.iter,
                 "the size of the first bucket": buf.numel(), "the gradient dtype": str(buf.dtype),
+                "the loaded bucket layout": self._saved_layout,
             }, group, rank, world, buf.device)  # fmt: skip
             self._agreed = True
         self._settle()
@@ -312,7 +336,9 @@ class TopKHookState:
         self._step = self._step + stats
         if key is not None:
             self._seen.add(key)
+        self._layout.add(key[0] if key is not None else tuple(map(id, bucket.parameters())))
         if bucket.is_last():
+            self._layout.end()
             self.last_step, self.total = self._step, self.total + self._step
             self._step = HookStats()
             if self.iter >= self.warmup_iters or self.momentum:
@@ -381,6 +407,8 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         >>> del model  # DDP holds the process group: release it first
         >>> dist.destroy_process_group()
     """
+    if state._regroup is not None and (deferred := state._regroup.arrive(state, bucket, topk_hook)) is not None:
+        return deferred  # the first iteration after load_state_dict, buckets unlike the saved ones (resume.py)
     group, rank, world = _resolve_group(state.process_group, "topk_hook")
     buf = bucket.buffer()
     state._begin(group, rank, world, buf)

@@ -19,6 +19,11 @@ WORLD = 3
 PG_TIMEOUT_S = 20.0
 WATCHDOG_S = 150.0
 DEATH_EXIT_CODE = 17
+# What the forkserver of test_tree.py and test_resume.py imports once, before it forks the ranks (the
+# first of the two to start it decides, so both name everything both need):
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "functopk.distributed", "tests.helpers",
+                      "tests.distributed.tree_workers", "tests.distributed.hook_tree_workers",
+                      "tests.distributed.resume_workers"]  # fmt: skip
 GROUPS = ("pair", "world")  # ranks {0, 1}, ranks {0, 1, 2}
 SIZES = {"pair": 2, "world": 3}
 
@@ -73,11 +78,13 @@ HOOK_LAYOUTS = (
     (("b", "a"), ("d", "c")),  # rebuilt: the residuals move with their parameters
 )
 RESUME_LAYOUTS = (
-    (("d", "c", "b", "a"),),  # the checkpoint is placed into another bucketing
-    (("d", "c"), ("b", "a")),  # rank 1's "c" holds an Inf: no bucket's residual changes
+    # Other buckets from the 2nd on: the hook reduces within the saved ones instead, deferring the 2nd and 3rd.
+    # Rank 1's "c" holds an Inf: no bucket's residual changes.
+    (("b", "a"), ("c",), ("d",)),
+    (("d", "c"), ("b", "a")),
     (("d", "c"), ("b", "a")),
 )
-HOOK_BAD = (len(HOOK_LAYOUTS) + 1, 1, "c", 3)  # (iteration, rank, parameter, position) of the Inf
+HOOK_BAD = (len(HOOK_LAYOUTS), 1, "c", 3)  # (iteration, rank, parameter, position) of the Inf
 HOOK_DENSITY = 0.1
 HOOK_MOMENTUM = 0.75  # momentum correction (a power-of-two fraction: fp32 and fp64 references agree closely)
 
@@ -97,6 +104,11 @@ def hook_grad(rank: int, it: int, name: str) -> torch.Tensor:
 
 def hook_layouts():
     return HOOK_LAYOUTS + RESUME_LAYOUTS
+
+
+def hook_selected(it: int):
+    """The buckets within which the hook selects at iteration ``it``: after loading, first the saved ones."""
+    return HOOK_LAYOUTS[-1] if it == len(HOOK_LAYOUTS) else hook_layouts()[it]
 
 
 DDP_STEPS, DDP_WARMUP, DDP_DENSITY = 12, 2, 0.1

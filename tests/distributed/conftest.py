@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.common import WATCHDOG_S, WORLD
+from tests.distributed.common import FORKSERVER_PRELOAD, WATCHDOG_S, WORLD
 from tests.distributed.tree_workers import TREE_WATCHDOG_S, TREE_WORLD, tree_worker
 from tests.distributed.workers import worker
 
@@ -45,7 +45,7 @@ def tree_run(tmp_path_factory):
     # forkserver: one server imports torch once and forks the 8 ranks (spawn re-imports torch in each: ~25 s on
     # 2 cores instead of ~3 s); the server is single-threaded, and no process group exists in this process.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "functopk.distributed", "tests.distributed.tree_workers"])
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     procs = [ctx.Process(target=tree_worker, args=(r, str(out / "store"), str(out)), daemon=True)
              for r in range(TREE_WORLD)]  # fmt: skip
     t0 = time.monotonic()

@@ -178,6 +178,27 @@ def test_hook_load_state_dict_with_velocities_needs_momentum_and_checks_them():
     assert switched.state_dict()["velocities"] == {}
 
 
+def test_hook_load_state_dict_checks_the_bucket_layout_before_changing_anything():
+    module = hook_module()
+    fresh = TopKHookState(model=module).state_dict()
+    assert fresh["version"] == 2 and fresh["layout"] is None  # no iteration yet: DDP's buckets are not known
+    state = TopKHookState(model=module)
+    state.load_state_dict(dict(fresh, iter=5, layout=[["b", "a"], ["d", "c"]]))
+    assert state.state_dict()["layout"] == [["b", "a"], ["d", "c"]]  # what the next iteration will use
+    old = {k: v for k, v in fresh.items() if k not in ("layout", "version")}  # a checkpoint from before layouts
+    state.load_state_dict(dict(old, version=1))
+    assert state.state_dict()["layout"] is None
+    for layout, exc, match in [("ab", TypeError, "list of lists of parameter names"),
+                               ([["a", 3]], TypeError, "list of lists"),
+                               ([["a", "zz"]], ValueError, r"does not have \['zz'\]"),
+                               ([["a"], ["b", "a"]], ValueError, "a parameter twice")]:  # fmt: skip
+        with pytest.raises(exc, match=match):
+            state.load_state_dict(dict(fresh, iter=9, layout=layout))
+        assert state.iter == 0
+    with pytest.raises(ValueError, match=r"\(model=\) does not have"):
+        TopKHookState().load_state_dict(dict(fresh, layout=[["a"]]))
+
+
 # --------------------------------------------------------------------------- 3. agreement across ranks
 
 

@@ -150,14 +150,16 @@ def _transform_phase(rank: int, groups: dict):
 
 def _hook_iteration(state, module, rank: int, it: int, layout) -> dict:
     """One iteration of hand-made buckets through the hook: the outputs, statistics and saved residuals."""
-    outs = []
-    for b, names in enumerate(layout):
+    futs = []
+    for b, names in enumerate(layout):  # as DDP does: every bucket is handed over, then the futures are waited for
         buf = torch.cat([hook_grad(rank, it, name) for name in names])
         bucket = FakeBucket(b, buf, [module[name] for name in names], last=b == len(layout) - 1)
-        outs.append(topk_hook(state, bucket).wait().clone())
+        futs.append(topk_hook(state, bucket))
+    outs = [f.wait().clone() for f in futs]
     saved = state.state_dict()
-    return {"buckets": outs, "last_step": state.last_step, "iter": state.iter, "skipped": state.skipped_iters,
-            "residuals": saved["residuals"], "velocities": saved.get("velocities"),
+    return {"buckets": outs, "last_step": state.last_step, "iter": state.iter,
+            "skipped": state.skipped_iters, "residuals": saved["residuals"], "layout": saved["layout"],
+            "velocities": saved.get("velocities"),
             "entries": len(state.residuals)}  # fmt: skip
 
 
