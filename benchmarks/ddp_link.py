@@ -70,9 +70,9 @@ from ddp_link_report import HOOK_MOMENTUM, TOPK_DENSITY, loadavg, optimizer_mome
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 NETNS_FLAG = "FUNCTOPK_DDP_LINK_NETNS"
-WORLD = 2
+WORLD = 2  # ranks (--ranks)
 VARIANTS = ["dense", "fp16", "powersgd1", "powersgd4", "topk0.1", "topk1", "topk0.1mc", "topk1mc"]
-EXTRA_VARIANTS = ["topk-tree0.1", "topk-tree1"]  # only when named in --variants
+EXTRA_VARIANTS = ["topk-tree0.1", "topk-tree1", "topk0.1mc-overlap", "topk1mc-overlap"]  # when named in --variants
 HOOK_WARMUP = 2  # dense iterations of the hooks (DDP rebuilds its buckets after the first)
 
 
@@ -123,13 +123,14 @@ def timed_hook(state: TimedHook, bucket):
     return fut
 
 
-def make_topk_state(mode: str, density: float, warmup: int, momentum: float = 0.0, exchange: str = "allgather"):
-    """``(state, hook)`` of the top-k variant for ``--topk-mode``, ``momentum`` and ``exchange``."""
+def make_topk_state(mode: str, density: float, warmup: int, momentum: float = 0.0, exchange: str = "allgather",
+                    overlap: bool = False):  # fmt: skip
+    """``(state, hook)`` of the top-k variant for ``--topk-mode``, ``momentum``, ``exchange`` and ``overlap``."""
     from functopk.distributed import TopKHookState, topk_hook
 
     selection = {"exact": "exact", "threshold-reuse": "threshold"}[mode]
     state = TopKHookState(density=density, warmup_iters=warmup, selection=selection, momentum=momentum,
-                          exchange=exchange)  # fmt: skip
+                          exchange=exchange, overlap=overlap)  # fmt: skip
     return state, topk_hook
 
 
@@ -150,9 +151,10 @@ def build_variant(name: str, module, topk_mode: str, hook_warmup: int):
     if name == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif name in TOPK_DENSITY:
-        momentum = HOOK_MOMENTUM if name.endswith("mc") else 0.0
+        momentum = HOOK_MOMENTUM if "mc" in name else 0.0
         exchange = "tree" if name.startswith("topk-tree") else "allgather"
-        state = TimedHook(*make_topk_state(topk_mode, TOPK_DENSITY[name], hook_warmup, momentum, exchange))
+        state = TimedHook(*make_topk_state(topk_mode, TOPK_DENSITY[name], hook_warmup, momentum, exchange,
+                                           name.endswith("-overlap")))  # fmt: skip
         model.register_comm_hook(state, timed_hook)
         return model, state
     elif name != "dense":
@@ -217,7 +219,7 @@ def time_chunk(model, opt, state, batches, skip: int, steps: int, rank: int):
         train_step(model, opt, *batches[i % len(batches)])
         times.append(time.perf_counter() - t0)
         hook.append(state.seconds if isinstance(state, TimedHook) else 0.0)
-    tx = (lo_tx_bytes() - tx0) / (WORLD * (skip + steps)) if rank == 0 else 0.0
+    tx = (lo_tx_bytes() - tx0) / (dist.get_world_size() * (skip + steps)) if rank == 0 else 0.0
     t = torch.tensor([times, hook], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t[0, skip:].tolist(), t[1, skip:].tolist(), tx
@@ -307,7 +309,8 @@ def train_accuracy(arch: str, name: str, seed: int, spec: dict) -> float:
 
     make_model, x_train, x_test, y_train, y_test = digits_task(arch, seed)
     train_set = TensorDataset(x_train, y_train)
-    sampler = DistributedSampler(train_set, num_replicas=WORLD, rank=dist.get_rank(), shuffle=True, seed=seed)
+    sampler = DistributedSampler(train_set, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True,
+                                 seed=seed)  # fmt: skip
     loader = DataLoader(train_set, batch_size=32, sampler=sampler, drop_last=True)
     torch.manual_seed(seed)
     model, _ = build_variant(name, make_model(), "exact", spec["acc_warmup"])
@@ -364,7 +367,7 @@ def torchrun(spec: dict, tmp: str) -> dict:
     Path(spec_path).write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['ranks']}",
            str(Path(__file__).resolve()), "--worker", spec_path]  # fmt: skip
     subprocess.run(cmd, check=True, env=env)
     return json.loads(Path(spec["out"]).read_text())
@@ -383,6 +386,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=1, help="untimed steps before them (after switching variant)")
     p.add_argument("--warmup", type=int, default=4, help=f"steps per variant before timing (> {HOOK_WARMUP})")
     p.add_argument("--batch", type=int, default=8, help="images per rank and step")
+    p.add_argument("--ranks", type=int, default=WORLD, help="processes (one thread each; 1: the hook's own cost, "
+                                                            "with the machine's other core free)")
     p.add_argument("--accuracy", default="", help="also train on digits: 'cnn' (the example's task), 'resnet18'")
     p.add_argument("--accuracy-seeds", default="cnn=5,resnet18=1", help="seeds per task")
     p.add_argument("--accuracy-epochs", default="cnn=8,resnet18=6", help="epochs per task")
@@ -403,6 +408,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--accuracy tasks are cnn, resnet18, resnet50; got {bad}")
     if args.no_netns and args.rates != ["none"]:
         p.error("--no-netns measures unthrottled loopback only: pass --rates none")
+    if args.ranks < 1:
+        p.error("--ranks must be >= 1")
     if args.warmup <= HOOK_WARMUP:
         p.error(f"--warmup must exceed the hooks' {HOOK_WARMUP} dense iterations")
     if args.quick:
@@ -430,7 +437,8 @@ def main(argv: list[str]) -> None:
     seeds = {"cnn": 5, "resnet18": 1, "resnet50": 1, **per_task(args.accuracy_seeds)}
     spec = {"models": args.models, "variants": args.variants, "rates": args.rates, "topk_mode": args.topk_mode,
             "rounds": args.rounds, "steps": args.steps, "skip": args.skip, "warmup": args.warmup,
-            "batch": args.batch, "accuracy": args.accuracy, "acc_seeds": seeds, "acc_epochs": epochs,
+            "batch": args.batch, "ranks": args.ranks, "accuracy": args.accuracy, "acc_seeds": seeds,
+            "acc_epochs": epochs,
             "acc_lr": {"cnn": 0.05, "resnet18": 0.01, "resnet50": 0.01},
             "acc_warmup": 10}  # fmt: skip
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "load_before": loadavg(),
@@ -450,7 +458,7 @@ def main(argv: list[str]) -> None:
         args.json.write_text(json.dumps({"timing": timing, "accuracy": acc, "meta": meta}))
         written.append(args.json)
     if len(args.rates) > 1:
-        plot(timing, args.rates, args.out.with_suffix(".png"))
+        plot(timing, args.rates, args.out.with_suffix(".png"), args.ranks)
         written.append(args.out.with_suffix(".png"))
     print("wrote " + ", ".join(map(str, written)))
 

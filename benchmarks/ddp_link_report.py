@@ -12,13 +12,13 @@ from pathlib import Path
 
 RATES = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "none": "unthrottled"}
 TOPK_DENSITY = {"topk0.1": 0.001, "topk1": 0.01, "topk0.1mc": 0.001, "topk1mc": 0.01,
-                "topk-tree0.1": 0.001, "topk-tree1": 0.01}
+                "topk-tree0.1": 0.001, "topk-tree1": 0.01, "topk0.1mc-overlap": 0.001, "topk1mc-overlap": 0.01}
 HOOK_MOMENTUM = 0.9  # the "mc" variants: momentum correction in the hook, none in the optimizer
 
 
 def optimizer_momentum(name: str) -> float:
     """SGD's momentum for variant ``name``: 0.9, or 0 where the hook keeps the momentum (``*mc``)."""
-    return 0.0 if name.endswith("mc") else 0.9
+    return 0.0 if "mc" in name else 0.9
 
 
 def loadavg() -> str:
@@ -33,7 +33,9 @@ LABELS = {"nocomm": "compute only (no DDP)", "dense": "dense allreduce", "fp16":
           "powersgd1": "PowerSGD rank 1", "powersgd4": "PowerSGD rank 4",
           "topk0.1": "topk_hook 0.1%", "topk1": "topk_hook 1%",
           "topk0.1mc": "topk_hook 0.1% + momentum corr.", "topk1mc": "topk_hook 1% + momentum corr.",
-          "topk-tree0.1": "topk_hook tree 0.1%", "topk-tree1": "topk_hook tree 1%"}  # fmt: skip
+          "topk-tree0.1": "topk_hook tree 0.1%", "topk-tree1": "topk_hook tree 1%",
+          "topk0.1mc-overlap": "topk_hook 0.1% + mom. corr., overlap",
+          "topk1mc-overlap": "topk_hook 1% + mom. corr., overlap"}  # fmt: skip
 
 
 def time_table(arch: str, res: dict, rates: list[str]) -> list[str]:
@@ -84,7 +86,7 @@ def accuracy_table(acc: dict, spec: dict) -> list[str]:
     return lines
 
 
-def plot(timing: dict, rates: list[str], path: Path) -> None:
+def plot(timing: dict, rates: list[str], path: Path, ranks: int = 2) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,7 +103,7 @@ def plot(timing: dict, rates: list[str], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("tbf rate on loopback (both directions share it)")
         ax.set_ylabel("DDP step time (ms, median, log)")
-        ax.set_title(f"{arch}, 2 ranks, gloo, 1 thread each, batch 8")
+        ax.set_title(f"{arch}, {ranks} ranks, gloo, 1 thread each, batch 8")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
@@ -115,14 +117,16 @@ def report(timing: dict, acc: dict | None, spec: dict, meta: dict) -> str:
              f"Load averages (1/5/15 min): {meta['load_before']} before, {meta['load_after']} after "
              f"({os.cpu_count()} cores). {spec['rounds']} rounds x {spec['skip']} untimed + {spec['steps']} timed "
              f"steps per variant and rate, after {spec['warmup']} warm-up steps per variant; batch {spec['batch']} "
-             f"per rank; top-k mode `{spec['topk_mode']}`.", ""]  # fmt: skip
+             f"per rank; {spec.get('ranks', 2)} ranks, one thread each; top-k mode `{spec['topk_mode']}`.",
+             ""]  # fmt: skip
     lines += ["Load averages at the end of each round: " + "; ".join(meta["load_rounds"]) + ".", ""]
     for arch, res in timing.items():
         lines += time_table(arch, res, rates) + [""]
     lines += ["Bytes each rank sends per step in a ring collective, by number of ranks P (analytic; top-k's k is "
               "the hook's measured count over DDP's buckets):", ""] + bytes_table(timing) + [""]  # fmt: skip
     if acc:
-        lines += ["Test accuracy per seed (2 ranks, batch 32 per rank, SGD momentum 0.9, "
+        lines += [f"Test accuracy per seed ({spec.get('ranks', 2)} ranks, batch 32 per rank, SGD momentum 0.9 "
+                  "(in the hook instead for the momentum-correction variants), "
                   f"hooks dense for the first {spec['acc_warmup']} iterations):", ""] + accuracy_table(acc, spec)
     else:
         lines.append("Accuracy: not measured in this run (`--accuracy cnn,resnet18`).")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -11,21 +11,17 @@ import torch.distributed as dist
 
 from functopk._checks import check_bool, check_density, check_int, check_number, describe
 from functopk.distributed.agree import check_agreement
+from functopk.distributed.bucket import dense_bucket, sparse_bucket
 from functopk.distributed.exchange import (
     _check_group_arg,
-    _comm_error,
-    _nonfinite,
-    _receive,
     _resolve_group,
-    _send,
     _wire_bytes,
 )
-from functopk.distributed.hook_tree import tree_bucket
-from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit, mask_velocity, used_mask
+from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit
 from functopk.distributed.names import by_name, check_names, model_info
+from functopk.distributed.offload import Offloader
 from functopk.distributed.resume import Layout, Regroup, check_layout
 from functopk.distributed.stats import HookStats
-from functopk.distributed.threshold import threshold_select
 from functopk.distributed.tree import tree_wire_bytes
 from functopk.sparse.api import k_from_density
 
@@ -86,6 +82,14 @@ class TopKHookState:
             that rank's residual; run synchronously, without overlap, see
             :mod:`functopk.distributed.hook_tree`). The tree always re-selects
             (``reselect`` is not consulted).
+        overlap: Run each bucket's work (residual, selection, starting the
+            exchange) on a worker thread of this state, so that the backward
+            pass goes on computing the next layers meanwhile; the hook returns
+            at once with a future. Buckets keep their order (one worker), and
+            the iteration's last bucket runs on the calling thread after the
+            others have started, before DDP's own collectives. Same results,
+            bit for bit. It pays where a core is free for the worker (a rank
+            with fewer compute threads than cores); see ``docs/distributed.md``.
 
     Attributes:
         iter: Iterations seen (counted when the last bucket of an iteration passes).
@@ -121,6 +125,7 @@ class TopKHookState:
         selection: str = "exact",
         momentum: float = 0.0,
         exchange: str = "allgather",
+        overlap: bool = False,
     ) -> None:
         _check_group_arg(process_group, "process_group")
         self.process_group: dist.ProcessGroup | None = process_group
@@ -148,6 +153,8 @@ class TopKHookState:
         self.selection: str = selection
         self.momentum: float = check_number(momentum, "momentum", minimum=0.0, below=1.0)
         self.exchange: str = exchange
+        self.overlap: bool = check_bool(overlap, "overlap")
+        self._offload = Offloader()
         self.threshold_fallbacks: int = 0
         self.iter: int = 0
         self.last_step: HookStats = HookStats()
@@ -420,69 +427,23 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         # After warm-up (or with a velocity to protect), a dense bucket still reports Inf/NaN.
         check = state.iter >= state.warmup_iters or bool(state.momentum)
         state._expect += check
-        key = None
-        if state.momentum:  # send the velocity: plain momentum SGD
-            key, mem = state._memory(bucket, buf)
-            buf.copy_(state._velocity(mem, buf, state._rescale()))
+        key, mem = state._memory(bucket, buf) if state.momentum else (None, None)
         state._record(bucket, HookStats(n * vbytes, n * vbytes, n * vbytes, n, n), key)
-        buf.div_(world)  # divide first, as DDP's default hook does
-        work = dist.all_reduce(buf, group=group, async_op=True)
-
-        def dense_done() -> torch.Tensor:
-            if check:
-                state._flags.append(~torch.isfinite(buf).all())
-            return buf
-
-        return work.get_future().then(_finisher(group, "the dense allreduce of topk_hook", dense_done))
-
-    key, mem = state._memory(bucket, buf)
-    state._expect += 1
-    acc = state._accumulate(mem, buf)  # grads + residual: after _send, this iteration's candidate residual
-    keep = used_mask(mem, buf) if state.find_unused_parameters else None
-    select = None if state.selection == "exact" else partial(_threshold_select, state, mem)
-    if state.exchange == "tree":
-        state._record(bucket, HookStats(*tree_wire_bytes(k, n, buf.dtype, world, rank), n * vbytes, k, n), key)
-        return tree_bucket(buf, acc, keep, k, select, (group, rank, world), state._flags, mem.vscratch)
-    state._record(bucket, HookStats(sent, sent * world, n * vbytes, k, n), key)
-    what = "the sparse all-gather of topk_hook"
-    # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
-    eligible = acc if keep is None else torch.where(keep, acc, 0)
-    idx, vals, work, gathered = _send(eligible, k, group, world, what, async_op=True, select=select)
-    if keep is not None:
-        torch.where(keep, eligible, acc, out=acc)
-
-    def finish() -> torch.Tensor:
-        state._flags.append(_nonfinite(gathered, world, k, n, buf.dtype))
-        out = _receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
-        if mem.vscratch is not None:  # momentum factor masking: no velocity where the residual was spent
-            mask_velocity(mem.vscratch, idx, acc if state.reselect else None, keep)
-        return out
-
-    return work.get_future().then(_finisher(group, what, finish))
-
-
-def _threshold_select(state: TopKHookState, mem: BucketMemory, flat: torch.Tensor, k: int):
-    """``selection="threshold"``: the exact top ``k`` through the bucket's previous threshold."""
-    idx, vals, mem.threshold, fell_back = threshold_select(flat, k, mem.threshold)
-    state.threshold_fallbacks += fell_back
-    return idx, vals
+        launch = partial(dense_bucket, state, mem, buf, check, group, world)
+    else:
+        key, mem = state._memory(bucket, buf)
+        state._expect += 1
+        if state.exchange == "tree":
+            stats = HookStats(*tree_wire_bytes(k, n, buf.dtype, world, rank), n * vbytes, k, n)
+        else:
+            stats = HookStats(sent, sent * world, n * vbytes, k, n)
+        state._record(bucket, stats, key)
+        launch = partial(sparse_bucket, state, mem, buf, k, (group, rank, world))
+    if state.overlap:
+        return state._offload.run(launch, inline=bucket.is_last())
+    return launch()
 
 
 # DDP's register_comm_hook compares the annotations with the real objects, and this
 # module's annotations are strings (``from __future__ import annotations``).
 topk_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
-
-
-def _finisher(
-    group: dist.ProcessGroup, what: str, fn: Callable[[], torch.Tensor]
-) -> Callable[[torch.futures.Future[Any]], torch.Tensor]:
-    """A ``Future.then`` callback: re-raise a failed collective clearly, else return ``fn()``."""
-
-    def callback(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        try:
-            fut.wait()
-        except Exception as exc:  # the backend's error type varies (RuntimeError, DistBackendError, ...)
-            raise _comm_error(what, group, exc) from exc
-        return fn()
-
-    return callback

@@ -114,6 +114,7 @@ def hook_selected(it: int):
 DDP_STEPS, DDP_WARMUP, DDP_DENSITY = 12, 2, 0.1
 AMP_STEPS, AMP_BAD_STEP, AMP_SCALE = 6, 3, 2.0**8  # rank 1's first conv weight gets an Inf at AMP_BAD_STEP
 UNUSED_STEPS = 8
+OVERLAP_STEPS = 6
 
 
 def unused_branches(rank: int, step: int) -> tuple[str, ...]:

@@ -264,3 +264,33 @@ def test_reselect_puts_dropped_values_back_without_overwriting_a_held_back_resid
     assert residual.tolist() == [0.0, 5.0, 0.0, 0.0]
     total, residual = _reselect(torch.tensor([3.0, 0.0, -1.0, 2.0]), idx, vals, torch.tensor([0.0, 5.0, 0.0, 0.0]), 2)
     assert total.tolist() == [3.0, 0.0, 0.0, 2.0] and residual.tolist() == [0.0, 5.0, -1.0, 0.0]  # -1 dropped, back
+
+
+# --------------------------------------------------------------------------- overlap
+
+
+def test_overlap_takes_the_same_steps_as_the_backward_thread(run):
+    """TopKHookState(overlap=True): several buckets, momentum correction, dense warm-up then top-k; the
+    parameters equal those of the hook run on the backward thread, bit for bit, on both ranks."""
+    from tests.distributed.common import OVERLAP_STEPS
+
+    got = [phase(run, "overlap", r) for r in (0, 1)]
+    for r in (0, 1):
+        inline, offloaded = got[r][False], got[r][True]
+        assert len(offloaded) == OVERLAP_STEPS and len(offloaded[-1]["sizes"]) >= 2
+        assert offloaded[-1]["worker"] and not inline[-1]["worker"]  # the offloaded run used its worker thread
+        for step in range(OVERLAP_STEPS):
+            assert torch.equal(bits(offloaded[step]["params"]), bits(inline[step]["params"])), (r, step)
+            assert torch.equal(bits(offloaded[step]["params"]), bits(got[0][True][step]["params"])), (r, step)
+            assert offloaded[step]["last_step"] == inline[step]["last_step"]
+
+
+def test_overlap_with_unused_parameters_keeps_the_collectives_in_order(run):
+    """With find_unused_parameters=True DDP allreduces its used-parameter map after the last bucket: the
+    offloaded run must not interleave with it (it would hang or mix up data); the result equals the inline run."""
+    for r in (0, 1):
+        inline, offloaded = phase(run, "unused", r)["model"], phase(run, "unused", r)["overlap"]
+        for name, t in inline["applied"].items():
+            assert torch.equal(bits(t), bits(offloaded["applied"][name])), name
+        for name, t in inline["residuals"].items():
+            assert torch.equal(bits(t), bits(offloaded["residuals"][name])), name

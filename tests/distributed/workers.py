@@ -34,6 +34,7 @@ from tests.distributed.common import (
     HOOK_LAYOUTS,
     HOOK_MOMENTUM,
     HOOK_PARAMS,
+    OVERLAP_STEPS,
     PG_TIMEOUT_S,
     RESUME_LAYOUTS,
     THRESHOLD_PARAMS,
@@ -353,15 +354,18 @@ def _amp_phase(rank: int, pair):
     return {mode: _amp_run(rank, pair, mode) for mode in modes}
 
 
-def _unused_run(rank: int, pair, with_model: bool):
-    """DDP(find_unused_parameters=True) with heads that ranks skip; float64; the mass fed, applied and held."""
+def _unused_run(rank: int, pair, with_model: bool, overlap: bool = False):
+    """DDP(find_unused_parameters=True) with heads that ranks skip; float64; the mass fed, applied and held.
+
+    ``overlap``: the hook's selection on its worker thread (DDP's own allreduce of the used-parameter map
+    follows the last bucket: the ordering that mode must keep)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     net = Branchy().double()
     model = DDP(net, process_group=pair, find_unused_parameters=True)
     names = {id(p): name for name, p in net.named_parameters()}
-    state = TopKHookState(pair, density=0.2, warmup_iters=1, model=model if with_model else None)
+    state = TopKHookState(pair, density=0.2, warmup_iters=1, model=model if with_model else None, overlap=overlap)
     fed = {name: torch.zeros_like(p) for name, p in net.named_parameters()}
     applied = {name: torch.zeros_like(p) for name, p in net.named_parameters()}
 
@@ -398,7 +402,28 @@ def _unused_run(rank: int, pair, with_model: bool):
 
 
 def _unused_phase(rank: int, pair):
-    return {"model": _unused_run(rank, pair, True), "no_model": _unused_run(rank, pair, False)}
+    return {"model": _unused_run(rank, pair, True), "no_model": _unused_run(rank, pair, False),
+            "overlap": _unused_run(rank, pair, True, overlap=True)}  # fmt: skip
+
+
+def _overlap_phase(rank: int, pair):
+    """DDP (several buckets) with momentum correction, the hook's work on the backward thread or offloaded."""
+    out = {}
+    for overlap in (False, True):
+        net, model, state, sizes, opt = ddp_recording_buckets(pair, density=DDP_DENSITY, warmup_iters=DDP_WARMUP,
+                                                              momentum=0.9, overlap=overlap)  # fmt: skip
+        x, y = batch(n=16, seed=30 + rank)
+        steps = []
+        for _ in range(OVERLAP_STEPS):
+            del sizes[:]
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            steps.append({"params": _flat_params(net), "sizes": list(sizes), "last_step": state.last_step,
+                          "worker": state._offload._thread is not None})  # fmt: skip
+        out[overlap] = steps
+        del model
+    return out
 
 
 # --------------------------------------------------------------------------- failures
@@ -471,6 +496,7 @@ def worker(rank: int, world: int, store: str, out_dir: str) -> None:
     run_phase("ddp", _ddp_phase, rank, pair)  # on the pair group, unaffected by rank 2's death
     run_phase("amp", _amp_phase, rank, pair)
     run_phase("unused", _unused_phase, rank, pair)
+    run_phase("overlap", _overlap_phase, rank, pair)
     run_phase("death_of_rank2", _death_of_rank2, rank, world_group)
     run_phase("death_of_rank1", _death_of_rank1, rank, pair)
     os._exit(0)  # the groups are broken now; skip their teardown
