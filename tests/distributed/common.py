@@ -246,3 +246,61 @@ def group_result(run, gname: str, rank: int) -> dict:
     res = run.results[rank]
     assert "error" not in res, res["error"]
     return res[gname]
+
+
+def start_gloo(rank: int, world: int, store: str, watchdog_s: float, timeout_s: float = PG_TIMEOUT_S):
+    """In a spawned or forked rank: a traceback and exit before the parent's watchdog fires, gloo on the
+    loopback interface, one thread, and the file-rendezvous process group. Returns ``torch.distributed``."""
+    import datetime
+    import faulthandler
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(watchdog_s - 10, exit=True)  # never outlive the parent's watchdog
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on the loopback interface only
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    return dist
+
+
+def run_ranks(ctx, target, args_of, world: int, watchdog_s: float) -> list:
+    """Start ``world`` processes ``target(*args_of(rank))`` from ``ctx``, wait at most ``watchdog_s`` in all,
+    kill what is left; their exit codes."""
+    import time
+
+    procs = [ctx.Process(target=target, args=args_of(r), daemon=True) for r in range(world)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, t0 + watchdog_s - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def record_and_exit(path: str, body) -> None:
+    """In a rank: ``body(results)``, a barrier, then ``results`` saved to ``path`` and the process ended
+    (``os._exit``: no teardown of groups a test may have broken). An exception is recorded as
+    ``results["error"]`` (its traceback) and exits with 1, so that the test reports it."""
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    results: dict = {}
+    try:
+        body(results)
+        dist.barrier()
+    except Exception:
+        results["error"] = traceback.format_exc()
+        torch.save(results, path)
+        os._exit(1)
+    torch.save(results, path)
+    os._exit(0)

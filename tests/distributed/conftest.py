@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.common import FORKSERVER_PRELOAD, WATCHDOG_S, WORLD
+from tests.distributed.common import FORKSERVER_PRELOAD, WATCHDOG_S, WORLD, run_ranks
 from tests.distributed.tree_workers import TREE_WATCHDOG_S, TREE_WORLD, tree_worker
 from tests.distributed.workers import worker
 
@@ -46,17 +46,8 @@ def tree_run(tmp_path_factory):
     # 2 cores instead of ~3 s); the server is single-threaded, and no process group exists in this process.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    procs = [ctx.Process(target=tree_worker, args=(r, str(out / "store"), str(out)), daemon=True)
-             for r in range(TREE_WORLD)]  # fmt: skip
     t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, t0 + TREE_WATCHDOG_S - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    codes = run_ranks(ctx, tree_worker, lambda r: (r, str(out / "store"), str(out)), TREE_WORLD, TREE_WATCHDOG_S)
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) if (out / f"rank{r}.pt").exists() else {}
                for r in range(TREE_WORLD)]  # fmt: skip
-    return SimpleNamespace(results=results, exitcodes=[p.exitcode for p in procs], seconds=time.monotonic() - t0)
+    return SimpleNamespace(results=results, exitcodes=codes, seconds=time.monotonic() - t0)

@@ -14,17 +14,14 @@ record; the assertions live in ``test_resume.py``.
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
 import os
-import socket
-import traceback
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from functopk.distributed import TopKHookState, topk_hook
+from tests.distributed.common import record_and_exit, start_gloo
 from tests.helpers import batch, small_cnn
 
 WORLD = 2
@@ -71,17 +68,10 @@ def _train(rank: int, unused: bool, steps: range, checkpoint: dict | None, out_d
 
 
 def resume_worker(rank: int, mode: str, store: str, out_dir: str) -> None:
-    faulthandler.dump_traceback_later(RESUME_WATCHDOG_S - 10, exit=True)
-    if "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=20))  # fmt: skip
-    results: dict = {}
+    start_gloo(rank, WORLD, store, RESUME_WATCHDOG_S)
     rest = range(SAVE_AT, STEPS)
-    try:
+
+    def body(results: dict) -> None:
         for unused in (False, True):
             if mode == "through":
                 results[unused, "through"] = _train(rank, unused, range(STEPS), None, out_dir)
@@ -94,10 +84,5 @@ def resume_worker(rank: int, mode: str, store: str, out_dir: str) -> None:
                                                 keep_layout=False)  # fmt: skip
             if not unused:
                 results["mixed"] = _train(rank, True, rest, torch.load(file, weights_only=True), out_dir)
-        dist.barrier()
-    except Exception:
-        results["error"] = traceback.format_exc()
-        torch.save(results, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
-        os._exit(1)
-    torch.save(results, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
-    os._exit(0)
+
+    record_and_exit(os.path.join(out_dir, f"{mode}-rank{rank}.pt"), body)

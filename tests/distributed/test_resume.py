@@ -16,24 +16,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.common import FORKSERVER_PRELOAD
+from tests.distributed.common import FORKSERVER_PRELOAD, run_ranks
 from tests.distributed.resume_workers import RESUME_WATCHDOG_S, SAVE_AT, STEPS, WORLD, resume_worker
 from tests.helpers import bits
 
 
 def _launch(ctx, mode: str, out) -> list:
-    procs = [ctx.Process(target=resume_worker, args=(r, mode, str(out / f"store-{mode}"), str(out)), daemon=True)
-             for r in range(WORLD)]  # fmt: skip
-    t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, t0 + RESUME_WATCHDOG_S - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
+    return run_ranks(ctx, resume_worker, lambda r: (r, mode, str(out / f"store-{mode}"), str(out)), WORLD,
+                     RESUME_WATCHDOG_S)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

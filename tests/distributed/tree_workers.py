@@ -9,14 +9,11 @@ Every byte the tree hands to ``torch.distributed`` is counted by wrapping
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
 import os
-import socket
-import traceback
 
 import torch
 
+from tests.distributed.common import record_and_exit, start_gloo
 from tests.distributed.hook_tree_workers import HT_DDP_GROUP, hook_tree_ddp_phase, hook_tree_phase
 
 TREE_WORLD = 8
@@ -109,18 +106,11 @@ def _transform(rank: int, group, counter: _Counter) -> dict:
 
 
 def tree_worker(rank: int, store: str, out_dir: str) -> None:
-    faulthandler.dump_traceback_later(TREE_WATCHDOG_S - 10, exit=True)
-    if "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TREE_WORLD,
-                            timeout=datetime.timedelta(seconds=20))  # fmt: skip
+    dist = start_gloo(rank, TREE_WORLD, store, TREE_WATCHDOG_S)
     groups = {name: dist.new_group(list(range(n))) for name, n in TREE_GROUPS.items()}
     counter = _Counter(dist)
-    results: dict = {}
-    try:
+
+    def body(results: dict) -> None:
         for name, n in TREE_GROUPS.items():
             if rank < n:
                 results[name] = {"raw": _raw(rank, groups[name], counter, n),
@@ -128,10 +118,5 @@ def tree_worker(rank: int, store: str, out_dir: str) -> None:
                                  "hook": hook_tree_phase(rank, groups[name], counter, n)}  # fmt: skip
         if rank < TREE_GROUPS[HT_DDP_GROUP]:
             results[HT_DDP_GROUP]["ddp"] = hook_tree_ddp_phase(rank, groups[HT_DDP_GROUP], counter)
-        dist.barrier()
-    except Exception:
-        results["error"] = traceback.format_exc()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        os._exit(1)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    os._exit(0)
+
+    record_and_exit(os.path.join(out_dir, f"rank{rank}.pt"), body)

@@ -6,14 +6,11 @@ assertions live in the test modules. Nothing here is collected as a test.
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
 import inspect
 import io
 import itertools
 import math
 import os
-import socket
 import time
 import traceback
 
@@ -35,7 +32,6 @@ from tests.distributed.common import (
     HOOK_MOMENTUM,
     HOOK_PARAMS,
     OVERLAP_STEPS,
-    PG_TIMEOUT_S,
     RESUME_LAYOUTS,
     THRESHOLD_PARAMS,
     THRESHOLD_SCALES,
@@ -50,6 +46,7 @@ from tests.distributed.common import (
     ddp_recording_buckets,
     hook_grad,
     hook_module,
+    start_gloo,
     tx_grads,
     unused_branches,
 )
@@ -462,17 +459,8 @@ def _death_of_rank1(rank: int, pair):
 
 
 def worker(rank: int, world: int, store: str, out_dir: str) -> None:
-    faulthandler.dump_traceback_later(WATCHDOG_S - 10, exit=True)  # never outlive the parent's watchdog
     started = time.monotonic()
-    if "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on the loopback interface only
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-    )  # fmt: skip
+    dist = start_gloo(rank, world, store, WATCHDOG_S)
     world_group = dist.group.WORLD
     pair = dist.new_group([0, 1])
     groups = {"pair": pair if rank in (0, 1) else None, "world": world_group}
