@@ -1,7 +1,11 @@
 """DDP training steps over an emulated link: dense allreduce, fp16, PowerSGD and top-k (issue 14's benchmark).
 
-    python benchmarks/ddp_link.py --rounds 8 --accuracy cnn,resnet18   # the recorded run: 23 min on 2 cores
-    python benchmarks/ddp_link.py                       # timing only, 6 rounds (about 15 min)
+    python benchmarks/ddp_link.py --rounds 6 --accuracy cnn --accuracy-seeds cnn=10 \
+        --variants dense,fp16,powersgd1,powersgd4,topk0.1,topk1,topk0.1mc,topk1mc,topk1mc-overlap
+                                                        # the recorded run: 12 min on 2 cores
+    python benchmarks/ddp_link.py                       # timing only, 6 rounds (about 10 min)
+    python benchmarks/ddp_link.py --ranks 1 --no-netns --rates none \
+        --variants dense,topk1mc,topk1mc-overlap       # the hook's own cost, a core free (2 min)
     python benchmarks/ddp_link.py --rates none          # unthrottled loopback only (about 3 min)
     python benchmarks/ddp_link.py --quick               # a smoke run (ResNet-18, 1 round: 30 s)
 
