@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 12: one command, under 8 minutes on one GPU.
+# The GPU check of issues 12 and 14: one command, under 10 minutes on one GPU.
 #
 #   bash benchmarks/gpu_check.sh            # uses $PY (default: .venv/bin/python if present, else python3)
 #
@@ -8,7 +8,9 @@
 # 2. benchmarks/device_topk.py: ft.topk_indices / topk_sparsify against torch.topk on the GPU
 #    (resnet50 tree and a 100M-coordinate tree, k = 1000 and 1%);
 # 3. benchmarks/optim.py --device cuda: optimizer steps against torch.optim (resnet50 tree);
-# 4. benchmarks/compiled_step.py --device cuda --tables 1: eager and compiled resnet18 steps.
+# 4. benchmarks/compiled_step.py --device cuda --tables 1: eager and compiled resnet18 steps;
+# 5. examples/ddp_topk.py on one GPU (a 1-rank NCCL group, issue 14): straight through, and killed after
+#    step 30 and resumed by torchrun from its checkpoint; the two parameter hashes must agree.
 # Tables and logs go to benchmarks/results/gpu/ (or $OUT_DIR). Each part has its own time limit,
 # and a failing part does not stop the others; the exit status is that of the tests.
 set -uo pipefail
@@ -33,10 +35,20 @@ tail -5 "$OUT/tests.txt"
 
 timeout 90 $PY benchmarks/device_topk.py --device cuda --rounds 15 --out "$OUT/topk.md" > "$OUT/topk.log" 2>&1 \
     || echo "device_topk.py failed or timed out (see $OUT/topk.log)"
-timeout 90 $PY benchmarks/optim.py --device cuda --rounds 20 --no-compile --opts sgd-momentum,adam,adamw --out "$OUT/optim.png" \
+timeout 80 $PY benchmarks/optim.py --device cuda --rounds 20 --no-compile --opts sgd-momentum,adam,adamw --out "$OUT/optim.png" \
     > "$OUT/optim.md" 2>&1 || echo "optim.py failed or timed out (see $OUT/optim.md)"
-timeout 150 $PY benchmarks/compiled_step.py --device cuda --tables 1 --rounds 10 --out "$OUT/compiled_step.md" \
+timeout 120 $PY benchmarks/compiled_step.py --device cuda --tables 1 --rounds 10 --out "$OUT/compiled_step.md" \
     > "$OUT/compiled_step.log" 2>&1 || echo "compiled_step.py failed or timed out (see $OUT/compiled_step.log)"
+
+ckpt=$(mktemp -d)
+for run in whole crashed; do
+    extra=""; [ "$run" = crashed ] && extra="--crash-at-step 30"
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 45 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
+        --max-restarts 1 examples/ddp_topk.py --epochs 2 --checkpoint-dir "$ckpt/$run" --checkpoint-every 10 $extra \
+        > "$OUT/ddp_nccl_$run.txt" 2>&1 || echo "ddp_topk.py ($run) failed or timed out (see $OUT/ddp_nccl_$run.txt)"
+done
+rm -rf "$ckpt"
+grep -h "ranks (\|resumed\|crashing\|sha256" "$OUT"/ddp_nccl_*.txt
 
 echo "gpu_check: $(( $(date +%s) - start )) s; tests exit status $tests_rc; results in $OUT/"
 cat "$OUT"/*.md 2>/dev/null

@@ -143,9 +143,11 @@ def report(model: DDP, state: TopKHookState | None, x_test: torch.Tensor, y_test
             # What a ring moves per rank: allreduce 2 (P - 1) / P times the buffer, the all-gather (P - 1) times
             # each rank's k pairs; the saving is n / (P k), so it shrinks as ranks are added.
             ring_dense, ring_sparse = 2 * (world - 1) / world * last.bytes_dense, (world - 1) * last.bytes_sent
+            wire = (f"on the wire (ring, {world} ranks) {ring_sparse / 1e3:.1f} kB instead of "
+                    f"{ring_dense / 1e3:.1f} kB ({ring_dense / ring_sparse:.0f}x less at P = {world})" if world > 1
+                    else "nothing on the wire with a single rank")  # fmt: skip
             print(f"per step after warm-up: {last.bytes_sent / 1e3:.1f} kB handed over per rank instead of "
-                  f"{last.bytes_dense / 1e3:.1f} kB; on the wire (ring, {world} ranks) {ring_sparse / 1e3:.1f} kB "
-                  f"instead of {ring_dense / 1e3:.1f} kB ({ring_dense / ring_sparse:.0f}x less at P = {world})")
+                  f"{last.bytes_dense / 1e3:.1f} kB; {wire}")
             print(f"in total over {state.iter} iterations ({state.warmup_iters} dense): {t.bytes_sent / 1e6:.3f} MB "
                   f"sent per rank; plain allreduce: {t.bytes_dense / 1e6:.3f} MB "
                   f"({t.bytes_dense / t.bytes_sent:.1f}x more); {state.skipped_iters} iterations with "

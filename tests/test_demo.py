@@ -105,15 +105,15 @@ def test_quickstart_example_runs():
     assert "dense sgd (momentum 0.9)" in proc.stdout and "top-200 + sgd (momentum 0.9)" in proc.stdout
 
 
-def torchrun(*args: str, restarts: int = 0) -> tuple[subprocess.CompletedProcess, str]:
-    """examples/ddp_topk.py on 2 gloo ranks, one short epoch; the process and a report for assertion messages."""
+def torchrun(*args: str, restarts: int = 0, nproc: int = 2) -> tuple[subprocess.CompletedProcess, str]:
+    """examples/ddp_topk.py on ``nproc`` gloo ranks, one short epoch; the process and a report for assertions."""
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torchrun's shared store keeps the keys of a failed attempt, and the
     # restarted ranks can read a dead peer's address from it and fail or hang (pytorch/pytorch#135712): one store
     # per attempt.
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
          "--max-restarts", str(restarts), os.path.join(ROOT, "examples", "ddp_topk.py"),
          "--epochs", "1", "--warmup-iters", "2", "--timeout-s", "60", *args],
         capture_output=True, text=True, env=env, timeout=300,
@@ -141,6 +141,15 @@ def test_ddp_example_runs_under_torchrun_and_resumes_bit_for_bit_after_a_crash(t
     assert "resumed from the checkpoint of step 10" in crashed.stdout, report
     digest = [line.split("parameters sha256 ")[1] for line in crashed.stdout.splitlines() if "sha256" in line]
     assert digest and f"parameters sha256 {digest[0]}" in whole.stdout, report + "\nuninterrupted:\n" + whole.stdout
+
+
+@pytest.mark.slow
+def test_ddp_example_runs_on_a_single_rank(tmp_path):
+    """One rank (as on one GPU with NCCL): nothing crosses a wire, and the report says so instead of dividing by 0."""
+    proc, report = torchrun("--checkpoint-dir", str(tmp_path), nproc=1)
+    assert proc.returncode == 0, report
+    assert "1 ranks" in proc.stdout and "nothing on the wire with a single rank" in proc.stdout, report
+    assert "replicas identical: True" in proc.stdout, report
 
 
 def test_help_shows_every_default_once_and_no_none():
