@@ -7,7 +7,9 @@
   (``apply_if_finite``, ``multi_steps``): the inner update and state, or zeros
   and the old state, chosen on device;
 * :func:`check_count`: an int argument that may also be a 0-d tensor;
-* :func:`group_scalar`: a ``torch.optim`` param group's value as the aliases take it.
+* :func:`group_scalar`: a ``torch.optim`` param group's value as the aliases take it;
+* the type aliases ``Leaves`` (the leaf lists of the leaf maths) and ``Hyper`` (a
+  hyperparameter: a number or a 0-d tensor).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from functopk.tree import foreach
 from functopk.tree.maths import flatten_like
 
 T = TypeVar("T")
+Leaves = list[torch.Tensor]
+Hyper = float | torch.Tensor
 
 
 def with_mask(

@@ -38,14 +38,12 @@ from functopk._checks import (
     require_params,
 )
 from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count
-from functopk.optim._shared import group_scalar
+from functopk.optim._shared import Hyper, Leaves, group_scalar
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
 
 __all__ = ["TORCH_BUILDERS", "TORCH_STATE_NAMES", "AdafactorState", "adafactor"]
 
-Leaves = list[torch.Tensor]
-Hyper = float | torch.Tensor
 _NAME = "adafactor"
 _FIELDS = ("row_var", "col_var", "variance")
 _PLACEHOLDER = torch.Size((0,))

@@ -29,7 +29,7 @@ import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
-from functopk.optim._shared import group_scalar
+from functopk.optim._shared import Hyper, Leaves, group_scalar
 from functopk.optim.adaptive import _ema_sq, adam_config
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
@@ -44,9 +44,6 @@ __all__ = [
     "nadam",
     "radam",
 ]
-
-Leaves = list[torch.Tensor]
-Hyper = float | torch.Tensor
 
 
 # --------------------------------------------------------------------------- shared pieces

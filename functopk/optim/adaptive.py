@@ -22,7 +22,7 @@ import torch
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
 from functopk.combine import MaskOrFn
-from functopk.optim._shared import selected, with_mask
+from functopk.optim._shared import Hyper, Leaves, selected, with_mask
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
@@ -34,9 +34,6 @@ __all__ = [
     "scale_by_rms",
     "scale_by_rss",
 ]
-
-Leaves = list[torch.Tensor]
-Hyper = float | torch.Tensor
 
 
 def _ema_sq(avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:

@@ -23,13 +23,12 @@ import torch
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule
 from functopk.combine import MaskOrFn, chain
+from functopk.optim._shared import Hyper
 from functopk.optim.adaptive import AdamDecay, adam_config, adam_transform, scale_by_rms, scale_by_rss
 from functopk.optim.elementary import add_decayed_weights, scale, scale_by_learning_rate, scale_by_schedule, trace
 from functopk.tree.foreach import scalar_dtype
 
 __all__ = ["adagrad", "adam", "adamw", "rmsprop", "sgd"]
-
-Hyper = float | torch.Tensor
 
 
 def _prefix(maximize: bool, weight_decay: Hyper) -> list[GradientTransformation]:

@@ -26,7 +26,7 @@ from functopk._checks import (
     is_zero,
 )
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
-from functopk.optim._shared import group_scalar
+from functopk.optim._shared import Hyper, Leaves, group_scalar
 from functopk.optim.adaptive import _ema_sq
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
@@ -41,9 +41,6 @@ __all__ = [
     "asgd",
     "rprop",
 ]
-
-Leaves = list[torch.Tensor]
-Hyper = float | torch.Tensor
 
 
 def _at_most(value: Hyper, name: str, maximum: float) -> Hyper:

@@ -22,13 +22,11 @@ from functopk.base import (
     init_count,
     leafwise,
 )
-from functopk.optim._shared import check_count, step_or_skip
+from functopk.optim._shared import Leaves, check_count, step_or_skip
 from functopk.tree import foreach
 from functopk.tree.maths import all_finite
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "clip", "clip_by_global_norm", "zero_nans"]
-
-Leaves = list[torch.Tensor]
 
 
 def clip(max_delta: float | torch.Tensor) -> GradientTransformation:

@@ -21,7 +21,7 @@ import torch
 from functopk._checks import check_bool, check_callable, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, leafwise
 from functopk.combine import MaskOrFn
-from functopk.optim._shared import selected, with_mask
+from functopk.optim._shared import Leaves, selected, with_mask
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
@@ -35,8 +35,6 @@ __all__ = [
     "scale_by_schedule",
     "trace",
 ]
-
-Leaves = list[torch.Tensor]
 
 
 def _scale(step_size: float | torch.Tensor, name: str) -> GradientTransformation:

@@ -13,14 +13,12 @@ import torch
 from functopk._checks import check_hyperparam, check_scalar_or_schedule
 from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, leafwise
 from functopk.combine import MaskOrFn, chain
+from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.adaptive import scale_by_adam
 from functopk.optim.elementary import add_decayed_weights, scale_by_learning_rate
 from functopk.tree import foreach
 
 __all__ = ["lamb", "scale_by_trust_ratio"]
-
-Leaves = list[torch.Tensor]
-Hyper = float | torch.Tensor
 
 
 def _on(value: Hyper, like: torch.Tensor) -> Hyper:

@@ -18,6 +18,7 @@ import torch
 from functopk._checks import check_hyperparam, check_scalar_or_schedule
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
 from functopk.combine import MaskOrFn, chain
+from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.elementary import add_decayed_weights, scale_by_learning_rate
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
@@ -27,9 +28,6 @@ __all__ = [
     "lion",
     "scale_by_lion",
 ]
-
-Leaves = list[torch.Tensor]
-Hyper = float | torch.Tensor
 
 
 class ScaleByLionState(NamedTuple):

@@ -27,14 +27,12 @@ from functopk._checks import (
     path_str,
 )
 from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count, leafwise
-from functopk.optim._shared import group_scalar
+from functopk.optim._shared import Hyper, Leaves, group_scalar
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
 __all__ = ["TORCH_BUILDERS", "TORCH_STATE_NAMES", "MuonState", "muon", "newton_schulz"]
 
-Leaves = list[torch.Tensor]
-Hyper = float | torch.Tensor
 _NAME = "muon"
 
 _LR_RATIOS: dict[str | None, Callable[[int, int], float]] = {
