@@ -48,6 +48,14 @@ def describe(x: Any) -> str:
 # --------------------------------------------------------------------------- scalars
 
 
+def listed(items: Sequence[str], limit: int = 5) -> str:
+    """``"a, b, c and 4 more"``: the first ``limit`` items of a message's list; ``"(none)"`` when empty."""
+    if not items:
+        return "(none)"
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
 def check_bool(value: Any, name: str) -> bool:
     """``value`` if it is a bool, else ``TypeError`` naming ``name``."""
     if not isinstance(value, bool):

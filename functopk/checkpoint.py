@@ -30,7 +30,7 @@ from typing import IO, Any, Union
 import optree
 import torch
 
-from functopk._checks import describe
+from functopk._checks import describe, listed
 from functopk.tree.maths import PyTree
 
 __all__ = ["CheckpointError", "load_state", "read_state_dict", "save_state", "state_from_dict", "state_to_dict"]
@@ -111,11 +111,6 @@ def _short(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _listed(names: list[str]) -> str:
-    more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
-    return ", ".join(names[:_MAX_LISTED]) + more
-
-
 def _structure_mismatch(saved: list[str], paths: list[str], saved_structure: Any, treedef: optree.PyTreeSpec) -> str:
     """Where the saved leaves first differ from the template's (not both structures in full)."""
     first = next((i for i, (a, b) in enumerate(zip(saved, paths)) if a != b), min(len(saved), len(paths)))
@@ -128,9 +123,9 @@ def _structure_mismatch(saved: list[str], paths: list[str], saved_structure: Any
     missing = [p for p in paths if p not in set(saved)]
     unexpected = [p for p in saved if p not in set(paths)]
     if missing:
-        detail.append(f"missing leaves: {_listed(missing)}")
+        detail.append(f"missing leaves: {listed(missing, _MAX_LISTED)}")
     if unexpected:
-        detail.append(f"unexpected leaves: {_listed(unexpected)}")
+        detail.append(f"unexpected leaves: {listed(unexpected, _MAX_LISTED)}")
     return "checkpoint structure does not match the current state: " + "; ".join(detail)
 
 

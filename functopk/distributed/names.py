@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from functopk._checks import describe
+from functopk._checks import describe, listed
 from functopk.distributed.memory import BucketMemory
 
 __all__: list[str] = []
@@ -69,10 +69,5 @@ def check_names(what: str, saved: dict[str, torch.Tensor], numels: dict[str, int
     resized = sorted(n for n, t in saved.items() if n in numels and t.numel() != numels[n])
     if unknown or resized:
         raise ValueError(f"TopKHookState.load_state_dict: {what} that match no parameter of the model "
-                         f"{_listed(unknown)}, or whose size differs from it {_listed(resized)}")  # fmt: skip
-
-
-def _listed(names: list[str], limit: int = 5) -> str:
-    if not names:
-        return "(none)"
-    return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+                         f"{listed([repr(n) for n in unknown])}, or whose size differs from it "
+                         f"{listed([repr(n) for n in resized])}")  # fmt: skip
