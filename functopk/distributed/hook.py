@@ -348,9 +348,8 @@ class TopKHookState:
             self._layout.end()
             self.last_step, self.total = self._step, self.total + self._step
             self._step = HookStats()
-            if self.iter >= self.warmup_iters or self.momentum:
-                for stale in set(self._buckets) - self._seen:
-                    del self._buckets[stale]
+            for stale in set(self._buckets) - self._seen:  # (none during a warm-up without momentum correction)
+                del self._buckets[stale]
             self._seen = set()
             self._commit_due = True
             self.iter += 1

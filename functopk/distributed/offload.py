@@ -37,10 +37,8 @@ class Offloader:
     """One daemon worker thread running bucket launches in submission order (started on first use)."""
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._tasks: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._queued = 0
-        self._done = threading.Semaphore(0)
 
     def run(self, launch: Launch, *, inline: bool) -> torch.futures.Future[torch.Tensor]:
         """``launch()``'s future: on the worker, or (``inline``) here once all queued launches have run."""
@@ -51,15 +49,12 @@ class Offloader:
             self._thread = threading.Thread(target=self._work, name="functopk-topk-hook", daemon=True)
             self._thread.start()
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._queued += 1
         self._tasks.put((launch, out))
         return out
 
     def drain(self) -> None:
         """Wait until every queued launch has run (its exchange started, or its error set on its future)."""
-        while self._queued:
-            self._done.acquire()
-            self._queued -= 1
+        self._tasks.join()
 
     def _work(self) -> None:
         while True:
@@ -71,7 +66,7 @@ class Offloader:
             else:
                 inner.add_done_callback(lambda f, out=out: _forward(f, out))
             finally:
-                self._done.release()
+                self._tasks.task_done()
 
 
 def _forward(inner: torch.futures.Future[torch.Tensor], out: torch.futures.Future[torch.Tensor]) -> None:
