@@ -21,7 +21,7 @@ next step:
   have the expected shape. ``torch.optim.SGD`` keeps no step count: a loaded
   ``momentum_buffer`` means the parameter has stepped (torch's rule), so
   functopk's count of it starts at 1;
-* :func:`share_equal_scalars`: after loading, equal counts become one tensor again.
+* :func:`share_equal_scalars_`: after loading, equal counts become one tensor again.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from functopk._checks import describe, listed
 from functopk.adapter import per_param
 
-__all__ = ["Expected", "expected_entries", "filled_group", "loaded_entry", "share_equal_scalars", "unshared"]
+__all__ = ["Expected", "expected_entries", "filled_group", "loaded_entry", "share_equal_scalars_", "unshared"]
 
 
 def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
@@ -167,7 +167,7 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
     return out
 
 
-def share_equal_scalars(
+def share_equal_scalars_(
     state: Mapping[torch.Tensor, dict[str, Any]], parts: Iterable[tuple[list[torch.Tensor], per_param.Layout]]
 ) -> None:
     """Let parameters whose shared leaves are equal share one object again (one cohort), in place.

@@ -136,9 +136,9 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       count; a parameter added later starts fresh;
     * ``state_dict()``/``load_state_dict()`` are torch's own layout (so
       ``torch.distributed.checkpoint.state_dict`` works) and resume bit for bit;
-      loading keeps each saved tensor's dtype, except that a saved value whose
-      dtype differs from what the transformation keeps (torch's float ``step``)
-      is converted;
+      ``torch.optim`` checkpoints of the class load (torch's float ``step``
+      becomes functopk's count) and ``torch.optim`` loads ``state_dict()``;
+      see :meth:`load_state_dict` for the checks;
     * ``sparsify``'s state is kept per parameter too, under keys starting
       with ``"sparsify."``.
 
@@ -331,7 +331,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         self._parts.clear()
         self.state.update(loaded)
-        checkpoint.share_equal_scalars(self.state, self._layouts())
+        checkpoint.share_equal_scalars_(self.state, self._layouts())
 
     def _owner_name(self) -> str:
         return f"torch.optim.{self.optimizer_class.__name__} through functopk"
