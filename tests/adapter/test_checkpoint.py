@@ -190,3 +190,15 @@ def test_sgd_without_momentum_keeps_no_per_parameter_entries():
     run(ours, ours_p, 1)
     assert len(ours.state) == len(theirs.state) == 0
     assert ours.state_dict()["state"] == theirs.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("cls", [torch.optim.RMSprop, torch.optim.Adagrad])
+def test_without_momentum_or_lr_decay_no_step_is_kept_so_torch_cannot_continue(cls):
+    """A known difference: functopk keeps no step where the maths needs none; torch.optim's loading wants one."""
+    (params,) = make_params(1)
+    ours = ft.TorchOptimizer.from_torch(cls, params, lr=0.05)
+    run(ours, params, 1)
+    saved = through_file(ours.state_dict())
+    assert saved["state"] and all("step" not in entry for entry in saved["state"].values())
+    with pytest.raises(KeyError, match="step"):
+        cls(params, lr=0.05).load_state_dict(saved)
