@@ -53,7 +53,9 @@ def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]
     }
 
 
-def filled_group(optimizer_class: type[torch.optim.Optimizer], index: int, saved: Any, keys: Iterable[str]) -> Any:
+def filled_group(
+    optimizer_class: type[torch.optim.Optimizer], index: int, saved: Any, keys: Iterable[str]
+) -> dict[str, Any]:
     """A saved param group with the keys ``optimizer_class.__setstate__`` fills for older checkpoints.
 
     Args:
