@@ -430,21 +430,15 @@ class TorchOptimizer(torch.optim.Optimizer):
         """Load a :meth:`state_dict`; everything is checked before anything changes.
 
         Raises:
-            ValueError: the param groups differ in number or size from this optimizer's.
+            ValueError: the param groups differ in number or size from this optimizer's,
+                a group lacks ``lr`` or has an invalid one, or a parameter name repeats.
             CheckpointError: the transformation state has another structure, shape or
                 dtype than this optimizer's transformation would have (or is malformed).
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise CheckpointError("state_dict must be a dict with keys 'state' and 'param_groups'")
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
-        ):
-            raise ValueError(
-                "loaded state dict has param groups of sizes "
-                f"{[len(s['params']) for s in saved_groups]}, this optimizer has "
-                f"{[len(g['params']) for g in self.param_groups]}"
-            )
+        self._check_saved_groups(saved_groups)
         saved_state = dict(state_dict["state"])
         entry = saved_state.pop(_STATE_KEY, None)
         new_state = new_ptree = None
@@ -457,6 +451,23 @@ class TorchOptimizer(torch.optim.Optimizer):
             )
         super().load_state_dict({**state_dict, "state": {}})
         self._mutable.update(state=new_state, ptree=new_ptree, layout=None, lr=None)
+
+    def _check_saved_groups(self, saved_groups: Any) -> None:
+        """What :meth:`step` needs of the groups a load puts in place: sizes, a valid ``lr``, unique names."""
+        if not isinstance(saved_groups, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("params"), list) for s in saved_groups
+        ):
+            raise CheckpointError("state_dict['param_groups'] must be a list of dicts, each with a list 'params'")
+        saved, own = [len(s["params"]) for s in saved_groups], [len(g["params"]) for g in self.param_groups]
+        if saved != own:
+            raise ValueError(f"loaded state dict has param groups of sizes {saved}, this optimizer has {own}")
+        for i, s in enumerate(saved_groups):
+            if "lr" not in s:
+                raise ValueError(f"param group {i} lacks 'lr', which every TorchOptimizer group keeps")
+            check_hyperparam(s["lr"], f"state_dict['param_groups'][{i}]['lr']", minimum=0.0)
+        # after loading, the saved names (if any) replace the current ones, as in torch.optim
+        self._names([{**g, "param_names": s["param_names"]} if "param_names" in s else g
+                     for g, s in zip(self.param_groups, saved_groups)])
 
     def _parse_entry(self, entry: Any, saved_groups: list[dict[str, Any]]) -> tuple[OptState, PyTree]:
         if not isinstance(entry, dict) or set(entry) != {"transform", "params_with_state"}:

@@ -377,6 +377,22 @@ def test_bad_checkpoints_raise_clearly_and_change_nothing(tmp_path):
     assert_tree_bitwise_equal(target.transform_state, opt.transform_state)
 
 
+def test_bad_param_groups_in_a_checkpoint_raise_before_anything_changes():
+    model = small_cnn()
+    opt, sched = make_opt(model)
+    train(model, opt, sched, range(2))
+    sd = load_bytes(checkpoint_bytes(opt))
+    group = sd["param_groups"][0]
+    no_lr = {k: v for k, v in group.items() if k != "lr"}
+    assert_load_fails_cleanly(opt, {**sd, "param_groups": [no_lr]}, ValueError, "param group 0 lacks 'lr'")
+    assert_load_fails_cleanly(opt, {**sd, "param_groups": [{**group, "lr": -1.0}]}, ValueError, "lr.* must be >= 0")
+    twice = {**group, "param_names": ["a"] * len(group["params"])}
+    assert_load_fails_cleanly(opt, {**sd, "state": {}, "param_groups": [twice]}, ValueError, "'a' appears twice")
+    no_params = {k: v for k, v in group.items() if k != "params"}
+    assert_load_fails_cleanly(opt, {**sd, "param_groups": [no_params]}, CheckpointError, "list 'params'")
+    train(model, opt, sched, range(2, 3))  # and it still steps
+
+
 @pytest.mark.slow
 def test_compiled_step_equals_eager_and_does_not_recompile(fresh_dynamo):
     torch.manual_seed(0)

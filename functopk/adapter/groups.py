@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from functopk.adapter import per_param
+from functopk.adapter import checkpoint, per_param
 from functopk.adapter.registry import spec_for, torch_hyperparams
 from functopk.base import GradientTransformation, OptState, check_transformation
 
@@ -136,9 +136,9 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       count; a parameter added later starts fresh;
     * ``state_dict()``/``load_state_dict()`` are torch's own layout (so
       ``torch.distributed.checkpoint.state_dict`` works) and resume bit for bit;
-      loading keeps each saved tensor's dtype, except that a saved value whose
-      dtype differs from what the transformation keeps (torch's float ``step``)
-      is converted;
+      ``torch.optim`` checkpoints of the class load (torch's float ``step``
+      becomes functopk's count) and ``torch.optim`` loads ``state_dict()``;
+      see :meth:`load_state_dict` for the checks;
     * ``sparsify``'s state is kept per parameter too, under keys starting
       with ``"sparsify."``.
 
@@ -242,7 +242,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 for p, e in zip(cohort, new):
                     written.setdefault(p, {}).update(e)
         for p, e in written.items():
-            self.state[p].update(e)
+            if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
+                self.state[p].update(e)
         torch._foreach_add_(all_ps, all_us)
         return loss
 
@@ -274,86 +275,90 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         return out
 
     @torch._disable_dynamo
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` (torch's layout); everything is checked before anything changes.
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (:meth:`torch.optim.Optimizer.state_dict`), every parameter with its own tensors.
 
-        Tensors move to their parameter's device and keep their saved dtype, except
-        where the transformation keeps another dtype for that entry (a float ``step``
-        written by ``torch.optim`` becomes functopk's integer count).
+        In memory, the parameters that step together share one step count; here
+        each has its own copy, as in ``torch.optim``'s state dicts, so that a
+        ``torch.optim`` optimizer loading it counts each parameter's steps right.
+        """
+        saved = super().state_dict()
+        return {**saved, "state": checkpoint.unshared(saved["state"])}
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` or a ``torch.optim`` one; everything is checked before anything changes.
+
+        As in ``torch.optim``: keys that older torch versions did not save
+        (``maximize``, ``foreach``, ...) get the class's defaults, a number
+        ``step`` becomes a tensor, and keys torch writes for the class but
+        functopk does not keep (RMSprop's ``step`` without momentum) load as
+        given. Tensors move to their parameter's device and take the dtype the
+        transformation keeps (a float ``step`` written by ``torch.optim`` becomes
+        functopk's integer count). A loaded SGD ``momentum_buffer`` without
+        functopk's ``count`` has stepped: the next step is damped, as in torch.
 
         Raises:
-            ValueError: the param groups differ in number or size, or a state entry names no parameter.
-            TypeError: ``state_dict`` or a per-parameter entry is not a dict.
+            TypeError: ``state_dict``, a group or a per-parameter entry is not a dict, or a value not a tensor.
+            ValueError: the param groups differ in number or size, a group lacks one of the class's keys
+                (another class's checkpoint), a state entry names no parameter, has a key the optimizer
+                does not keep, or a tensor of another shape.
         """
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise TypeError("state_dict must be a dict with keys 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        if not isinstance(state_dict["param_groups"], list) or not isinstance(state_dict["state"], dict):
+            raise TypeError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
+        keys = [k for k in self.defaults if k not in _NOT_HYPER]
+        groups = [
+            checkpoint.filled_group(self.optimizer_class, i, s, keys) for i, s in enumerate(state_dict["param_groups"])
+        ]
+        if len(groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(groups, self.param_groups)
         ):
             raise ValueError(
-                f"loaded state dict has param groups of sizes {[len(s['params']) for s in saved_groups]}, this "
+                f"loaded state dict has param groups of sizes {[len(s['params']) for s in groups]}, this "
                 f"optimizer has {[len(g['params']) for g in self.param_groups]}"
             )
-        owner, wanted = {}, self._state_dtypes(saved_groups)
-        for s, g in zip(saved_groups, self.param_groups):
-            for key, p in zip(s["params"], g["params"]):
-                owner[key] = p
+        expected = self._expected(groups)
+        owner = {key: p for s, g in zip(groups, self.param_groups) for key, p in zip(s["params"], g["params"])}
         loaded = {}
         for key, entries in state_dict["state"].items():
             if key not in owner:
                 raise ValueError(f"state_dict['state'] has an entry for parameter {key!r}, which no param group lists")
-            if not isinstance(entries, dict):
-                raise TypeError(f"state_dict['state'][{key!r}] must be a dict, got {type(entries).__name__}")
-            p = owner[key]
-            loaded[p] = {
-                n: v.to(device=p.device, dtype=wanted[p].get(n, v.dtype)) if isinstance(v, torch.Tensor) else v
-                for n, v in entries.items()
-            }
-        super().load_state_dict({**state_dict, "state": {}})
+            entry = checkpoint.loaded_entry(key, entries, owner[key], expected[owner[key]], self._owner_name())
+            if entry:  # torch keeps no empty entries (SGD without momentum)
+                loaded[owner[key]] = entry
+        super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         self._parts.clear()
-        for p, e in loaded.items():
-            self.state[p] = e
-        self._share_equal_scalars()
+        self.state.update(loaded)
+        checkpoint.share_equal_scalars_(self.state, self._layouts())
 
-    def _state_dtypes(self, saved_groups: list[dict[str, Any]]) -> dict[torch.Tensor, dict[str, torch.dtype]]:
-        """For each parameter, the dtype of each state entry the transformations would create (on meta tensors)."""
-        wanted: dict[torch.Tensor, dict[str, torch.dtype]] = {}
-        lists = []
-        for s, g in zip(saved_groups, self.param_groups):
-            hyper = {**g, **{k: v for k, v in s.items() if k not in _NOT_HYPER}}
-            lists.append((list(g["params"]), _Part(self._spec.build(hyper), self._spec.state_names)))
+    def _owner_name(self) -> str:
+        return f"torch.optim.{self.optimizer_class.__name__} through functopk"
+
+    def _expected(self, groups: list[dict[str, Any]]) -> dict[torch.Tensor, checkpoint.Expected]:
+        """What each parameter's loaded entry may hold, for the saved groups' hyperparameters."""
+        parts: list[tuple[list[torch.Tensor], _Part, bool]] = []
+        for i, (s, g) in enumerate(zip(groups, self.param_groups)):
+            try:
+                part = _Part(self._spec.build(s), self._spec.state_names)
+                part.layout(list(g["params"]))
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"param group {i} does not make a {self._owner_name()}: {err!r}") from err
+            parts.append((list(g["params"]), part, True))
         if self._sparsify is not None:
-            lists.append(([p for ps, _ in lists for p in ps], self._sparsify))
-        for ps, part in lists:
-            if ps:
-                template = per_param.split(part.template(ps), part.layout(ps))
-                for p, entries in zip(ps, template):
-                    wanted.setdefault(p, {}).update({n: v.dtype for n, v in entries.items() if hasattr(v, "dtype")})
-        return wanted
+            parts.append(([p for ps, _, _ in parts for p in ps], self._sparsify, False))
+        templates = [(ps, per_param.split(part.template(ps), part.layout(ps)), part.layout(ps), main)
+                     for ps, part, main in parts if ps]
+        return checkpoint.expected_entries(templates, self._spec.state_names.values())
 
-    def _share_equal_scalars(self) -> None:
-        """After loading, let parameters whose shared leaves are equal share one object (one cohort again).
-
-        A load gives every parameter its own copy of its step count; equal counts
-        (compared once, here, on the host) become one tensor again, so that a group
-        keeps stepping as one tree.
-        """
-        groups = [(list(g["params"]), self._part(g)) for g in self.param_groups]
-        if self._sparsify is not None:
-            groups.append(([p for ps, _ in groups for p in ps], self._sparsify))
-        for ps, part in groups:
-            if not ps:
-                continue
-            layout = part.layout(ps)
-            shared = {n for n, is_part in zip(layout.names, layout.is_part) if not is_part}
-            pool: dict[Any, Any] = {}
-            for p in ps:
-                entries = self.state.get(p, {})
-                for name, value in entries.items():
-                    if name in shared and isinstance(value, torch.Tensor) and value.dim() == 0:
-                        key = (name, value.dtype, value.device, value.tolist())
-                        entries[name] = pool.setdefault(key, value)
+    def _layouts(self) -> list[tuple[list[torch.Tensor], per_param.Layout]]:
+        """Each transformation's parameters and layout: each group's, then ``sparsify``'s over all of them."""
+        out = [(list(g["params"]), self._part(g).layout(list(g["params"]))) for g in self.param_groups if g["params"]]
+        if self._sparsify is not None and out:
+            every = [p for ps, _ in out for p in ps]
+            out.append((every, self._sparsify.layout(every)))
+        return out
 
 
 _CLASSES: dict[tuple[Any, Any], type[ParamGroupOptimizer]] = {}

@@ -1,0 +1,189 @@
+"""Checkpoints of :class:`~functopk.adapter.ParamGroupOptimizer`: ``torch.optim``'s layout, in both directions.
+
+Saving (:func:`unshared`): in memory, the parameters that step together share
+one step count (one tensor object, :mod:`functopk.adapter.groups`). A state
+dict gives every parameter its own copy, as ``torch.optim`` does: ``torch.save``
+keeps sharing, and a ``torch.optim`` optimizer loading a shared count would add
+1 to it once per parameter.
+
+Loading checks the whole state dict before anything changes, and reads it as
+``torch.optim`` does, failing at load what ``torch.optim`` would fail on at its
+next step:
+
+* :func:`filled_group`: a param group from an older torch lacks keys added
+  since (``maximize``, ``foreach``, ...): the class's own ``__setstate__`` fills
+  them, as in ``torch.optim``; a group that still lacks one of the class's keys
+  is a checkpoint of another class;
+* :func:`loaded_entry`: each key of a parameter's entry is one the
+  transformation keeps, or one ``torch.optim`` writes for the class
+  (RMSprop's ``step`` without momentum: kept as given); any other key (a typo)
+  raises. Numbers (an older torch's ``step``) become tensors, tensors must
+  have the expected shape. ``torch.optim.SGD`` keeps no step count: a loaded
+  ``momentum_buffer`` means the parameter has stepped (torch's rule), so
+  functopk's count of it starts at 1;
+* :func:`share_equal_scalars_`: after loading, equal counts become one tensor again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from functopk._checks import describe, listed
+from functopk.adapter import per_param
+
+__all__ = ["Expected", "expected_entries", "filled_group", "loaded_entry", "share_equal_scalars_", "unshared"]
+
+
+def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
+    """``state`` (a state dict's ``"state"``) with a copy of each tensor that several parameters' entries share."""
+    seen: dict[int, int] = {}
+    for entries in state.values():
+        for value in entries.values():
+            if isinstance(value, torch.Tensor):
+                seen[id(value)] = seen.get(id(value), 0) + 1
+    return {
+        key: {
+            name: value.clone() if isinstance(value, torch.Tensor) and seen[id(value)] > 1 else value
+            for name, value in entries.items()
+        }
+        for key, entries in state.items()
+    }
+
+
+def filled_group(
+    optimizer_class: type[torch.optim.Optimizer], index: int, saved: Any, keys: Iterable[str]
+) -> dict[str, Any]:
+    """A saved param group with the keys ``optimizer_class.__setstate__`` fills for older checkpoints.
+
+    Args:
+        optimizer_class: The ``torch.optim`` class whose checkpoint this should be.
+        index: The group's position (for messages).
+        saved: The saved group.
+        keys: The hyperparameter keys the group must have once filled.
+
+    Raises:
+        TypeError: ``saved`` is not a dict with a list of ``"params"``.
+        ValueError: it lacks a key of ``keys`` that torch does not fill either.
+    """
+    if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+        raise TypeError(
+            f"state_dict['param_groups'][{index}] must be a dict with a list 'params', got {describe(saved)}"
+        )
+    # torch's own rule, run by torch: its __setstate__ on a throw-away optimizer of the class
+    make: Any = optimizer_class  # (every torch.optim class has defaults for all but params)
+    throwaway = make([torch.zeros(2, 2, requires_grad=True)])
+    throwaway.__setstate__({"state": {}, "param_groups": [{**saved, "params": []}]})
+    group = {**throwaway.param_groups[0], "params": saved["params"]}
+    missing = [repr(k) for k in keys if k not in group]
+    if missing:
+        raise ValueError(
+            f"param group {index} lacks {listed(missing)}, which torch.optim.{optimizer_class.__name__} keeps; is "
+            "this a checkpoint of another optimizer class?"
+        )
+    return group
+
+
+class Expected(NamedTuple):
+    """What one parameter's state entry may hold.
+
+    Attributes:
+        like: Each key the transformations keep -> a value of the right shape and dtype.
+        torch_keys: Keys ``torch.optim`` writes for the class (accepted even where not kept).
+        buffers: The optimizer's per-parameter keys (not ``sparsify``'s, not shared counts).
+        counts: The optimizer's step counts that torch does not save (SGD's): 1 when a buffer is loaded.
+    """
+
+    like: Mapping[str, Any]
+    torch_keys: Collection[str]
+    buffers: Collection[str]
+    counts: Collection[str]
+
+
+def expected_entries(
+    templates: Iterable[tuple[list[torch.Tensor], list[dict[str, Any]], per_param.Layout, bool]],
+    torch_keys: Iterable[str],
+) -> dict[torch.Tensor, Expected]:
+    """Each parameter's :class:`Expected` entry.
+
+    Args:
+        templates: Per transformation: its parameters, their fresh entries (on any
+            device), its layout, and whether it is the optimizer's own (not ``sparsify``).
+        torch_keys: The per-parameter keys ``torch.optim`` writes for the class.
+    """
+    keys = frozenset(torch_keys)
+    like: dict[torch.Tensor, dict[str, Any]] = {}
+    buffers: dict[torch.Tensor, list[str]] = {}
+    counts: dict[torch.Tensor, list[str]] = {}
+    for params, entries, layout, main in templates:
+        shared = {n for n, is_part in zip(layout.names, layout.is_part) if not is_part}
+        for p, e in zip(params, entries):
+            like.setdefault(p, {}).update(e)
+            if main:
+                buffers[p] = [n for n in e if n not in shared]
+                counts[p] = [
+                    n for n in shared
+                    if n not in keys and isinstance(e[n], torch.Tensor) and not e[n].is_floating_point()
+                ]
+    return {p: Expected(like[p], keys, buffers.get(p, []), counts.get(p, [])) for p in like}
+
+
+def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected, owner: str) -> dict[str, Any]:
+    """A saved entry of ``state_dict['state'][key]`` as it will be kept for ``param``.
+
+    Raises:
+        TypeError: the entry is not a dict, or a value is neither a tensor nor a number where a tensor is kept.
+        ValueError: a key is not one ``owner`` keeps, or a tensor has another shape than expected.
+    """
+    where = f"state_dict['state'][{key!r}]"
+    if not isinstance(entries, dict):
+        raise TypeError(f"{where} must be a dict, got {describe(entries)}")
+    unknown = [repr(n) for n in entries if n not in expected.like and n not in expected.torch_keys]
+    if unknown:
+        raise ValueError(
+            f"{where} has key {listed(unknown)}, which {owner} does not keep for parameter {key!r}; expected "
+            f"keys: {listed(sorted(map(repr, expected.like)), limit=12)}"
+        )
+    out = {}
+    for name, value in entries.items():
+        like = expected.like.get(name)
+        if not isinstance(like, torch.Tensor):  # a torch key the transformation does not keep: as given
+            out[name] = value.to(param.device) if isinstance(value, torch.Tensor) else value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and like.dim() == 0:
+            out[name] = torch.tensor(value, device=param.device).to(like.dtype)  # an older torch's step
+        elif not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}[{name!r}] must be a tensor of shape {tuple(like.shape)}, got {describe(value)}")
+        elif value.shape != like.shape:
+            raise ValueError(
+                f"{where}[{name!r}] (parameter {key!r}) has shape {tuple(value.shape)}; {owner} keeps it with shape "
+                f"{tuple(like.shape)}"
+            )
+        else:
+            out[name] = value.to(device=param.device, dtype=like.dtype)
+    if any(n in entries for n in expected.buffers):
+        for name in expected.counts:
+            if name not in out:  # torch.optim's rule: a buffer exists, so this is not the first step
+                out[name] = torch.ones((), dtype=expected.like[name].dtype, device=param.device)
+    return out
+
+
+def share_equal_scalars_(
+    state: Mapping[torch.Tensor, dict[str, Any]], parts: Iterable[tuple[list[torch.Tensor], per_param.Layout]]
+) -> None:
+    """Let parameters whose shared leaves are equal share one object again (one cohort), in place.
+
+    A load gives every parameter its own copy of its step count; equal counts
+    (compared once, here, on the host) become one tensor again, so that a group
+    keeps stepping as one tree. ``parts``: the parameters of each transformation, with its layout.
+    """
+    for params, layout in parts:
+        shared = {n for n, is_part in zip(layout.names, layout.is_part) if not is_part}
+        pool: dict[Any, Any] = {}
+        for p in params:
+            entries = state.get(p, {})
+            for name, value in entries.items():
+                if name in shared and isinstance(value, torch.Tensor) and value.dim() == 0:
+                    key = (name, value.dtype, value.device, value.tolist())
+                    entries[name] = pool.setdefault(key, value)

@@ -1,0 +1,204 @@
+"""``TorchOptimizer.from_torch`` checkpoints against ``torch.optim``'s, in both directions.
+
+Each test runs a torch.optim optimizer and the adapter side by side on the same
+float64 parameters, moves a checkpoint between them through ``torch.save`` /
+``torch.load`` (as a user would), and compares the parameters after further
+steps; or checks that a bad checkpoint raises before anything changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import functopk as ft
+from tests.test_from_torch import default_dtype_for
+
+SHAPES = ((3, 2), (2,))
+
+
+def make_params(n: int = 2) -> list[list[torch.Tensor]]:
+    """``n`` copies of the same float64 parameters, each copy its own leaf tensors."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+    return [[v.clone().requires_grad_() for v in values] for _ in range(n)]
+
+
+def run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int) -> None:
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.sin(3 * p.detach()) + 0.1 * p.detach() ** 3  # a non-linear gradient field
+        opt.step()
+
+
+def through_file(state_dict: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def assert_same_params(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def snapshot(opt: torch.optim.Optimizer) -> tuple:
+    """The groups' hyperparameters and every state entry, by value."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    state = {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())}
+    return groups, state
+
+
+def assert_unchanged(opt: torch.optim.Optimizer, before: tuple) -> None:
+    groups, state = snapshot(opt)
+    assert groups == before[0]
+    assert state.keys() == before[1].keys()
+    for i in state:
+        assert state[i].keys() == before[1][i].keys()
+        for k in state[i]:
+            assert torch.equal(state[i][k], before[1][i][k])
+
+
+def test_torch_sgd_checkpoint_resumes_with_damped_momentum():
+    kwargs = {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}
+    theirs_p, ours_p = make_params()
+    theirs = torch.optim.SGD(theirs_p, **kwargs)
+    run(theirs, theirs_p, 2)
+    with torch.no_grad():
+        for a, b in zip(ours_p, theirs_p):
+            a.copy_(b)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.SGD, ours_p, **kwargs)
+    ours.load_state_dict(through_file(theirs.state_dict()))  # torch's SGD keeps no step count
+    run(theirs, theirs_p, 2)
+    run(ours, ours_p, 2)
+    assert_same_params(ours_p, theirs_p)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (torch.optim.Adam, {}),
+        (torch.optim.AdamW, {}),
+        (torch.optim.Adagrad, {"lr_decay": 0.5}),
+        (torch.optim.NAdam, {}),
+        (torch.optim.RAdam, {}),
+        (torch.optim.Adamax, {}),
+        (torch.optim.ASGD, {"lambd": 0.5, "t0": 1.0}),
+        (torch.optim.Adafactor, {}),
+    ],
+)
+def test_functopk_checkpoint_loads_into_torch_with_per_parameter_steps(cls, kwargs):
+    with default_dtype_for(torch.float64):  # NAdam's and ASGD's scalars in float64 too
+        theirs_p, ours_p, loaded_p = make_params(3)
+        theirs = cls(theirs_p, lr=0.05, **kwargs)
+        ours = ft.TorchOptimizer.from_torch(cls, ours_p, lr=0.05, **kwargs)
+        run(theirs, theirs_p, 2)
+        run(ours, ours_p, 2)
+        with torch.no_grad():
+            for a, b in zip(loaded_p, ours_p):
+                a.copy_(b)
+        loaded = cls(loaded_p, lr=0.05, **kwargs)
+        loaded.load_state_dict(through_file(ours.state_dict()))
+        run(theirs, theirs_p, 2)
+        run(loaded, loaded_p, 2)
+    assert_same_params(loaded_p, theirs_p)
+    # functopk's own resume still steps each group as one tree
+    ours.load_state_dict(through_file(ours.state_dict()))
+    steps = [ours.state[p]["step"] for p in ours_p]
+    assert steps[0] is steps[1]
+
+
+def test_unknown_state_keys_raise_and_torchs_own_keys_load():
+    (params,) = make_params(1)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, params, lr=0.05)
+    run(ours, params, 1)
+    saved = through_file(ours.state_dict())
+    saved["state"][1]["exp_avgg"] = saved["state"][1].pop("exp_avg")
+    before = snapshot(ours)
+    with pytest.raises(ValueError, match=r"'exp_avgg'.*parameter 1.*'exp_avg', 'exp_avg_sq', 'step'"):
+        ours.load_state_dict(saved)
+    assert_unchanged(ours, before)
+    # torch writes a step that functopk does not keep here: still loads, and steps like torch
+    for cls, kwargs in ((torch.optim.RMSprop, {}), (torch.optim.Adagrad, {"lr_decay": 0.0})):
+        theirs_p, ours_p = make_params()
+        theirs = cls(theirs_p, lr=0.05, **kwargs)
+        run(theirs, theirs_p, 1)
+        with torch.no_grad():
+            for a, b in zip(ours_p, theirs_p):
+                a.copy_(b)
+        ours = ft.TorchOptimizer.from_torch(cls, ours_p, lr=0.05, **kwargs)
+        ours.load_state_dict(through_file(theirs.state_dict()))
+        run(theirs, theirs_p, 2)
+        run(ours, ours_p, 2)
+        assert_same_params(ours_p, theirs_p)
+
+
+def test_checkpoint_of_another_class_or_shape_raises_before_changing_anything():
+    sgd_p, params = make_params()
+    sgd = torch.optim.SGD(sgd_p, lr=0.1, momentum=0.9)
+    run(sgd, sgd_p, 1)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, params, lr=0.05)
+    run(ours, params, 1)
+    before = snapshot(ours)
+    with pytest.raises(ValueError, match=r"param group 0 lacks 'betas'.*another optimizer class"):
+        ours.load_state_dict(through_file(sgd.state_dict()))
+    assert_unchanged(ours, before)
+    wrong = through_file(ours.state_dict())
+    wrong["state"][0]["exp_avg"] = torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"'exp_avg'.*parameter 0.*shape \(2, 3\).*\(3, 2\)"):
+        ours.load_state_dict(wrong)
+    assert_unchanged(ours, before)
+    run(ours, params, 1)  # and it still steps
+
+
+@pytest.mark.parametrize("older", ["group keys", "number steps"])
+def test_older_torch_checkpoints_get_torchs_defaults_and_tensor_steps(older):
+    theirs_p, ours_p, old_p = make_params(3)
+    theirs = torch.optim.Adam(theirs_p, lr=0.05)
+    run(theirs, theirs_p, 2)
+    old = through_file(theirs.state_dict())
+    if older == "group keys":  # keys that newer torch versions added
+        for group in old["param_groups"]:
+            for key in ("maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay"):
+                del group[key]
+    else:
+        for entry in old["state"].values():
+            entry["step"] = int(entry["step"])  # a Python number, as older torch versions saved it
+    with torch.no_grad():
+        for a, b, c in zip(ours_p, old_p, theirs_p):
+            a.copy_(c)
+            b.copy_(c)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, ours_p, lr=0.05)
+    ours.load_state_dict(copy.deepcopy(old))
+    old_torch = torch.optim.Adam(old_p, lr=0.05)
+    old_torch.load_state_dict(old)
+    assert ours.param_groups[0].keys() == old_torch.param_groups[0].keys()
+    run(ours, ours_p, 2)
+    run(old_torch, old_p, 2)
+    assert_same_params(ours_p, old_p)
+
+
+def test_sgd_without_momentum_keeps_no_per_parameter_entries():
+    theirs_p, ours_p = make_params()
+    theirs = torch.optim.SGD(theirs_p, lr=0.1)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.SGD, ours_p, lr=0.1)
+    run(theirs, theirs_p, 1)
+    run(ours, ours_p, 1)
+    assert len(ours.state) == len(theirs.state) == 0
+    assert ours.state_dict()["state"] == theirs.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("cls", [torch.optim.RMSprop, torch.optim.Adagrad])
+def test_without_momentum_or_lr_decay_no_step_is_kept_so_torch_cannot_continue(cls):
+    """A known difference: functopk keeps no step where the maths needs none; torch.optim's loading wants one."""
+    (params,) = make_params(1)
+    ours = ft.TorchOptimizer.from_torch(cls, params, lr=0.05)
+    run(ours, params, 1)
+    saved = through_file(ours.state_dict())
+    assert saved["state"] and all("step" not in entry for entry in saved["state"].values())
+    with pytest.raises(KeyError, match="step"):
+        cls(params, lr=0.05).load_state_dict(saved)
