@@ -186,13 +186,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         ``ft.error_feedback(ft.topk(density=1e-3))``) sees the gradients of all
         groups as one tree, so a top-k is global across groups.
 
-        Refused where torch's behaviour would not hold: a parameter listed twice
-        in a group (``ValueError``; torch warns and steps it twice),
-        ``capturable=True`` and ``differentiable=True`` (``NotImplementedError``,
-        here, in ``add_param_group`` and at a step after a hand edit), and
-        ``torch.compile(opt.step)`` (``NotImplementedError``: compile the functional
-        step, or use ``TorchOptimizer(params, tx)``). ``foreach`` and ``fused`` pass
-        torch's checks and then only choose torch's kernel.
+        Refused where torch's behaviour would not hold: a parameter listed twice in a
+        group (``ValueError``), ``capturable=True``, ``differentiable=True`` and a
+        compiled ``opt.step`` (``NotImplementedError``, saying what to use instead).
 
         Args:
             optimizer_class: A ``torch.optim`` class (all but ``LBFGS`` and ``SparseAdam``).
