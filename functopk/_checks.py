@@ -17,8 +17,10 @@ checks and their values are the caller's responsibility.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -285,6 +287,38 @@ def check_callable(value: Any, name: str, what: str = "a callable") -> Callable[
     if not callable(value):
         raise TypeError(f"{name} must be {what}, got {describe(value)}")
     return value
+
+
+# --------------------------------------------------------------------------- param groups
+
+
+def check_distinct_params(group: dict[str, Any], index: int) -> None:
+    """``ValueError`` when param group ``index`` lists one tensor twice (named by position and name).
+
+    ``torch.optim`` only warns (deprecated) and steps such a parameter twice; a
+    global top-k would give it two of its ``k`` slots. Run it after torch's
+    ``add_param_group`` has made ``group["params"]`` a list, inside
+    :func:`torch_duplicate_warning_ignored`.
+    """
+    names = group.get("param_names")
+    first: dict[int, int] = {}
+    for i, p in enumerate(group["params"]):
+        j = first.setdefault(id(p), i)
+        if j != i:
+            named = f" (named {names[j]!r} and {names[i]!r})" if names else ""
+            raise ValueError(
+                f"param group {index} lists one parameter twice, at positions {j} and {i}{named}; torch.optim "
+                "would step it twice (a deprecated case it warns about) and a top-k would count it twice: list "
+                "each parameter once"
+            )
+
+
+@contextlib.contextmanager
+def torch_duplicate_warning_ignored() -> Iterator[None]:
+    """Silence ``torch.optim``'s duplicate-parameter warning, for code that raises :func:`check_distinct_params`."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "optimizer contains a parameter group with duplicate parameters")
+        yield
 
 
 # --------------------------------------------------------------------------- writing in place

@@ -18,7 +18,7 @@ from typing import Any, Union
 import optree
 import torch
 
-from functopk._checks import check_hyperparam
+from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
 from functopk.adapter.groups import ParamGroupOptimizer, torch_class
 from functopk.adapter.recut import Layout, remap, same_ptree
 from functopk.base import GradientTransformation, OptState
@@ -93,10 +93,12 @@ class TorchOptimizer(torch.optim.Optimizer):
     inside the scaler, as for ``torch.optim.SGD``); a skipped step leaves the
     parameters and the transformation state exactly as they were.
 
-    **Compile.** ``torch.compile(opt.step)`` works; the learning rates pass as
-    values, so a scheduled ``lr`` may recompile the step when it changes unless
-    it is a 0-d tensor (``lr=torch.tensor(0.1)``), as for ``torch.optim``. The
-    fully compiled path is the functional one (``tx.update`` in a compiled step).
+    **Compile.** ``torch.compile(opt.step)`` works (and equals the eager step);
+    the learning rates pass as values, so a scheduled ``lr`` may recompile the
+    step when it changes unless it is a 0-d tensor (``lr=torch.tensor(0.1)``), as
+    for ``torch.optim``. The fully compiled path is the functional one
+    (``tx.update`` in a compiled step). The optimizers made by :meth:`from_torch`
+    do not compile: their compiled step raises ``NotImplementedError``.
 
     Args:
         params: Parameters, ``(name, parameter)`` pairs, or param-group dicts, as
@@ -184,6 +186,10 @@ class TorchOptimizer(torch.optim.Optimizer):
         ``ft.error_feedback(ft.topk(density=1e-3))``) sees the gradients of all
         groups as one tree, so a top-k is global across groups.
 
+        Refused where torch's behaviour would not hold: a parameter listed twice in a
+        group (``ValueError``), ``capturable=True``, ``differentiable=True`` and a
+        compiled ``opt.step`` (``NotImplementedError``, saying what to use instead).
+
         Args:
             optimizer_class: A ``torch.optim`` class (all but ``LBFGS`` and ``SparseAdam``).
             params: Parameters, ``(name, parameter)`` pairs or param-group dicts, as for torch.
@@ -251,11 +257,14 @@ class TorchOptimizer(torch.optim.Optimizer):
         """Add a param group (as ``torch.optim``); its parameters join the global tree at the next step.
 
         Raises:
-            ValueError: the group's ``lr`` is invalid, or a parameter name is used twice.
+            ValueError: the group's ``lr`` is invalid, a parameter name is used twice, or the group
+                lists a parameter twice.
         """
-        super().add_param_group(param_group)
+        with torch_duplicate_warning_ignored():  # a repeated parameter is refused below, by position
+            super().add_param_group(param_group)
         try:
             group = self.param_groups[-1]
+            check_distinct_params(group, len(self.param_groups) - 1)
             group["lr"] = check_hyperparam(group["lr"], "lr", minimum=0.0)
             self._names(self.param_groups)
         except (TypeError, ValueError):

@@ -54,3 +54,44 @@ def test_compiled_training_step_with_batchnorm_equals_eager():
     # the step really trained: BN statistics moved and parameters changed
     assert int(compiled_carry[1]["1.num_batches_tracked"]) == 3
     assert not torch.equal(compiled_carry[0]["7.weight"], params["7.weight"])
+
+
+def _linear_and_batch():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    return model, torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def test_compiled_torch_optimizer_step_equals_eager_with_a_scheduled_tensor_lr():
+    """As documented: bitwise equal to eager, and no recompilation once the state exists."""
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model, x = _linear_and_batch()
+        make = lambda lr: ft.chain(ft.topk(5), ft.sgd(lr, momentum=0.9))  # noqa: E731
+        opt = ft.TorchOptimizer(model.parameters(), make, lr=torch.tensor(0.1, dtype=torch.float64))
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(opt, 0.5)
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        for i in range(4):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            with torch._dynamo.config.patch(error_on_recompile=i >= 2):  # steps 0 and 1 compile (state made)
+                step()
+            scheduler.step()
+        runs.append([p.detach() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_from_torch_step_is_refused_and_changes_nothing(fullgraph):
+    model, x = _linear_and_batch()
+    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, model.parameters(), ft.topk(3), lr=0.1)
+    model(x).square().sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    # without fullgraph, the caller gets the NotImplementedError; with it, dynamo's error carries the message
+    with pytest.raises(Exception, match="not supported for TorchOptimizer.from_torch.*functional step") as err:
+        torch.compile(opt.step, backend="eager", fullgraph=fullgraph)()
+    assert fullgraph or err.type is NotImplementedError
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+    opt.step()  # eager still steps
+    assert len(opt.state) == 2

@@ -147,6 +147,11 @@ def test_functional_float32_error_is_torch_float32_error(cls, kwargs):
         (torch.optim.SGD, {"lr": 0.1, "nesterov": True}, ValueError),
         (torch.optim.SGD, {"lr": 0.1, "momentm": 0.9}, TypeError),
         (torch.optim.RMSprop, {"alpha": -0.5}, ValueError),
+        # implementation flags pass through torch's checks too
+        (torch.optim.Adam, {"lr": torch.tensor(0.01), "foreach": True}, ValueError),
+        (torch.optim.AdamW, {"fused": True, "foreach": True}, RuntimeError),
+        (torch.optim.SGD, {"lr": 0.1, "fused": True, "differentiable": True}, RuntimeError),
+        (torch.optim.RMSprop, {"fused": True}, TypeError),
     ],
 )
 def test_validation_errors_are_torchs(cls, kwargs, exc):
@@ -169,10 +174,20 @@ def test_not_a_torch_optim_class_is_rejected(bad):
         ft.from_torch(bad)
 
 
-def test_implementation_flags_are_accepted_and_ignored():
+@pytest.mark.parametrize("flags", [{"foreach": True}, {"foreach": False}, {"fused": True}, {"fused": False}])
+def test_foreach_and_fused_choose_torchs_kernel_only(flags):
     plain = run_functional(torch.optim.Adam, {"lr": 0.01}, torch.float64)
-    flags = {"foreach": True, "fused": True, "capturable": True, "differentiable": False}
     assert max_err(run_functional(torch.optim.Adam, {"lr": 0.01, **flags}, torch.float64), plain) == 0.0
+    truth = run_torch(torch.optim.Adam, {"lr": 0.01, **flags}, torch.float64)  # torch's kernel for these flags
+    assert max_err(run_adapter(torch.optim.Adam, {"lr": 0.01, **flags}, torch.float64), truth) < 1e-12
+
+
+@pytest.mark.parametrize("flag", ["capturable", "differentiable"])
+def test_capturable_and_differentiable_are_refused_by_name(flag):
+    torch.optim.Adam([torch.zeros(2, requires_grad=True)], **{flag: True})  # torch accepts them
+    with pytest.raises(NotImplementedError, match=f"{flag}=True is not supported.*Leave {flag}=False"):
+        ft.from_torch(torch.optim.Adam, **{flag: True})
+    ft.from_torch(torch.optim.Adam, **{flag: False})
 
 
 @pytest.mark.parametrize("shape", [(1,), (1, 1)])

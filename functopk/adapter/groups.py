@@ -24,8 +24,14 @@ from typing import Any
 
 import torch
 
+from functopk._checks import check_distinct_params, torch_duplicate_warning_ignored
 from functopk.adapter import checkpoint, per_param
-from functopk.adapter.registry import spec_for, torch_hyperparams
+from functopk.adapter.registry import (
+    check_implementation_flags,
+    check_torch_step_accepts,
+    spec_for,
+    torch_hyperparams,
+)
 from functopk.base import GradientTransformation, OptState, check_transformation
 
 __all__ = ["ParamGroupOptimizer", "torch_class"]
@@ -61,6 +67,31 @@ def _shape(key: Any) -> Any:
 
 def _meta(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty_like(p, device="meta") for p in params]
+
+
+_NOT_COMPILED = (
+    "torch.compile(opt.step) is not supported for TorchOptimizer.from_torch optimizers (their step rebuilds "
+    "per-parameter state on the host). Compile the functional step instead (tx = ft.from_torch(cls, **kwargs); "
+    "tx.update inside the compiled function), or use ft.TorchOptimizer(params, tx), whose step compiles"
+)
+
+
+@torch.compiler.disable(reason=_NOT_COMPILED)
+def _refuse_compiled_step() -> None:
+    raise NotImplementedError(_NOT_COMPILED)
+
+
+def _check_step_allowed(groups: list[dict[str, Any]]) -> None:
+    """Refuse a compiled step, and a flag set by hand since the last step (cheap: no tensor is read).
+
+    Under ``torch.compile`` the raise is in a disabled function: dynamo runs it
+    eagerly, so the caller gets the ``NotImplementedError`` (a raise traced by
+    dynamo would fall back to running the step eagerly, silently).
+    """
+    if torch.compiler.is_compiling():
+        _refuse_compiled_step()
+    for group in groups:
+        check_implementation_flags(group)
 
 
 class _Part:
@@ -191,15 +222,21 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         """Add a param group (as ``torch.optim``); missing hyperparameters take the defaults.
 
         Raises:
-            TypeError, ValueError: a hyperparameter of the group is invalid (checked now, not at the next step).
+            TypeError, ValueError: a hyperparameter of the group is invalid (checked now, not at the next
+                step), or the group lists a parameter twice.
+            RuntimeError: torch refuses the group's ``fused=True`` (checked now; torch checks at its first step).
+            NotImplementedError: the group sets ``capturable`` or ``differentiable``.
         """
-        super().add_param_group(param_group)
+        with torch_duplicate_warning_ignored():  # a repeated parameter is refused below, by name
+            super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            check_distinct_params(group, len(self.param_groups) - 1)
             accepted = inspect.signature(self.optimizer_class.__init__).parameters
-            torch_hyperparams(self.optimizer_class, {k: group[k] for k in self.defaults if k in accepted})
+            hyper = torch_hyperparams(self.optimizer_class, {k: group[k] for k in self.defaults if k in accepted})
+            check_torch_step_accepts(self.optimizer_class, hyper, list(group["params"]))
             self._part(group).layout(list(group["params"]))
-        except (TypeError, ValueError):
+        except Exception:
             self.param_groups.pop()
             self._parts.pop(id(group), None)
             raise
@@ -213,7 +250,12 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
 
         Returns:
             The closure's loss, or ``None``.
+
+        Raises:
+            NotImplementedError: the step is compiled (``torch.compile(opt.step)``), or a group's
+                ``capturable`` or ``differentiable`` was set to ``True`` by hand.
         """
+        _check_step_allowed(self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():

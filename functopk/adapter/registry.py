@@ -8,12 +8,17 @@ per-parameter state (``mu`` is ``exp_avg``).
 
 Arguments go through torch's own constructor first (on a throw-away 2x2
 parameter), so defaults, accepted keywords and validation errors are torch's
-own. The implementation flags ``foreach``, ``fused``, ``capturable`` and
-``differentiable`` are accepted and ignored: functopk has one implementation.
+own, the implementation flags included (``foreach=True`` with a tensor ``lr``
+raises torch's error). A flag is accepted where what it asks for holds:
+``foreach`` and ``fused`` choose one of torch's kernels for the same maths, which
+functopk computes with its own; ``capturable=True`` (a step that CUDA graphs can
+capture) and ``differentiable=True`` (gradients through the step) do not hold and
+raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -29,10 +34,21 @@ from functopk.optim.adafactor import TORCH_STATE_NAMES as _ADAFACTOR_NAMES
 from functopk.optim.muon import TORCH_BUILDERS as _MUON_BUILDERS
 from functopk.optim.muon import TORCH_STATE_NAMES as _MUON_NAMES
 
-__all__ = ["IMPLEMENTATION_FLAGS", "TorchSpec", "from_torch", "spec_for", "torch_hyperparams"]
+__all__ = [
+    "IMPLEMENTATION_FLAGS", "TorchSpec", "check_implementation_flags", "check_torch_step_accepts", "from_torch",
+    "spec_for", "torch_hyperparams",
+]  # fmt: skip
 
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-"""Keywords of ``torch.optim`` classes that choose an implementation, not the maths: ignored."""
+"""Keywords of ``torch.optim`` classes that choose an implementation: checked by torch, then by
+:func:`check_implementation_flags`."""
+
+_REFUSED_FLAGS = {
+    "capturable": "its step replaces the state tensors instead of updating them in place, so a CUDA graph "
+    "replay would read stale state. Leave capturable=False (torch's default)",
+    "differentiable": "no gradient flows through its step (the adapter's step() runs under torch.no_grad and "
+    "updates the parameters in place). Leave differentiable=False (torch's default)",
+}
 
 Hyperparams = Mapping[str, Any]
 
@@ -134,21 +150,53 @@ def spec_for(optimizer_class: Any) -> TorchSpec:
     return _SPECS[name]
 
 
+def check_implementation_flags(hyperparams: Hyperparams) -> None:
+    """Refuse the implementation flags whose behaviour functopk does not give.
+
+    ``foreach`` and ``fused`` pass (a kernel choice; the maths is the same);
+    ``capturable=True`` and ``differentiable=True`` raise.
+
+    Raises:
+        NotImplementedError: ``capturable`` or ``differentiable`` is true, with what to do instead.
+    """
+    for flag, why in _REFUSED_FLAGS.items():
+        if hyperparams.get(flag):
+            raise NotImplementedError(f"{flag}=True is not supported by functopk: {why}")
+
+
 def torch_hyperparams(optimizer_class: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The complete param-group hyperparameters torch would use for ``optimizer_class(params, **kwargs)``.
 
     Torch's constructor runs on a throw-away parameter, so a bad keyword or value
-    raises torch's own ``TypeError``/``ValueError``. The implementation flags
-    are kept in the result as given but not passed to torch (``fused=True``
-    would need a CUDA parameter).
+    (or a combination of implementation flags torch refuses, such as ``foreach=True``
+    with a tensor ``lr``) raises torch's own ``TypeError``/``ValueError``/``RuntimeError``;
+    then :func:`check_implementation_flags` refuses what torch accepts but functopk
+    cannot do.
     """
-    flags = {k: kwargs[k] for k in IMPLEMENTATION_FLAGS if k in kwargs}
-    rest = {k: v for k, v in kwargs.items() if k not in flags}
     dummy = torch.zeros(2, 2, requires_grad=True)
-    group = dict(optimizer_class([dummy], **rest).param_groups[0])
+    group = dict(optimizer_class([dummy], **kwargs).param_groups[0])
     del group["params"]
-    group.update(flags)
+    check_implementation_flags(group)
     return group
+
+
+def check_torch_step_accepts(
+    optimizer_class: type[torch.optim.Optimizer], hyperparams: Hyperparams, params: list[torch.Tensor]
+) -> None:
+    """Torch's first-step checks of ``fused=True`` (parameter devices and dtypes), run now.
+
+    Torch checks them only when it steps, so its optimizer takes one step on a
+    one-element stand-in for each device and dtype among ``params`` (nothing when
+    ``fused`` is off): what torch refuses raises torch's own error.
+    """
+    if not hyperparams.get("fused"):
+        return
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    kinds = sorted({(p.device, p.dtype) for p in params}, key=str)
+    stand_ins = [torch.zeros(1, device=device, dtype=dtype, requires_grad=True) for device, dtype in kinds]
+    for s in stand_ins:
+        s.grad = torch.zeros_like(s)
+    optimizer_class(stand_ins, **{k: v for k, v in hyperparams.items() if k in accepted}).step()
 
 
 def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **torch_kwargs: Any) -> GradientTransformation:
@@ -160,8 +208,9 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **torch_kwargs: 
     reproduce torch's parameters step by step (tested on PyTorch's own optimizer
     test configurations). ``lr`` keeps its Python type: a float stays a float
     (exact in float64 models), a 0-d tensor is read on device at every step.
-    The implementation flags ``foreach``, ``fused``, ``capturable`` and
-    ``differentiable`` are accepted and ignored.
+    ``foreach`` and ``fused`` are checked by torch and then only choose torch's
+    kernel, so the result is the same; ``capturable=True`` and
+    ``differentiable=True`` raise ``NotImplementedError``.
 
     The optax-style aliases (:func:`functopk.adam`, ...) have optax's argument
     names (``b1``, ``b2``); this is the torch-named door to the same maths.
@@ -173,6 +222,8 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **torch_kwargs: 
     Raises:
         TypeError: ``optimizer_class`` is not an optimizer class, or torch rejects a keyword.
         ValueError: the class has no functopk form, or torch rejects a value.
+        RuntimeError: torch rejects a combination of flags (``fused=True`` with ``foreach=True``).
+        NotImplementedError: ``capturable=True`` or ``differentiable=True``.
 
     Example:
         >>> import torch, functopk as ft
