@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from functopk.adapter import per_param
+from functopk.adapter import per_param, views
 from functopk.adapter.registry import spec_for, torch_hyperparams
 from functopk.base import GradientTransformation, OptState, check_transformation
 
@@ -64,32 +64,57 @@ def _meta(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class _Part:
-    """One transformation over a list of parameters: builds layouts and fresh per-parameter entries."""
+    """One transformation over a list of parameters: builds layouts and fresh per-parameter entries.
 
-    def __init__(self, tx: GradientTransformation, rename: Mapping[str, str], prefix: str = "") -> None:
-        self.tx, self.rename, self.prefix = tx, rename, prefix
+    Its methods take the parameters and entries as ``opt.state`` keeps them, and run the maths on
+    dense real views of them (:mod:`functopk.adapter.views`: complex parameters as real pairs).
+    ``class_name`` is the torch class whose complex-parameter refusal it applies.
+    """
+
+    def __init__(
+        self, tx: GradientTransformation, rename: Mapping[str, str], prefix: str = "", class_name: str = ""
+    ) -> None:
+        self.tx, self.rename, self.prefix, self.class_name = tx, rename, prefix, class_name
         self._layouts: dict[int, per_param.Layout] = {}
 
     def reuse_layouts(self, other: _Part) -> None:
         """Take ``other``'s layouts: a part for the same hyperparameters up to values has the same structure."""
         self._layouts = other._layouts
 
-    def template(self, params: list[torch.Tensor]) -> OptState:
-        """A state for ``params`` to read structure and dtypes from: on the meta device when ``init`` allows."""
+    def _real_template(self, params: list[torch.Tensor]) -> OptState:
+        """The maths' state for ``params`` seen as real tensors: on the meta device when ``init`` allows."""
+        views.check_complex(self.class_name, params)
+        real = [views.real(p) for p in params]
         try:
-            return self.tx.init(per_param.as_tree(_meta(params)))
+            return self.tx.init(per_param.as_tree(_meta(real)))
         except Exception:  # an init that reads values: build it for real
-            return self.tx.init(per_param.as_tree(params))
+            return self.tx.init(per_param.as_tree(real))
+
+    def template(self, params: list[torch.Tensor]) -> OptState:
+        """A state for ``params`` to read structure and dtypes from (complex parts for complex parameters)."""
+        state = self._real_template(params)
+        if not any(p.is_complex() for p in params):
+            return state
+        layout = self.layout(params)
+        return per_param.join(self._param_form(params, per_param.split(state, layout)), layout)
 
     def layout(self, params: list[torch.Tensor]) -> per_param.Layout:
         n = len(params)
         if n not in self._layouts:
-            self._layouts[n] = per_param.layout_of(self.template(params), n, self.rename, self.prefix)
+            self._layouts[n] = per_param.layout_of(self._real_template(params), n, self.rename, self.prefix)
         return self._layouts[n]
+
+    def _part_names(self, params: list[torch.Tensor]) -> list[str]:
+        layout = self.layout(params)
+        return [n for n, is_part in zip(layout.names, layout.is_part) if is_part]
+
+    def _param_form(self, params: list[torch.Tensor], entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return views.param_entries(params, entries, self._part_names(params))
 
     def fresh(self, params: list[torch.Tensor]) -> list[dict[str, Any]]:
         """New entries for ``params`` (their shared leaves shared among them)."""
-        return per_param.split(self.tx.init(per_param.as_tree(params)), self.layout(params))
+        state = self.tx.init(per_param.as_tree([views.real(p) for p in params]))
+        return self._param_form(params, per_param.split(state, self.layout(params)))
 
     def entries(self, params: list[torch.Tensor], stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each parameter's entries, with fresh values where it has none of a name (late joiners, new buffers)."""
@@ -104,11 +129,18 @@ class _Part:
     def run(
         self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
     ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-        """One update of ``params`` whose entries share their shared leaves; the updates and the new entries."""
+        """One update of ``params`` whose entries share their shared leaves; the updates and the new entries.
+
+        ``grads`` are dense; the updates and entries come back shaped like ``params`` (complex for complex ones).
+        """
         layout = self.layout(params)
-        state: OptState = per_param.join(entries, layout)
-        updates, new_state = self.tx.update(per_param.as_tree(grads), state, per_param.as_tree(params))
-        return [updates[i] for i in range(len(params))], per_param.split(new_state, layout)
+        real_ps = [views.real(p) for p in params]
+        state: OptState = per_param.join(views.real_entries(entries, self._part_names(params)), layout)
+        updates, new_state = self.tx.update(
+            per_param.as_tree([views.real(g) for g in grads]), state, per_param.as_tree(real_ps)
+        )
+        new = self._param_form(params, per_param.split(new_state, layout))
+        return views.param_updates(params, [updates[i] for i in range(len(params))]), new
 
 
 def _cohorts(entries: list[dict[str, Any]], layout: per_param.Layout) -> list[list[int]]:
@@ -134,6 +166,11 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       ``exp_avg``, ...; functopk's field name where torch has no such entry);
       a parameter whose ``.grad`` is ``None`` is skipped and keeps its step
       count; a parameter added later starts fresh;
+    * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
+      torch) are made dense first, at the cost of one dense gradient per sparse
+      parameter; complex parameters step as their real pairs (torch's
+      ``view_as_real``; two coordinates each in a global top-k) and keep complex
+      state shaped like them (:mod:`functopk.adapter.views`);
     * ``state_dict()``/``load_state_dict()`` are torch's own layout (so
       ``torch.distributed.checkpoint.state_dict`` works) and resume bit for bit;
       loading keeps each saved tensor's dtype, except that a saved value whose
@@ -181,7 +218,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            part = _Part(self._spec.build(group), self._spec.state_names)
+            part = _Part(self._spec.build(group), self._spec.state_names, class_name=self.optimizer_class.__name__)
             if cached is not None and _shape(cached[0]) == _shape(key):
                 part.reuse_layouts(cached[1])  # only a value changed (a scheduler's lr): the same state structure
             cached = self._parts[id(group)] = (key, part)
@@ -213,17 +250,20 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
 
         Returns:
             The closure's loss, or ``None``.
+
+        Raises:
+            NotImplementedError: a sparse gradient where ``optimizer_class`` refuses one (a ``RuntimeError``, as
+                torch's), checked before anything changes.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         active = [[p for p in g["params"] if p.grad is not None] for g in self.param_groups]
-        if any(p.grad.is_sparse for ps in active for p in ps):
-            raise TypeError(f"{self.optimizer_class.__name__} through functopk does not support sparse gradients")
+        views.check_sparse(self.optimizer_class.__name__, self.param_groups, active)
         if not any(active):
             return loss
-        grads = [[p.grad for p in ps] for ps in active]
+        grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
         written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has been computed
         if self._sparsify is not None:
             grads = self._sparsify_step(active, grads, written)
