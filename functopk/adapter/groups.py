@@ -133,14 +133,21 @@ class _Part:
 
         ``grads`` are dense; the updates and entries come back shaped like ``params`` (complex for complex ones).
         """
-        layout = self.layout(params)
+        names = self._part_names(params)
+        entries = views.real_entries(entries, names)
+        if not any(p.is_complex() for p in params):  # the usual case: nothing to view
+            return self._update(grads, params, entries)
         real_ps = [views.real(p) for p in params]
-        state: OptState = per_param.join(views.real_entries(entries, self._part_names(params)), layout)
-        updates, new_state = self.tx.update(
-            per_param.as_tree([views.real(g) for g in grads]), state, per_param.as_tree(real_ps)
-        )
-        new = self._param_form(params, per_param.split(new_state, layout))
-        return views.param_updates(params, [updates[i] for i in range(len(params))]), new
+        updates, new = self._update([views.real(g) for g in grads], real_ps, entries)
+        return views.param_updates(params, updates), views.param_entries(params, new, names)
+
+    def _update(
+        self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
+    ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+        layout = self.layout(params)
+        state: OptState = per_param.join(entries, layout)
+        updates, new_state = self.tx.update(per_param.as_tree(grads), state, per_param.as_tree(params))
+        return [updates[i] for i in range(len(params))], per_param.split(new_state, layout)
 
 
 def _cohorts(entries: list[dict[str, Any]], layout: per_param.Layout) -> list[list[int]]:
