@@ -232,10 +232,16 @@ def check_leaves(
                 f"{name} leaf at {path_str(path)} has dtype {leaf.dtype}; expected a floating-point tensor of "
                 f"dtype {allowed}"
             )
+        if floating and leaf.is_complex():
+            raise TypeError(
+                f"{name} leaf at {path_str(path)} has dtype {leaf.dtype}; functopk computes on real tensors: "
+                "pass torch.view_as_real(x) for each complex x (parameters, gradients and state alike), which is how "
+                "torch.optim steps complex parameters; TorchOptimizer.from_torch does this for you"
+            )
         if floating and not leaf.is_floating_point():
             raise TypeError(
                 f"{name} leaf at {path_str(path)} has dtype {leaf.dtype}; expected a floating-point tensor "
-                "(integer, bool and complex tensors are not gradients)"
+                "(integer and bool tensors are not gradients)"
             )
     return leaves, treedef
 

@@ -340,11 +340,3 @@ def test_bad_group_hyperparameters_fail_at_add_param_group_and_leave_the_groups(
     with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):  # torch's constructor's message
         opt.add_param_group({"params": list(model[3].parameters()), "lr": -1.0})
     assert len(opt.param_groups) == 1
-
-
-def test_sparse_gradients_are_a_type_error():
-    emb = torch.nn.Embedding(10, 3, sparse=True)
-    opt = ft.TorchOptimizer.from_torch(torch.optim.SGD, emb.parameters(), lr=0.1)
-    emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(TypeError, match="sparse gradients"):
-        opt.step()

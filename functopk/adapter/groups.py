@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from functopk._checks import check_distinct_params, torch_duplicate_warning_ignored
-from functopk.adapter import checkpoint, per_param
+from functopk.adapter import checkpoint, per_param, views
 from functopk.adapter.registry import (
     check_implementation_flags,
     check_torch_step_accepts,
@@ -95,32 +95,57 @@ def _check_step_allowed(groups: list[dict[str, Any]]) -> None:
 
 
 class _Part:
-    """One transformation over a list of parameters: builds layouts and fresh per-parameter entries."""
+    """One transformation over a list of parameters: builds layouts and fresh per-parameter entries.
 
-    def __init__(self, tx: GradientTransformation, rename: Mapping[str, str], prefix: str = "") -> None:
-        self.tx, self.rename, self.prefix = tx, rename, prefix
+    Its methods take the parameters and entries as ``opt.state`` keeps them, and run the maths on
+    dense real views of them (:mod:`functopk.adapter.views`: complex parameters as real pairs).
+    ``class_name`` is the torch class whose complex-parameter refusal it applies.
+    """
+
+    def __init__(
+        self, tx: GradientTransformation, rename: Mapping[str, str], prefix: str = "", class_name: str = ""
+    ) -> None:
+        self.tx, self.rename, self.prefix, self.class_name = tx, rename, prefix, class_name
         self._layouts: dict[int, per_param.Layout] = {}
 
     def reuse_layouts(self, other: _Part) -> None:
         """Take ``other``'s layouts: a part for the same hyperparameters up to values has the same structure."""
         self._layouts = other._layouts
 
-    def template(self, params: list[torch.Tensor]) -> OptState:
-        """A state for ``params`` to read structure and dtypes from: on the meta device when ``init`` allows."""
+    def _real_template(self, params: list[torch.Tensor]) -> OptState:
+        """The maths' state for ``params`` seen as real tensors: on the meta device when ``init`` allows."""
+        views.check_complex(self.class_name, params)
+        real = [views.real(p) for p in params]
         try:
-            return self.tx.init(per_param.as_tree(_meta(params)))
+            return self.tx.init(per_param.as_tree(_meta(real)))
         except Exception:  # an init that reads values: build it for real
-            return self.tx.init(per_param.as_tree(params))
+            return self.tx.init(per_param.as_tree(real))
+
+    def template(self, params: list[torch.Tensor]) -> OptState:
+        """A state for ``params`` to read structure and dtypes from (complex parts for complex parameters)."""
+        state = self._real_template(params)
+        if not any(p.is_complex() for p in params):
+            return state
+        layout = self.layout(params)
+        return per_param.join(self._param_form(params, per_param.split(state, layout)), layout)
 
     def layout(self, params: list[torch.Tensor]) -> per_param.Layout:
         n = len(params)
         if n not in self._layouts:
-            self._layouts[n] = per_param.layout_of(self.template(params), n, self.rename, self.prefix)
+            self._layouts[n] = per_param.layout_of(self._real_template(params), n, self.rename, self.prefix)
         return self._layouts[n]
+
+    def _part_names(self, params: list[torch.Tensor]) -> list[str]:
+        layout = self.layout(params)
+        return [n for n, is_part in zip(layout.names, layout.is_part) if is_part]
+
+    def _param_form(self, params: list[torch.Tensor], entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return views.param_entries(params, entries, self._part_names(params))
 
     def fresh(self, params: list[torch.Tensor]) -> list[dict[str, Any]]:
         """New entries for ``params`` (their shared leaves shared among them)."""
-        return per_param.split(self.tx.init(per_param.as_tree(params)), self.layout(params))
+        state = self.tx.init(per_param.as_tree([views.real(p) for p in params]))
+        return self._param_form(params, per_param.split(state, self.layout(params)))
 
     def entries(self, params: list[torch.Tensor], stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each parameter's entries, with fresh values where it has none of a name (late joiners, new buffers)."""
@@ -135,7 +160,21 @@ class _Part:
     def run(
         self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
     ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-        """One update of ``params`` whose entries share their shared leaves; the updates and the new entries."""
+        """One update of ``params`` whose entries share their shared leaves; the updates and the new entries.
+
+        ``grads`` are dense; the updates and entries come back shaped like ``params`` (complex for complex ones).
+        """
+        names = self._part_names(params)
+        entries = views.real_entries(entries, names)
+        if not any(p.is_complex() for p in params):  # the usual case: nothing to view
+            return self._update(grads, params, entries)
+        real_ps = [views.real(p) for p in params]
+        updates, new = self._update([views.real(g) for g in grads], real_ps, entries)
+        return views.param_updates(params, updates), views.param_entries(params, new, names)
+
+    def _update(
+        self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
+    ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
         layout = self.layout(params)
         state: OptState = per_param.join(entries, layout)
         updates, new_state = self.tx.update(per_param.as_tree(grads), state, per_param.as_tree(params))
@@ -165,6 +204,11 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       ``exp_avg``, ...; functopk's field name where torch has no such entry);
       a parameter whose ``.grad`` is ``None`` is skipped and keeps its step
       count; a parameter added later starts fresh;
+    * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
+      torch) are made dense first, at the cost of one dense gradient per sparse
+      parameter; complex parameters step as their real pairs (torch's
+      ``view_as_real``; two coordinates each in a global top-k) and keep complex
+      state shaped like them (:mod:`functopk.adapter.views`);
     * ``state_dict()``/``load_state_dict()`` are torch's own layout (so
       ``torch.distributed.checkpoint.state_dict`` works) and resume bit for bit;
       ``torch.optim`` checkpoints of the class load (torch's float ``step``
@@ -212,7 +256,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            part = _Part(self._spec.build(group), self._spec.state_names)
+            part = _Part(self._spec.build(group), self._spec.state_names, class_name=self.optimizer_class.__name__)
             if cached is not None and _shape(cached[0]) == _shape(key):
                 part.reuse_layouts(cached[1])  # only a value changed (a scheduler's lr): the same state structure
             cached = self._parts[id(group)] = (key, part)
@@ -252,8 +296,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             The closure's loss, or ``None``.
 
         Raises:
-            NotImplementedError: the step is compiled (``torch.compile(opt.step)``), or a group's
-                ``capturable`` or ``differentiable`` was set to ``True`` by hand.
+            NotImplementedError: the step is compiled (``torch.compile(opt.step)``), a group's
+                ``capturable`` or ``differentiable`` was set to ``True`` by hand, or a sparse gradient comes
+                where ``optimizer_class`` refuses one (a ``RuntimeError``, as torch's); all checked before
+                anything changes.
         """
         _check_step_allowed(self.param_groups)
         loss = None
@@ -261,11 +307,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         active = [[p for p in g["params"] if p.grad is not None] for g in self.param_groups]
-        if any(p.grad.is_sparse for ps in active for p in ps):
-            raise TypeError(f"{self.optimizer_class.__name__} through functopk does not support sparse gradients")
+        views.check_sparse(self.optimizer_class.__name__, self.param_groups, active)
         if not any(active):
             return loss
-        grads = [[p.grad for p in ps] for ps in active]
+        grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
         written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has been computed
         if self._sparsify is not None:
             grads = self._sparsify_step(active, grads, written)
