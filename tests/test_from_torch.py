@@ -196,3 +196,86 @@ def test_betas_may_be_one_element_tensors(shape):
     ours = run_functional(torch.optim.Adam, {"lr": 0.01, "betas": betas}, torch.float64)
     truth = run_torch(torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.99)}, torch.float64)
     assert max_err(ours, truth) < 1e-12
+
+
+# Every float hyperparameter as a 0-d float64 tensor; the cases cover all 13 classes and every branch that
+# combines a hyperparameter with a constant (SGD with and without dampening, RMSprop centered, Adagrad with
+# and without lr_decay, decoupled decay).
+TENSOR_CASES = {
+    "SGD-dampening": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.01}),
+    "SGD-nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    "Adam-amsgrad": (torch.optim.Adam, {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-3, "amsgrad": True}),
+    "AdamW": (torch.optim.AdamW, {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-3, "weight_decay": 0.1}),
+    "RMSprop-centered": (
+        torch.optim.RMSprop,
+        {"lr": 0.1, "alpha": 0.9, "eps": 1e-3, "weight_decay": 0.01, "momentum": 0.5, "centered": True},
+    ),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01, "eps": 1e-3}),
+    "Adagrad-lr_decay": (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1, "eps": 1e-3}),
+    "Adadelta": (torch.optim.Adadelta, {"lr": 0.5, "rho": 0.8, "eps": 1e-3, "weight_decay": 0.01}),
+    "Rprop": (torch.optim.Rprop, {"lr": 0.1, "etas": (0.4, 1.3), "step_sizes": (0.05, 0.12)}),
+    "ASGD": (torch.optim.ASGD, {"lr": 0.1, "lambd": 0.01, "alpha": 0.7, "t0": 1.0, "weight_decay": 0.01}),
+    "NAdam": (torch.optim.NAdam, {"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.1, "momentum_decay": 0.004}),
+    "RAdam-decoupled": (
+        torch.optim.RAdam,
+        {"lr": 0.1, "betas": (0.9, 0.9), "eps": 1e-3, "weight_decay": 0.1, "decoupled_weight_decay": True},
+    ),
+    "Adamax": (torch.optim.Adamax, {"lr": 0.1, "betas": (0.9, 0.99), "eps": 1e-3, "weight_decay": 0.01}),
+    "Adafactor": (torch.optim.Adafactor, {"lr": 0.1, "beta2_decay": -0.8, "eps": (0.3, 1e-3), "d": 1.0}),
+    "Muon": (torch.optim.Muon, {"lr": 0.1, "weight_decay": 0.01, "momentum": 0.9, "nesterov": True}),
+}  # fmt: skip
+
+
+def _tensor_kwargs(kwargs: dict) -> dict:
+    """Fresh 0-d float64 tensors for every float (pairs included)."""
+    def tensor(v):
+        return torch.tensor(v, dtype=torch.float64) if isinstance(v, float) else v
+
+    return {k: tuple(map(tensor, v)) if isinstance(v, tuple) else tensor(v) for k, v in kwargs.items()}
+
+
+def _change_in_place_(kwargs: dict) -> None:
+    """Every tensor but ``lr`` (the scheduler's) scaled in place, within each hyperparameter's valid range."""
+    for name, value in kwargs.items():
+        for t in value if isinstance(value, tuple) else (value,):
+            if name != "lr" and isinstance(t, torch.Tensor):
+                t.mul_(0.9 if name == "etas" else 0.5)
+
+
+def _run_with_changes(cls: type, kwargs: dict, how: str, change: bool = True) -> dict[str, torch.Tensor]:
+    """8 steps, with ``ExponentialLR(gamma=0.5)`` (``lr.mul_(0.5)`` for the functional form) and
+    :func:`_change_in_place_` after the 3rd."""
+    kwargs = _tensor_kwargs(kwargs)
+    with default_dtype_for(torch.float64):
+        params = _params(cls, torch.float64)
+        if how == "functional":
+            tx = ft.from_torch(cls, **kwargs)
+            state = tx.init(params)
+        else:
+            params = {k: v.requires_grad_() for k, v in params.items()}
+            make = cls if how == "torch" else lambda ps, **kw: ft.TorchOptimizer.from_torch(cls, ps, **kw)
+            opt = make(list(params.values()), **kwargs)
+            scheduler = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        for i in range(8):
+            if how == "functional":
+                updates, state = tx.update({k: _grad(p) for k, p in params.items()}, state, params)
+                params = ft.apply_updates(params, updates)
+            else:
+                for p in params.values():
+                    p.grad = _grad(p.detach())
+                opt.step()
+            if i == 2 and change:
+                _change_in_place_(kwargs)
+                if how == "functional":
+                    kwargs["lr"].mul_(0.5)
+                else:
+                    scheduler.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+@pytest.mark.parametrize("cls, kwargs", TENSOR_CASES.values(), ids=TENSOR_CASES.keys())
+def test_tensor_hyperparameters_changed_in_place_are_read_at_the_next_step(cls, kwargs):
+    truth = _run_with_changes(cls, kwargs, "torch")
+    assert max_err(_run_with_changes(cls, kwargs, "torch", change=False), truth) > 1e-3  # the changes matter
+    assert max_err(_run_with_changes(cls, kwargs, "functional"), truth) < 1e-12
+    assert max_err(_run_with_changes(cls, kwargs, "adapter"), truth) < 1e-12

@@ -8,7 +8,10 @@ elementary transformations; ``adam`` and ``adamw`` are one fused transformation
 (Adam's kernel with the learning rate folded into its last multiply).
 
 Every numeric hyperparameter may be a 0-d tensor, so every alias works under
-:func:`functopk.inject_hyperparams`; learning rates may also be schedules.
+:func:`functopk.inject_hyperparams`; learning rates may also be schedules. A
+tensor is read on device at every update, never copied at construction: an
+in-place change (``lr.fill_(...)``, as torch's LR schedulers do to a tensor
+``lr``) takes effect at the next update, as in ``torch.optim``.
 
 Every argument after ``learning_rate`` is keyword-only: these follow
 ``torch.optim``'s semantics and defaults, and optax's positional orders differ

@@ -37,9 +37,15 @@ __all__ = [
 ]
 
 
-def _scale(step_size: float | torch.Tensor, name: str) -> GradientTransformation:
+def _scale(step_size: float | torch.Tensor, name: str, *, negate: bool = False) -> GradientTransformation:
+    """Multiply by ``step_size`` (by ``-step_size`` with ``negate``), a tensor read at every update.
+
+    A 0-d tensor is negated inside the update, never once here: a copy made now would
+    not see an in-place change (an LR scheduler's ``fill_``) at the next update.
+    """
+
     def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
-        return foreach.mul(grads, step_size), state
+        return foreach.mul(grads, -step_size if negate else step_size), state
 
     return leafwise(name, update)
 
@@ -105,6 +111,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 
     Args:
         learning_rate: A number, a 0-d tensor, or a schedule ``step -> lr`` evaluated on the step counter.
+            A tensor is read on device at every update, so an in-place change (``lr.fill_(...)``,
+            as ``torch.optim.lr_scheduler`` does to a tensor ``lr``) takes effect at the next one.
         flip_sign: Negate, so that adding the update descends the loss (default).
 
     Example:
@@ -114,10 +122,13 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         {'w': tensor([-0.1000,  0.2000])}
     """
     learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate")
-    sign = -1.0 if check_bool(flip_sign, "flip_sign") else 1.0
+    flip = check_bool(flip_sign, "flip_sign")
+    name = "scale_by_learning_rate"
     if callable(learning_rate):
-        return _scale_by_schedule(lambda count: sign * learning_rate(count), "scale_by_learning_rate")
-    return _scale(sign * learning_rate, "scale_by_learning_rate")
+        return _scale_by_schedule(lambda count: -learning_rate(count) if flip else learning_rate(count), name)
+    if isinstance(learning_rate, torch.Tensor):
+        return _scale(learning_rate, name, negate=flip)
+    return _scale(-learning_rate if flip else learning_rate, name)
 
 
 class TraceState(NamedTuple):

@@ -35,6 +35,28 @@ def test_scale_by_learning_rate_constant_and_sign(device):
     torch.testing.assert_close(updates["w"], torch.tensor([0.05, 0.025, -0.1]))
 
 
+@pytest.mark.parametrize("flip_sign", [True, False])
+def test_scale_by_learning_rate_reads_a_tensor_at_every_update(flip_sign):
+    # a scheduler changes a tensor lr in place: the next update must use the new value
+    lr = torch.tensor(0.1)
+    tx = ft.scale_by_learning_rate(lr, flip_sign=flip_sign)
+    grads = {"w": torch.tensor([1.0, -2.0])}
+    sign = -1.0 if flip_sign else 1.0
+    assert torch.equal(tx.update(grads, tx.init(None))[0]["w"], sign * lr * grads["w"])
+    lr.fill_(0.5)
+    assert torch.equal(tx.update(grads, tx.init(None))[0]["w"], sign * 0.5 * grads["w"])
+
+
+def test_sgd_alias_reads_its_tensor_lr_at_every_update():
+    lr = torch.tensor(0.1)
+    tx = ft.sgd(lr, momentum=0.9)
+    params = {"w": torch.tensor([1.0])}
+    state = tx.init(params)
+    lr.fill_(0.0)
+    updates, _ = tx.update({"w": torch.tensor([1.0])}, state, params)
+    assert torch.equal(updates["w"], torch.zeros(1))
+
+
 def test_scale_by_schedule_uses_tensor_step_counter(device):
     seen = []
 
