@@ -51,9 +51,9 @@ class TopKHookState:
             built with ``find_unused_parameters=True``, turns on holding back the
             residual of parameters whose local gradient is all zero (DDP drops
             the averaged values of parameters no rank used; see ``docs/distributed.md``).
-            Required with such a model: the hook's first call raises
-            ``ValueError`` if the state is registered on one but was built
-            without it.
+            Required with such a model, as the DDP model itself: the hook's
+            first call raises ``ValueError`` if the state is registered on one
+            but was built without it (or with the module it wraps).
         grad_scaler: The ``torch.amp.GradScaler`` of the training loop, if any.
             Residuals hold *scaled* gradients; with the scaler known, each one is
             rescaled (exactly: scales are powers of two) when the loss scale
