@@ -3,7 +3,10 @@
 A bucket's memory is a flat buffer laid out like DDP's bucket; a checkpoint
 holds one tensor per parameter name, shaped like the parameter and in gradient
 units, so that it loads into any later bucketing (see
-:mod:`functopk.distributed.memory` for the placing).
+:mod:`functopk.distributed.memory` for the placing). The names come from the
+model given to the hook's state (:func:`model_info`), as does DDP's
+``find_unused_parameters``; :func:`registered_find_unused` finds the DDP
+model a state is registered on when it was not given.
 """
 
 from __future__ import annotations

@@ -265,6 +265,19 @@ def test_ranks_configured_differently_all_fail_at_once_naming_the_field(run, gna
         assert phase(run, "agreement", r)[(gname, "agree")][0] == "no error"
 
 
+def test_a_long_text_setting_is_shown_where_the_ranks_differ():
+    """A loaded bucket layout is a long text: the mismatch message shows both ranks' texts around the first
+    character that differs, each cut to about 120 characters."""
+    from functopk.distributed.agree import _excerpts
+
+    names = [f"'layer{i}.weight'" for i in range(40)]
+    texts = [f"(({', '.join(names[:30] + [tail] + names[30:])}),)" for tail in ("'head.bias'", "'head.weight'")]
+    shown = _excerpts(texts, 0, 1)
+    assert "'head.bias'" in shown[0] and "'head.weight'" in shown[1], shown
+    assert all(t.startswith("...") and t.endswith("...") and len(t) <= 126 for t in shown), shown
+    assert _excerpts(["'tree'", "'allgather'"], 0, 1) == ["'tree'", "'allgather'"]  # short texts whole
+
+
 # --------------------------------------------------------------------------- 4. unused parameters
 
 
