@@ -393,15 +393,12 @@ def _unused_run(rank: int, pair, overlap: bool = False):
 
 
 def _unregistered_model_failure(rank: int, pair, model_arg: str):
-    """DDP(find_unused_parameters=True) and a hook state built without the DDP model (``model_arg``: ``"none"``
-    or ``"wrapped"``, the module DDP wraps): the first backward must fail, before any exchange."""
+    """DDP(find_unused_parameters=True), the hook state built with ``model=None`` or the wrapped module: fails."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(0)
     net = Branchy().double()
     model = DDP(net, process_group=pair, find_unused_parameters=True)
-    state = TopKHookState(pair, density=0.2, warmup_iters=1, model=None if model_arg == "none" else net)
-    model.register_comm_hook(state, topk_hook)
+    model.register_comm_hook(TopKHookState(pair, density=0.2, model=None if model_arg == "none" else net), topk_hook)
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
     return _failure(lambda: F.mse_loss(model(x, ("left",)), y).backward())
 
@@ -453,11 +450,9 @@ def _death_of_rank1(rank: int, pair):
     # No buffer broadcast in forward, so that the first collective to meet the dead rank is the hook's.
     no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
         else {"broadcast_buffers": False}  # fmt: skip
-    models = {}
-    for path, kwargs in (("hook", {}), ("tree", {"exchange": "tree"}), ("overlap", {"overlap": True})):
-        # several buckets for the overlap path, so that the first one is exchanged on the worker thread
-        models[path] = DDP(small_cnn(), process_group=pair, bucket_cap_mb=0.0005 if kwargs.get("overlap") else 25,
-                           **no_sync)  # fmt: skip
+    models = {}  # the overlap path with several buckets: the first is exchanged on the worker thread
+    for path, kwargs, cap in ("hook", {}, 25), ("tree", {"exchange": "tree"}, 25), ("overlap", {"overlap": True}, 5e-4):
+        models[path] = DDP(small_cnn(), process_group=pair, bucket_cap_mb=cap, **no_sync)
         models[path].register_comm_hook(TopKHookState(pair, density=0.1, warmup_iters=1, **kwargs), topk_hook)
     x, y = batch(n=8, seed=rank)
     for model in models.values():
