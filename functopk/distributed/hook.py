@@ -22,7 +22,7 @@ from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, co
 from functopk.distributed.names import by_name, model_info, registered_find_unused
 from functopk.distributed.offload import Offloader
 from functopk.distributed.resume import Layout, Regroup
-from functopk.distributed.saved import FORMAT, VERSION, check_saved
+from functopk.distributed.saved import FORMAT, VERSION, check_exchange, check_saved
 from functopk.distributed.stats import HookStats
 from functopk.distributed.tree import tree_wire_bytes
 from functopk.sparse.api import k_from_density
@@ -149,13 +149,9 @@ class TopKHookState:
             raise TypeError(f"selection must be a str ('exact' or 'threshold'), got {describe(selection)}")
         if selection not in ("exact", "threshold"):
             raise ValueError(f"selection must be 'exact' or 'threshold', got {describe(selection)}")
-        if not isinstance(exchange, str):
-            raise TypeError(f"exchange must be a str ('allgather' or 'tree'), got {describe(exchange)}")
-        if exchange not in ("allgather", "tree"):
-            raise ValueError(f"exchange must be 'allgather' or 'tree', got {describe(exchange)}")
         self.selection: str = selection
         self.momentum: float = check_number(momentum, "momentum", minimum=0.0, below=1.0)
-        self.exchange: str = exchange
+        self.exchange: str = check_exchange(exchange, "exchange")
         self.overlap: bool = check_bool(overlap, "overlap")
         self._offload = Offloader()
         self.threshold_fallbacks: int = 0

@@ -92,11 +92,16 @@ def _check_config(state_dict: Mapping[str, Any]) -> None:
     check_bool(state_dict["reselect"], "state_dict['reselect']")
     if "momentum" in state_dict:
         check_number(state_dict["momentum"], "state_dict['momentum']", minimum=0.0, below=1.0)
-    exchange = state_dict.get("exchange", "allgather")
+    check_exchange(state_dict.get("exchange", "allgather"), "state_dict['exchange']")
+
+
+def check_exchange(exchange: Any, name: str) -> str:
+    """``exchange`` if it is ``"allgather"`` or ``"tree"``, else ``TypeError``/``ValueError`` naming ``name``."""
     if not isinstance(exchange, str):
-        raise TypeError(f"state_dict['exchange'] must be a str ('allgather' or 'tree'), got {describe(exchange)}")
+        raise TypeError(f"{name} must be a str ('allgather' or 'tree'), got {describe(exchange)}")
     if exchange not in _EXCHANGES:
-        raise ValueError(f"state_dict['exchange'] must be 'allgather' or 'tree', got {exchange!r}")
+        raise ValueError(f"{name} must be 'allgather' or 'tree', got {describe(exchange)}")
+    return exchange
 
 
 def _stats(saved: Any, key: str) -> HookStats:
