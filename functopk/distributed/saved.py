@@ -64,9 +64,9 @@ def check_saved(state_dict: Any, shapes: Mapping[str, tuple[int, ...]], momentum
     missing = [k for k in required if k not in state_dict]
     unknown = [k for k in state_dict if k not in required and k not in _OPTIONAL + ("layout",)]
     if missing or unknown:
-        raise ValueError(f"TopKHookState.load_state_dict: state_dict (version {version}) misses the keys "
-                         f"{listed([repr(k) for k in missing])} and has unknown keys "
-                         f"{listed([repr(k) for k in unknown])}")  # fmt: skip
+        wrong = [f"{what} keys {listed([repr(k) for k in keys])}"
+                 for what, keys in (("misses the", missing), ("has unknown", unknown)) if keys]  # fmt: skip
+        raise ValueError(f"TopKHookState.load_state_dict: state_dict (version {version}) {' and '.join(wrong)}")
     _check_config(state_dict)
     residuals = check_names("residuals", state_dict["residuals"], shapes)
     velocities = check_names("velocities", state_dict.get("velocities", {}), shapes)
