@@ -3,7 +3,7 @@
 A small CNN on scikit-learn's handwritten digits (no download), one process per
 rank, each training on its own shard of the data:
 
-    torchrun --nproc-per-node 2 examples/ddp_topk.py [--density 0.01] [--epochs 8] [--dense]
+    torchrun --standalone --nproc-per-node 2 examples/ddp_topk.py [--density 0.01] [--epochs 8] [--dense]
 
 The momentum (0.9) lives in the hook (DGC's momentum correction,
 TopKHookState(momentum=...)) and SGD has none; --no-momentum-correction keeps
@@ -18,12 +18,13 @@ optimizer and its own hook state (residuals differ between ranks) every
 --checkpoint-every steps, one file per rank, and a restarted run resumes from
 the latest checkpoint that every rank completed, bit for bit:
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 3 \\
         examples/ddp_topk.py --checkpoint-dir ckpt
 
-(The variable gives each restart its own rendezvous store: with torchrun's
-shared one, restarted ranks can read a dead peer's address and fail to
-connect or hang, pytorch/pytorch#135712.)
+(--standalone: torchrun's default static rendezvous often fails the first
+restart. The variable gives each restart its own rendezvous store: with
+torchrun's shared one, restarted ranks can read a dead peer's address and fail
+to connect or hang, pytorch/pytorch#135712.)
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     if "RANK" not in os.environ:
-        parser.error("launch with torchrun, e.g. torchrun --nproc-per-node 2 examples/ddp_topk.py")
+        parser.error("launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 examples/ddp_topk.py")
     if args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be >= 1")
     use_cuda = torch.cuda.is_available()

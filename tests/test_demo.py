@@ -143,6 +143,26 @@ def test_ddp_example_runs_under_torchrun_and_resumes_bit_for_bit_after_a_crash(t
     assert digest and f"parameters sha256 {digest[0]}" in whole.stdout, report + "\nuninterrupted:\n" + whole.stdout
 
 
+def test_documented_torchrun_commands_are_the_tested_form():
+    """Every documented torchrun command of the DDP example uses --standalone (with torchrun's default static
+    rendezvous the first restart failed in 4 of 5 tries), and the restart command also the variable and
+    --max-restarts: the form that the kill-and-resume test above runs."""
+    import inspect
+
+    import ddp_topk
+
+    tested = inspect.getsource(torchrun)
+    assert '"--standalone"' in tested and '"--max-restarts"' in tested
+    assert 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"' in tested
+    with open(os.path.join(ROOT, "docs", "distributed.md")) as f:
+        docs = f.read()
+    for where, text in (("docs/distributed.md", docs), ("examples/ddp_topk.py", ddp_topk.__doc__ or "")):
+        commands = [line.strip() for line in text.splitlines() if "torchrun --" in line and "--nproc-per-node" in line]
+        assert commands and all("torchrun --standalone " in c for c in commands), (where, commands)
+        restarts = [c for c in commands if "--max-restarts" in c]
+        assert restarts and all(c.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun") for c in restarts)
+
+
 @pytest.mark.slow
 def test_ddp_example_runs_on_a_single_rank(tmp_path):
     """One rank (as on one GPU with NCCL): nothing crosses a wire, and the report says so instead of dividing by 0."""

@@ -6,7 +6,9 @@ and wait for each other until the process-group timeout. So the hook and the
 transform exchange a *fingerprint* of their configuration the first time they
 run (one small all-gather of int64 codes, read back to the host once) and every
 rank raises the same ``ValueError`` naming the first field that differs, with
-each rank's value.
+rank 0's value and the first differing rank's. A text's code (a crc32) cannot
+be decoded, so when a text field differs the ranks gather the texts themselves
+(two more small collectives, on that error path only).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functopk.distributed.exchange import _all_gather, _comm_error
+from functopk.distributed.exchange import _gather_or_fail
 
 __all__: list[str] = []
 
@@ -32,15 +34,13 @@ def _code(value: Any) -> int:
     return zlib.crc32(str(value).encode())
 
 
-def _shown(value: Any, code: int) -> str:
-    """How a rank's value is printed: decoded from its code where the code is the value."""
+def _shown(value: bool | int | float, code: int) -> str:
+    """How a rank's number is printed: decoded from its code (the code is the value)."""
     if isinstance(value, bool):
         return str(bool(code))
     if isinstance(value, int):
         return str(code)
-    if isinstance(value, float):
-        return repr(struct.unpack("<d", struct.pack("<q", code))[0])
-    return f"<crc32 {code:#010x}>"
+    return repr(struct.unpack("<d", struct.pack("<q", code))[0])
 
 
 def check_agreement(
@@ -53,17 +53,15 @@ def check_agreement(
 
     Args:
         what: The caller, for the message (``"topk_hook"``).
-        fields: Field name to a Python value (int, bool, float, or anything with a stable ``str``).
+        fields: Field name to a Python value (int, bool, float, or anything with a stable ``str``;
+            the message shows such a value's ``repr``).
         group, rank, world: The group, this rank in it, its size.
         device: Where the codes travel (the gradients' device: CUDA for NCCL).
     """
     names = list(fields)
     mine = torch.tensor([_code(fields[n]) for n in names], dtype=torch.int64)
     gathered = torch.empty(world * len(names), dtype=torch.int64, device=device)
-    try:
-        _all_gather(gathered, mine.to(device), group, False)
-    except RuntimeError as exc:
-        raise _comm_error(f"the configuration check of {what}", group, exc) from exc
+    _gather_or_fail(gathered, mine.to(device), group, f"the configuration check of {what}")
     table = gathered.view(world, len(names)).cpu()
     for j, name in enumerate(names):
         column = table[:, j].tolist()
@@ -71,14 +69,41 @@ def check_agreement(
             other = next(r for r, c in enumerate(column) if c != column[0])
             value = fields[name]
             if isinstance(value, (bool, int, float)):
-                detail = f"{_shown(value, column[0])} on rank 0 but {_shown(value, column[other])} on rank {other}"
-            else:
-                detail = f"this rank ({rank}) has {value}, and rank {other} differs from rank 0"
+                shown = [_shown(value, column[0]), _shown(value, column[other])]
+            else:  # a code cannot be decoded: every rank takes part in gathering the texts
+                shown = _excerpts(_gather_texts(repr(value), group, world, device, what), 0, other)
             raise ValueError(
-                f"functopk.distributed: {what} is configured differently across ranks: {name} is {detail}. "
+                f"functopk.distributed: {what} is configured differently across ranks: {name} is {shown[0]} on "
+                f"rank 0 but {shown[1]} on rank {other}. "
                 f"Every rank must use the same settings (they would otherwise diverge or wait on each other "
                 f"until the process-group timeout)."
             )
+
+
+def _gather_texts(text: str, group: dist.ProcessGroup, world: int, device: torch.device, what: str) -> list[str]:
+    """Every rank's ``text`` (a collective: their lengths, then their UTF-8 bytes padded to the longest)."""
+    mine = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    _gather_or_fail(lengths, torch.tensor([mine.numel()], device=device), group, f"the configuration check of {what}")
+    longest = int(lengths.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine.to(device)
+    texts = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    _gather_or_fail(texts, padded, group, f"the configuration check of {what}")
+    rows = texts.view(world, longest).cpu()
+    return [bytes(rows[r, : int(lengths[r])].tolist()).decode(errors="replace") for r in range(world)]
+
+
+def _excerpts(texts: list[str], a: int, b: int, width: int = 120) -> list[str]:
+    """Ranks ``a``'s and ``b``'s texts, each cut to about ``width`` characters around where they first differ."""
+    x, y = texts[a], texts[b]
+    start = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    start = max(0, start - width // 3) if max(len(x), len(y)) > width else 0
+
+    def cut(t: str) -> str:
+        return ("..." if start else "") + t[start : start + width] + ("..." if len(t) > start + width else "")
+
+    return [cut(x), cut(y)]
 
 
 def layout_code(shapes: Any, dtypes: Any, structure: Any) -> int:

@@ -64,11 +64,19 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, 
     return fn(out, inp, group=group, async_op=async_op)
 
 
+def _gather_or_fail(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
+    """A blocking all-gather whose failure raises :func:`_comm_error` naming ``what``."""
+    try:
+        _all_gather(out, inp, group, False)
+    except RuntimeError as exc:
+        raise _comm_error(what, group, exc) from exc
+
+
 def _pack(indices: torch.Tensor, values: torch.Tensor, capacity: int, numel: int) -> torch.Tensor:
     """One rank's pairs as ``uint8``: ``capacity`` indices, then ``capacity`` values (padding: index ``numel``)."""
     index_dtype = _index_dtype(numel)
     count = indices.numel()
-    idx = indices.to(index_dtype)
+    idx = indices.to(index_dtype).contiguous()  # to() returns int32 indices as they are, strided or not
     vals = values.contiguous()
     if count < capacity:
         idx = torch.cat([idx, torch.full((capacity - count,), numel, dtype=index_dtype, device=idx.device)])
@@ -212,16 +220,14 @@ def sparse_allreduce(
             (indices >= 0).all() & (indices < numel).all(), f"sparse_allreduce: indices must lie in [0, {numel})"
         )
     device = values.device
-    try:
-        if capacity is None:
-            counts = torch.empty(world, dtype=torch.int64, device=device)
-            _all_gather(counts, torch.full((1,), indices.numel(), dtype=torch.int64, device=device), group, False)
-            capacity = int(counts.max())  # host sync: the buffer sizes depend on it
-        gathered = torch.empty(world * capacity * (_itemsize(_index_dtype(numel)) + values.element_size()),
-                               dtype=torch.uint8, device=device)  # fmt: skip
-        _all_gather(gathered, _pack(indices, values, capacity, numel), group, False)
-    except RuntimeError as exc:
-        raise _comm_error("the sparse all-gather", group, exc) from exc
+    if capacity is None:
+        counts = torch.empty(world, dtype=torch.int64, device=device)
+        _gather_or_fail(counts, torch.full((1,), indices.numel(), dtype=torch.int64, device=device), group,
+                        "the count exchange of sparse_allreduce")  # fmt: skip
+        capacity = int(counts.max())  # host sync: the buffer sizes depend on it
+    packed = _pack(indices, values, capacity, numel)  # local work stays outside the collective's error report
+    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
+    _gather_or_fail(gathered, packed, group, "the sparse all-gather")
     out = torch.zeros(numel + 1, dtype=values.dtype, device=device)  # the last slot takes the padding
     _scatter_add_(out, _unpack(gathered, world, capacity, numel, values.dtype), 1.0 / world if average else 1.0)
     return out[:numel]

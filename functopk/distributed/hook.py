@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from functopk._checks import check_bool, check_density, check_int, check_number, describe
 from functopk.distributed.agree import check_agreement
@@ -18,16 +19,15 @@ from functopk.distributed.exchange import (
     _wire_bytes,
 )
 from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit
-from functopk.distributed.names import by_name, check_names, model_info
+from functopk.distributed.names import by_name, model_info, registered_find_unused
 from functopk.distributed.offload import Offloader
-from functopk.distributed.resume import Layout, Regroup, check_layout
+from functopk.distributed.resume import Layout, Regroup
+from functopk.distributed.saved import FORMAT, VERSION, check_exchange, check_saved
 from functopk.distributed.stats import HookStats
 from functopk.distributed.tree import tree_wire_bytes
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
-
-FORMAT = "functopk.topk_hook"
 
 
 class TopKHookState:
@@ -51,6 +51,9 @@ class TopKHookState:
             built with ``find_unused_parameters=True``, turns on holding back the
             residual of parameters whose local gradient is all zero (DDP drops
             the averaged values of parameters no rank used; see ``docs/distributed.md``).
+            Required with such a model, as the DDP model itself: the hook's
+            first call raises ``ValueError`` if the state is registered on one
+            but was built without it (or with the module it wraps).
         grad_scaler: The ``torch.amp.GradScaler`` of the training loop, if any.
             Residuals hold *scaled* gradients; with the scaler known, each one is
             rescaled (exactly: scales are powers of two) when the loss scale
@@ -132,7 +135,7 @@ class TopKHookState:
         self.density: float = float(check_density(density, allow_tensor=False))
         self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
         self.reselect: bool = check_bool(reselect, "reselect")
-        self._names, self._numels, self.find_unused_parameters = model_info(model)
+        self._names, self._shapes, self.find_unused_parameters = model_info(model)
         # DDP rebuilds its buckets after a process's first iteration, unless it finds unused parameters (and
         # has no static graph)
         rebuilds = not self.find_unused_parameters or bool(getattr(model, "static_graph", True))
@@ -146,13 +149,9 @@ class TopKHookState:
             raise TypeError(f"selection must be a str ('exact' or 'threshold'), got {describe(selection)}")
         if selection not in ("exact", "threshold"):
             raise ValueError(f"selection must be 'exact' or 'threshold', got {describe(selection)}")
-        if not isinstance(exchange, str):
-            raise TypeError(f"exchange must be a str ('allgather' or 'tree'), got {describe(exchange)}")
-        if exchange not in ("allgather", "tree"):
-            raise ValueError(f"exchange must be 'allgather' or 'tree', got {describe(exchange)}")
         self.selection: str = selection
         self.momentum: float = check_number(momentum, "momentum", minimum=0.0, below=1.0)
-        self.exchange: str = exchange
+        self.exchange: str = check_exchange(exchange, "exchange")
         self.overlap: bool = check_bool(overlap, "overlap")
         self._offload = Offloader()
         self.threshold_fallbacks: int = 0
@@ -168,6 +167,8 @@ class TopKHookState:
         self._expect = 0  # how many flags the running iteration's buckets will append
         self._commit_due = False
         self._agreed = False
+        # Given the DDP model, its find_unused_parameters is known; else the first call looks for it (see _begin)
+        self._registration_checked = isinstance(model, DistributedDataParallel)
         self._skipped: torch.Tensor | None = None
         self._skipped_before = 0
         self._scale_now: torch.Tensor | None = None  # the loss scale of the running iteration
@@ -208,7 +209,7 @@ class TopKHookState:
         """
         self._settle()
         out = {
-            "format": FORMAT, "version": 2,
+            "format": FORMAT, "version": VERSION,
             "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
             "momentum": self.momentum, "exchange": self.exchange, "iter": self.iter,
             "skipped_iters": self.skipped_iters,
@@ -235,40 +236,45 @@ class TopKHookState:
         the same steps as an uninterrupted one, bit for bit (that one iteration
         does not overlap communication with the backward pass).
 
+        The whole dict is checked (every key, type and shape) before anything
+        changes: a dict that fails leaves the state as it was.
+
         Raises:
-            TypeError: a ``"layout"`` that is not a list of lists of names.
-            ValueError: not a ``topk_hook`` state dict; residuals but no ``model=``;
-                names unknown to the model, or sizes that differ from its
-                parameters'; saved velocities but ``momentum=0`` (they would be lost).
+            TypeError: a value of the wrong type (the message names its key),
+                e.g. a ``"layout"`` that is not a list of lists of names.
+            ValueError: not a ``topk_hook`` state dict; a key missing or
+                unknown; residuals but no ``model=``; names unknown to the
+                model, or shapes that differ from its parameters'; saved
+                velocities but ``momentum=0`` (they would be lost).
         """
-        if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
-            raise ValueError(f"state_dict is not a TopKHookState.state_dict() (format {FORMAT!r}), "
-                             f"got {describe(state_dict)}")  # fmt: skip
-        residuals, velocities = dict(state_dict["residuals"]), dict(state_dict.get("velocities", {}))
-        if velocities and not self.momentum:
-            raise ValueError("TopKHookState.load_state_dict: the checkpoint holds momentum-correction velocities "
-                             "but this state has momentum=0; build it with the momentum it was saved with "
-                             f"({state_dict.get('momentum')})")  # fmt: skip
-        for what, named in (("residuals", residuals), ("velocities", velocities)):
-            check_names(what, named, self._numels)
-        saved = check_layout(state_dict.get("layout"), self._numels)
-        self.iter = check_int(state_dict["iter"], "state_dict['iter']", minimum=0)
-        self.last_step, self.total = HookStats(**state_dict["last_step"]), HookStats(**state_dict["total"])
-        self._skipped_before, self._skipped = int(state_dict["skipped_iters"]), None
+        saved = check_saved(state_dict, self._shapes, self.momentum)  # everything, before anything changes
+        self.iter, self.last_step, self.total = saved.iter, saved.last_step, saved.total
+        self._skipped_before, self._skipped = saved.skipped_iters, None
         self._buckets, self._flags, self._expect, self._seen, self._step = {}, [], 0, set(), HookStats()
         self._commit_due, self._agreed, self._scale_now = False, False, None
         self._unit = None if self._scaler is None else 1.0
-        self._loaded = {name: t.detach().clone() for name, t in residuals.items()}
-        self._loaded_velocity = {name: t.detach().clone() for name, t in velocities.items()}
+        self._loaded = {name: t.detach().clone() for name, t in saved.residuals.items()}
+        self._loaded_velocity = {name: t.detach().clone() for name, t in saved.velocities.items()}
         pid_of = {name: pid for pid, name in self._names.items()}
-        ids = None if saved is None else tuple(tuple(pid_of[n] for n in group) for group in saved)
-        self._saved_layout, self._regroup = saved, None if ids is None else Regroup(ids)
+        layout = saved.layout
+        ids = None if layout is None else tuple(tuple(pid_of[n] for n in group) for group in layout)
+        self._saved_layout, self._regroup = layout, None if ids is None else Regroup(ids)
         self._layout.last, self._layout.loaded, self._layout.running = ids, ids is not None, []
 
     # ------------------------------------------------------------------ the hook's steps
 
     def _begin(self, group: dist.ProcessGroup, rank: int, world: int, buf: torch.Tensor) -> None:
-        """Check the configuration against the other ranks (once), and commit the previous iteration."""
+        """Check the configuration against DDP's and the other ranks' (once), and commit the previous iteration."""
+        if not self._registration_checked:  # before any collective: every rank raises here alike
+            if not self.find_unused_parameters and registered_find_unused(self):
+                raise ValueError(
+                    "topk_hook: this TopKHookState is registered on a DDP model built with "
+                    "find_unused_parameters=True, but the state was built without that model (model=None or the "
+                    "module DDP wraps), so it cannot hold back the residual of a parameter that a rank did not "
+                    "use, and DDP would drop the gradient mass sent for it. Build the state with "
+                    "TopKHookState(..., model=ddp_model)."
+                )
+            self._registration_checked = True
         if not self._agreed:
             check_agreement("topk_hook", {
                 "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
@@ -368,7 +374,10 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     The first call checks that every rank has the same ``density``,
     ``warmup_iters``, ``reselect``, ``exchange``, iteration count and first bucket (one
-    small collective) and raises ``ValueError`` naming the field otherwise.
+    small collective) and raises ``ValueError`` naming the field otherwise;
+    it also raises ``ValueError`` if the state is registered on a DDP model
+    built with ``find_unused_parameters=True`` but was built without
+    ``model=`` (the gradient mass of unused parameters would be lost).
     An iteration in which any rank's gradients are non-finite leaves every
     residual as it was (the averaged buckets still carry the Inf/NaN, so a
     ``GradScaler`` skips the step as with plain DDP); ``state.skipped_iters``

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from functopk.distributed.exchange import _local_topk
+from functopk.distributed.futures import failed
 from functopk.distributed.memory import mask_velocity
 from functopk.distributed.tree import _tree_reduce_
 
@@ -58,24 +59,24 @@ def tree_bucket(
             where this rank's residual was spent (sent and not put back).
 
     Returns:
-        A completed future of ``buf``, or a failed one (``RuntimeError`` naming
-        functopk) if a send or receive failed; then no flag is appended, so the
-        iteration's residuals are kept.
+        A completed future of ``buf``, or one failed with a ``RuntimeError``
+        naming functopk and the likely cause (a peer died or timed out) if a
+        send or receive failed, which DDP raises from ``backward()``; then no
+        flag is appended, so the iteration's residuals are kept.
     """
     group, rank, world = comm
     eligible = acc if keep is None else torch.where(keep, acc, 0)
     idx, vals = (select or _local_topk)(eligible, k)
     eligible.index_fill_(0, idx, 0)
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     try:
         bad = _tree_reduce_(eligible, (idx, vals), buf.zero_(), group, rank, world, "the tree exchange of topk_hook")
     except RuntimeError as exc:
-        fut.set_exception(exc)  # type: ignore[arg-type]  # torch annotates it as the result type
-        return fut
+        return failed(exc)  # DDP raises it from backward() (see functopk.distributed.futures)
     if keep is not None:  # the put-back went into eligible: held-back coordinates keep their acc value
         torch.where(keep, eligible, acc, out=acc)
     if velocity is not None:
         mask_velocity(velocity, idx, acc, keep)
     flags.append(bad)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from functopk.distributed.futures import readable
+
 __all__: list[str] = []
 
 Launch = Callable[[], "torch.futures.Future[torch.Tensor]"]
@@ -50,7 +52,7 @@ class Offloader:
             self._thread.start()
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._tasks.put((launch, out))
-        return out
+        return readable(out)  # failed with set_exception below: DDP must see an error, not a value
 
     def drain(self) -> None:
         """Wait until every queued launch has run (its exchange started, or its error set on its future)."""

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import describe
+from functopk.distributed.futures import readable
 
 __all__: list[str] = []
 
@@ -74,8 +75,8 @@ class Layout:
         return [[names[pid] for pid in ids] for ids in self.last]
 
 
-def check_layout(layout: Any, numels: Mapping[str, int]) -> tuple[tuple[str, ...], ...] | None:
-    """A saved layout (``state_dict["layout"]``) checked against the model's parameter names.
+def check_layout(layout: Any, params: Mapping[str, Any]) -> tuple[tuple[str, ...], ...] | None:
+    """A saved layout (``state_dict["layout"]``) checked against the model's parameter names (``params``' keys).
 
     Raises:
         TypeError: not a list of lists of parameter names.
@@ -87,7 +88,7 @@ def check_layout(layout: Any, numels: Mapping[str, int]) -> tuple[tuple[str, ...
         raise TypeError(f"state_dict['layout'] must be a list of lists of parameter names or None, "
                         f"got {describe(layout)}")  # fmt: skip
     flat = [n for g in layout for n in g]
-    unknown = sorted(set(flat) - set(numels))
+    unknown = sorted(set(flat) - set(params))
     if unknown or len(set(flat)) != len(flat):
         raise ValueError(f"TopKHookState.load_state_dict: the saved bucket layout names parameters that the "
                          f"model (model=) does not have {unknown[:5]}, or a parameter twice")  # fmt: skip
@@ -149,7 +150,7 @@ class Regroup:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
         self.arrived.append(_Arrival(buf, params, fut))
         if not bucket.is_last():
-            return fut
+            return readable(fut)  # _fail may fail fut with set_exception: DDP must see an error, not a value
         state._regroup = None
         try:
             return self._reduce(state, hook)

@@ -50,10 +50,13 @@ def allreduce_case(case: str, rank: int):
     if case == "fp64_odd":  # int32 indices + fp64 values, odd k: the unaligned unpacking path
         idx = torch.randperm(40, generator=g)[:7].to(torch.int64)
         return idx, torch.randn(7, generator=g, dtype=torch.float64), 40, 7
+    if case == "strided_int32":  # int32 indices (the wire's dtype) that are a strided view, no padding
+        idx = torch.randperm(40, generator=g).to(torch.int32)[::5]
+        return idx, torch.randn(8, generator=g), 40, 8
     raise ValueError(case)
 
 
-ALLREDUCE_CASES = ("fixed", "variable", "variable_capacity", "fp64_odd")
+ALLREDUCE_CASES = ("fixed", "variable", "variable_capacity", "fp64_odd", "strided_int32")
 TREE_SHAPES = {"a": (5, 4), "b": (7,), "c": (2, 3, 2)}  # 39 coordinates
 TX_K, TX_STEPS = 5, 4
 TX_BAD = (1, "b", 2)  # in the non-finite run, step 1 has an Inf in rank 1's leaf "b" at position 2
@@ -172,6 +175,17 @@ def phase(run, name: str, rank: int):
     if isinstance(got, dict) and "error" in got:
         pytest.fail(f"rank {rank} failed in phase {name!r}:\n{got['error']}")
     return got
+
+
+def assert_fails_for_ddp(fut, match: str) -> None:
+    """``fut`` failed with an error DDP can read: the future's own error, which ``wait()`` reports as raised in
+    a callback (``set_exception`` instead stores the exception as the value, and DDP, reading that in C++,
+    fails with "Unable to cast <message> to Tensor"), and a message matching ``match``."""
+    import re
+
+    with pytest.raises(RuntimeError, match="error when running the callback") as info:
+        fut.wait()
+    assert re.search(match, str(info.value)), str(info.value)
 
 
 def members(gname: str) -> range:

@@ -272,12 +272,15 @@ def test_ddp_hook_trains_keeps_replicas_identical_and_counts_bytes(run):
         ("death_of_rank2", (0, 1), "sparse_allreduce"),
         ("death_of_rank2", (0, 1), "distributed_topk"),
         ("death_of_rank1", (0,), "hook"),
+        ("death_of_rank1", (0,), "tree"),  # TopKHookState(exchange="tree")
+        ("death_of_rank1", (0,), "overlap"),  # TopKHookState(overlap=True)
     ],
 )
 def test_dead_rank_makes_the_others_fail_fast_and_clearly(run, which, ranks, what):
     for r in ranks:
         msg, seconds = phase(run, which, r)[what]
         assert "functopk.distributed" in msg and "another rank probably died" in msg, msg
+        assert "Unable to cast" not in msg, msg  # DDP read a failed future as a value
         assert seconds < PG_TIMEOUT_S + 5, f"rank {r} took {seconds:.1f} s to fail"
 
 

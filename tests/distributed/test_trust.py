@@ -148,7 +148,7 @@ def test_hook_load_state_dict_checks_names_and_sizes():
     assert state.iter == 12 and sorted(state.state_dict()["residuals"]) == ["a", "b"]  # kept until placed
     with pytest.raises(ValueError, match=r"match no parameter of the model 'module\.a'"):
         TopKHookState(model=module).load_state_dict(dict(saved, residuals={"module.a": torch.ones(20)}))
-    with pytest.raises(ValueError, match=r"size differs from it 'c'"):
+    with pytest.raises(ValueError, match=r"shape differs from it 'c'"):
         TopKHookState(model=module).load_state_dict(dict(saved, residuals={"c": torch.ones(11)}))
     with pytest.raises(ValueError, match="needs the parameters' names"):
         TopKHookState().load_state_dict(saved)
@@ -199,6 +199,50 @@ def test_hook_load_state_dict_checks_the_bucket_layout_before_changing_anything(
         TopKHookState().load_state_dict(dict(fresh, layout=[["a"]]))
 
 
+def _same(a, b) -> bool:
+    """Nested dicts/lists of tensors (compared bit for bit) and plain values, equal?"""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+    return type(a) is type(b) and a == b
+
+
+def test_hook_load_state_dict_checks_every_key_before_changing_anything():
+    """Each key of a saved state, missing or of a wrong type (or a wrong shape), raises an error naming it and
+    leaves the loading state as it was: iteration count, statistics, residuals, velocities and layout."""
+    module = hook_module()
+    stats = {"bytes_sent": 8, "bytes_gathered": 16, "bytes_dense": 80, "coords_sent": 1, "coords": 10}
+    good = dict(TopKHookState(model=module, momentum=0.5).state_dict(), iter=7, skipped_iters=1, last_step=stats,
+                total=stats, residuals={"a": torch.ones(4, 5)}, velocities={"b": torch.ones(30)},
+                layout=[["b", "a"], ["d", "c"]])  # fmt: skip
+    state = TopKHookState(model=module, momentum=0.5)
+    state.load_state_dict(dict(good, iter=3, residuals={"c": torch.full((10,), 2.0)}))
+    before = state.state_dict()
+    optional = {"momentum", "exchange", "velocities"}  # absent from checkpoints saved before they existed
+    wrong = {"format": 1, "version": "2", "density": "0.1", "warmup_iters": 1.0, "reselect": 1, "momentum": "0",
+             "exchange": 0, "iter": 7.0, "skipped_iters": None, "last_step": [8, 16, 80, 1, 10],
+             "total": dict(stats, coords=1.5), "residuals": {"a": [1.0] * 20}, "velocities": {"b": torch.ones(30, 1)},
+             "layout": "b a d c"}  # fmt: skip
+    assert set(wrong) == set(good)  # every key of a state dict is tried
+    for key in good:
+        cases = [("wrong", dict(good, **{key: wrong[key]}))]
+        if key not in optional:
+            cases.append(("missing", {k: v for k, v in good.items() if k != key}))
+        for how, bad in cases:
+            with pytest.raises((TypeError, ValueError), match=key) as info:
+                state.load_state_dict(bad)
+            assert _same(state.state_dict(), before), (key, how, info.value)
+    with pytest.raises(ValueError, match="unknown keys 'velocites'"):  # a misspelled key is no older checkpoint
+        state.load_state_dict({("velocites" if k == "velocities" else k): v for k, v in good.items()})
+    assert _same(state.state_dict(), before)
+    state.load_state_dict(good)  # the good dict loads
+    assert state.iter == 7 and state.skipped_iters == 1 and state.total.coords == 10
+    assert sorted(state.state_dict()["velocities"]) == ["b"]
+
+
 # --------------------------------------------------------------------------- 3. agreement across ranks
 
 
@@ -209,6 +253,7 @@ def test_hook_load_state_dict_checks_the_bucket_layout_before_changing_anything(
         ("warmup_iters", "warmup_iters is 1 on rank 0 but 2 on rank 1"),
         ("reselect", "reselect is False on rank 0 but True on rank 1"),
         ("density", "density is 0.1 on rank 0 but 0.2 on rank 1"),
+        ("exchange", "exchange is 'allgather' on rank 0 but 'tree' on rank 1"),
         ("tree", "the number of coordinates is 39 on rank 0 but 40 on rank 1"),
     ],
 )
@@ -218,6 +263,19 @@ def test_ranks_configured_differently_all_fail_at_once_naming_the_field(run, gna
         assert msg.startswith("ValueError: functopk.distributed:") and detail in msg, msg
         assert seconds < 5, f"rank {r} took {seconds:.1f} s"
         assert phase(run, "agreement", r)[(gname, "agree")][0] == "no error"
+
+
+def test_a_long_text_setting_is_shown_where_the_ranks_differ():
+    """A loaded bucket layout is a long text: the mismatch message shows both ranks' texts around the first
+    character that differs, each cut to about 120 characters."""
+    from functopk.distributed.agree import _excerpts
+
+    names = [f"'layer{i}.weight'" for i in range(40)]
+    texts = [f"(({', '.join(names[:30] + [tail] + names[30:])}),)" for tail in ("'head.bias'", "'head.weight'")]
+    shown = _excerpts(texts, 0, 1)
+    assert "'head.bias'" in shown[0] and "'head.weight'" in shown[1], shown
+    assert all(t.startswith("...") and t.endswith("...") and len(t) <= 126 for t in shown), shown
+    assert _excerpts(["'tree'", "'allgather'"], 0, 1) == ["'tree'", "'allgather'"]  # short texts whole
 
 
 # --------------------------------------------------------------------------- 4. unused parameters
@@ -243,12 +301,14 @@ def test_find_unused_parameters_keeps_the_residual_of_unused_parameters(run):
             assert torch.equal(g["held"][3][name], g["held"][5][name]) and g["held"][3][name].abs().sum() > 0
 
 
-def test_without_the_model_ddp_drops_the_unused_mass(run):
-    """The control of the test above: the hook cannot tell, and mass sent for the unused head is lost."""
-    got = [phase(run, "unused", r)["no_model"] for r in (0, 1)]
-    assert not got[0]["find_unused"]
-    errors = conservation_error(got)
-    assert errors["right.weight"] > 1e-6 and errors["trunk.weight"] < 1e-8, errors
+@pytest.mark.parametrize("model_arg", ["no_model", "wrapped"])
+def test_find_unused_parameters_without_the_ddp_model_fails_at_the_first_backward(run, model_arg):
+    """Without model= (or with the module DDP wraps) the hook cannot hold the unused parameters' residuals
+    back, and DDP would drop the gradient mass sent for them: every rank raises instead, before any exchange."""
+    for r in (0, 1):
+        msg, seconds = phase(run, "unused", r)[model_arg]
+        assert msg.startswith("ValueError: topk_hook:") and "find_unused_parameters=True" in msg, msg
+        assert "TopKHookState(..., model=ddp_model)" in msg and seconds < 5, (msg, seconds)
 
 
 def test_reselect_puts_dropped_values_back_without_overwriting_a_held_back_residual():

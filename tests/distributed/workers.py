@@ -230,6 +230,7 @@ def _agreement_phase(rank: int, groups: dict):
         for field, kwargs in (("warmup_iters", {"warmup_iters": 2 if odd else 1}),
                               ("reselect", {"reselect": odd}),
                               ("density", {"density": 0.2 if odd else 0.1}),
+                              ("exchange", {"exchange": "tree" if odd else "allgather"}),  # a text setting
                               ("agree", {})):  # fmt: skip
             state = TopKHookState(group, **{"density": 0.1, "warmup_iters": 1, **kwargs})
             bucket = FakeBucket(0, torch.ones(40), [torch.zeros(40)], last=True)
@@ -351,7 +352,7 @@ def _amp_phase(rank: int, pair):
     return {mode: _amp_run(rank, pair, mode) for mode in modes}
 
 
-def _unused_run(rank: int, pair, with_model: bool, overlap: bool = False):
+def _unused_run(rank: int, pair, overlap: bool = False):
     """DDP(find_unused_parameters=True) with heads that ranks skip; float64; the mass fed, applied and held.
 
     ``overlap``: the hook's selection on its worker thread (DDP's own allreduce of the used-parameter map
@@ -362,7 +363,7 @@ def _unused_run(rank: int, pair, with_model: bool, overlap: bool = False):
     net = Branchy().double()
     model = DDP(net, process_group=pair, find_unused_parameters=True)
     names = {id(p): name for name, p in net.named_parameters()}
-    state = TopKHookState(pair, density=0.2, warmup_iters=1, model=model if with_model else None, overlap=overlap)
+    state = TopKHookState(pair, density=0.2, warmup_iters=1, model=model, overlap=overlap)
     fed = {name: torch.zeros_like(p) for name, p in net.named_parameters()}
     applied = {name: torch.zeros_like(p) for name, p in net.named_parameters()}
 
@@ -385,22 +386,27 @@ def _unused_run(rank: int, pair, with_model: bool, overlap: bool = False):
             if p.grad is not None:
                 applied[name] += p.grad
         opt.step()
-        held.append(state.state_dict()["residuals"] if with_model else None)
-    residuals = dict(held[-1]) if with_model else {}
-    if not with_model:  # no names: read the one bucket's residual by its parameters' order
-        (key, residual), = state.residuals.items()
-        offset = 0
-        for pid in key[0]:
-            p = next(q for q in net.parameters() if id(q) == pid)
-            residuals[names[pid]] = residual[offset : offset + p.numel()].view(p.shape).clone()
-            offset += p.numel()
+        held.append(state.state_dict()["residuals"])
+    residuals = dict(held[-1])
     return {"fed": fed, "applied": applied, "residuals": residuals, "held": held,
             "find_unused": state.find_unused_parameters}  # fmt: skip
 
 
+def _unregistered_model_failure(rank: int, pair, model_arg: str):
+    """DDP(find_unused_parameters=True), the hook state built with ``model=None`` or the wrapped module: fails."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = Branchy().double()
+    model = DDP(net, process_group=pair, find_unused_parameters=True)
+    model.register_comm_hook(TopKHookState(pair, density=0.2, model=None if model_arg == "none" else net), topk_hook)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    return _failure(lambda: F.mse_loss(model(x, ("left",)), y).backward())
+
+
 def _unused_phase(rank: int, pair):
-    return {"model": _unused_run(rank, pair, True), "no_model": _unused_run(rank, pair, False),
-            "overlap": _unused_run(rank, pair, True, overlap=True)}  # fmt: skip
+    return {"model": _unused_run(rank, pair), "no_model": _unregistered_model_failure(rank, pair, "none"),
+            "wrapped": _unregistered_model_failure(rank, pair, "wrapped"),
+            "overlap": _unused_run(rank, pair, overlap=True)}  # fmt: skip
 
 
 def _overlap_phase(rank: int, pair):
@@ -444,15 +450,18 @@ def _death_of_rank1(rank: int, pair):
     # No buffer broadcast in forward, so that the first collective to meet the dead rank is the hook's.
     no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
         else {"broadcast_buffers": False}  # fmt: skip
-    model = DDP(small_cnn(), process_group=pair, **no_sync)
-    model.register_comm_hook(TopKHookState(pair, density=0.1, warmup_iters=1), topk_hook)
+    models = {}  # the overlap path with several buckets: the first is exchanged on the worker thread
+    for path, kwargs, cap in ("hook", {}, 25), ("tree", {"exchange": "tree"}, 25), ("overlap", {"overlap": True}, 5e-4):
+        models[path] = DDP(small_cnn(), process_group=pair, bucket_cap_mb=cap, **no_sync)
+        models[path].register_comm_hook(TopKHookState(pair, density=0.1, warmup_iters=1, **kwargs), topk_hook)
     x, y = batch(n=8, seed=rank)
-    for _ in range(2):  # a dense and a compressed step succeed
-        F.cross_entropy(model(x), y).backward()
+    for model in models.values():
+        for _ in range(2):  # a dense and a compressed step succeed
+            F.cross_entropy(model(x), y).backward()
     dist.barrier(group=pair)
     if rank == 1:
         os._exit(DEATH_EXIT_CODE)
-    return {"hook": _failure(lambda: F.cross_entropy(model(x), y).backward())}
+    return {path: _failure(lambda m=model: F.cross_entropy(m(x), y).backward()) for path, model in models.items()}
 
 
 # --------------------------------------------------------------------------- the worker
