@@ -223,3 +223,29 @@ def test_without_momentum_or_lr_decay_torchs_step_is_kept_and_loads_both_ways(cl
     run(again, again_p, 2)
     assert all(torch.equal(a, b) for a, b in zip(again_p, ours_p))
     assert_same_steps(again, ours)
+
+
+def test_adagrad_state_starts_at_a_parameters_first_step_and_loads_both_ways():
+    """A known difference: torch.optim.Adagrad makes every entry (step 0, sum) at construction, functopk at the
+    parameter's first step; a parameter without a gradient yet has no entry, and both loads still continue."""
+    theirs_p, ours_p, loaded_p, resumed_p = make_params(4)
+    theirs = torch.optim.Adagrad(theirs_p, lr=0.05, initial_accumulator_value=0.1)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.Adagrad, ours_p, lr=0.05, initial_accumulator_value=0.1)
+    assert len(theirs.state) == 2 and len(ours.state) == 0
+    for opt, params in ((theirs, theirs_p), (ours, ours_p)):
+        params[-1].grad = None
+        run(opt, params[:-1], 1)
+    assert set(theirs.state[theirs_p[-1]]) == {"step", "sum"} and ours_p[-1] not in ours.state
+    loaded = torch.optim.Adagrad(loaded_p, lr=0.05, initial_accumulator_value=0.1)
+    loaded.load_state_dict(through_file(ours.state_dict()))
+    resumed = ft.TorchOptimizer.from_torch(torch.optim.Adagrad, resumed_p, lr=0.05, initial_accumulator_value=0.1)
+    resumed.load_state_dict(through_file(theirs.state_dict()))
+    with torch.no_grad():
+        for a, b, c in zip(loaded_p, resumed_p, ours_p):
+            a.copy_(c)
+            b.copy_(c)
+    for opt, params in ((theirs, theirs_p), (ours, ours_p), (loaded, loaded_p), (resumed, resumed_p)):
+        run(opt, params, 2)
+    for opt, params in ((ours, ours_p), (loaded, loaded_p), (resumed, resumed_p)):
+        assert_same_params(params, theirs_p)
+        assert_same_steps(opt, theirs)
