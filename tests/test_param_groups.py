@@ -95,6 +95,16 @@ def test_hyperparameter_edits_take_effect_at_the_next_step():
         step_both(pairs, where=f"after {key}")
 
 
+def test_adagrad_lr_decay_set_later_decays_from_torchs_step_count():
+    """Without lr_decay, Adagrad still counts torch's step: an lr_decay set later decays from it."""
+    pairs = twin(torch.optim.Adagrad, lr=0.05)
+    for i in range(2):
+        step_both(pairs, where=f"step {i}")
+    for _, opt in pairs:
+        opt.param_groups[0]["lr_decay"] = 0.5
+    step_both(pairs, where="after lr_decay")
+
+
 def test_none_grads_skip_a_parameter_and_keep_its_step_count():
     def drop_bias(model, opt):
         model[3].bias.grad = None

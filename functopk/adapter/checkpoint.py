@@ -16,7 +16,7 @@ next step:
   is a checkpoint of another class;
 * :func:`loaded_entry`: each key of a parameter's entry is one the
   transformation keeps, or one ``torch.optim`` writes for the class
-  (RMSprop's ``step`` without momentum: kept as given); any other key (a typo)
+  (kept as given where the transformation has no such entry); any other key (a typo)
   raises. Numbers (an older torch's ``step``) become tensors, tensors must
   have the expected shape. ``torch.optim.SGD`` keeps no step count: a loaded
   ``momentum_buffer`` means the parameter has stepped (torch's rule), so

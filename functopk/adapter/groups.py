@@ -379,10 +379,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         As in ``torch.optim``: keys that older torch versions did not save
         (``maximize``, ``foreach``, ...) get the class's defaults, a number
         ``step`` becomes a tensor, and keys torch writes for the class but
-        functopk does not keep (RMSprop's ``step`` without momentum) load as
-        given. Tensors move to their parameter's device and take the dtype the
-        transformation keeps (a float ``step`` written by ``torch.optim`` becomes
-        functopk's integer count). A loaded SGD ``momentum_buffer`` without
+        functopk does not keep load as given. Tensors move to their
+        parameter's device and take the dtype the transformation keeps (a
+        float ``step`` written by ``torch.optim`` becomes functopk's integer
+        count). A loaded SGD ``momentum_buffer`` without
         functopk's ``count`` has stepped: the next step is damped, as in torch.
 
         Raises:

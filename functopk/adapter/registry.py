@@ -4,7 +4,10 @@ Every ``torch.optim`` class except ``LBFGS`` (it re-evaluates the loss inside
 its step) and ``SparseAdam`` (sparse gradients) has a :class:`TorchSpec`: how
 to build the transformation from the hyperparameters torch keeps in a param
 group, and how the transformation's state fields are called in torch's
-per-parameter state (``mu`` is ``exp_avg``).
+per-parameter state (``mu`` is ``exp_avg``). Where torch keeps a ``step`` that
+the maths does not need (RMSprop without momentum, Adagrad without
+``lr_decay``), the transformation counts its updates too, so that the states
+and checkpoints match torch's.
 
 Arguments go through torch's own constructor first (on a throw-away 2x2
 parameter), so defaults, accepted keywords and validation errors are torch's
@@ -24,7 +27,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk.base import GradientTransformation
+from functopk._checks import is_zero
+from functopk.base import GradientTransformation, init_count, leafwise
+from functopk.combine import chain
 from functopk.optim import adam_variants as _adam_variants
 from functopk.optim import alias
 from functopk.optim import classic as _classic
@@ -81,20 +86,43 @@ def _adam(h: Hyperparams, decoupled: bool = False) -> GradientTransformation:
     )
 
 
+class StepCountState(NamedTuple):
+    """State of the step counter chained after RMSprop without momentum and Adagrad without ``lr_decay``."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # torch's per-parameter "step"
+
+
+def _counting_steps(tx: GradientTransformation) -> GradientTransformation:
+    """``tx``, then a step count that changes nothing: torch keeps a ``step`` where ``tx``'s maths needs none.
+
+    (``torch.optim`` loading a state dict without it fails at its next step.)
+    """
+
+    def update(grads: list[torch.Tensor], state: StepCountState, params: Any) -> tuple[Any, StepCountState]:
+        return grads, StepCountState(count=state.count + 1)
+
+    counter = leafwise("step count", update, init=lambda ps: StepCountState(init_count(ps)), state=StepCountState)
+    return chain(tx, counter)
+
+
 def _rmsprop(h: Hyperparams) -> GradientTransformation:
-    return alias.rmsprop(
+    momentum = group_scalar(h["momentum"])
+    tx = alias.rmsprop(
         group_scalar(h["lr"]), alpha=group_scalar(h["alpha"]), eps=group_scalar(h["eps"]),
-        weight_decay=group_scalar(h["weight_decay"]), momentum=group_scalar(h["momentum"]), centered=h["centered"],
+        weight_decay=group_scalar(h["weight_decay"]), momentum=momentum, centered=h["centered"],
         maximize=h["maximize"],
     )
+    return _counting_steps(tx) if is_zero(momentum) else tx  # with momentum, the trace's count is torch's step
 
 
 def _adagrad(h: Hyperparams) -> GradientTransformation:
-    return alias.adagrad(
-        group_scalar(h["lr"]), lr_decay=group_scalar(h["lr_decay"]), weight_decay=group_scalar(h["weight_decay"]),
+    lr_decay = group_scalar(h["lr_decay"])
+    tx = alias.adagrad(
+        group_scalar(h["lr"]), lr_decay=lr_decay, weight_decay=group_scalar(h["weight_decay"]),
         initial_accumulator_value=group_scalar(h["initial_accumulator_value"]), eps=group_scalar(h["eps"]),
         maximize=h["maximize"],
     )
+    return _counting_steps(tx) if is_zero(lr_decay) else tx  # with lr_decay, the schedule's count is torch's step
 
 
 _ADAM_NAMES = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}

@@ -112,7 +112,7 @@ def test_functopk_checkpoint_loads_into_torch_with_per_parameter_steps(cls, kwar
     assert steps[0] is steps[1]
 
 
-def test_unknown_state_keys_raise_and_torchs_own_keys_load():
+def test_unknown_state_keys_raise_before_changing_anything():
     (params,) = make_params(1)
     ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, params, lr=0.05)
     run(ours, params, 1)
@@ -122,19 +122,6 @@ def test_unknown_state_keys_raise_and_torchs_own_keys_load():
     with pytest.raises(ValueError, match=r"'exp_avgg'.*parameter 1.*'exp_avg', 'exp_avg_sq', 'step'"):
         ours.load_state_dict(saved)
     assert_unchanged(ours, before)
-    # torch writes a step that functopk does not keep here: still loads, and steps like torch
-    for cls, kwargs in ((torch.optim.RMSprop, {}), (torch.optim.Adagrad, {"lr_decay": 0.0})):
-        theirs_p, ours_p = make_params()
-        theirs = cls(theirs_p, lr=0.05, **kwargs)
-        run(theirs, theirs_p, 1)
-        with torch.no_grad():
-            for a, b in zip(ours_p, theirs_p):
-                a.copy_(b)
-        ours = ft.TorchOptimizer.from_torch(cls, ours_p, lr=0.05, **kwargs)
-        ours.load_state_dict(through_file(theirs.state_dict()))
-        run(theirs, theirs_p, 2)
-        run(ours, ours_p, 2)
-        assert_same_params(ours_p, theirs_p)
 
 
 def test_checkpoint_of_another_class_or_shape_raises_before_changing_anything():
@@ -192,13 +179,73 @@ def test_sgd_without_momentum_keeps_no_per_parameter_entries():
     assert ours.state_dict()["state"] == theirs.state_dict()["state"] == {}
 
 
+def run_skipping_last(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """One step of :func:`run` in which the last parameter has no gradient (torch skips it: no step counted)."""
+    run(opt, params, 1)
+    params[-1].grad = None
+    run(opt, params[:-1], 1)
+
+
+def assert_same_steps(ours: torch.optim.Optimizer, theirs: torch.optim.Optimizer) -> None:
+    """The same per-parameter keys, and the same step count for each parameter (functopk's is an integer)."""
+    for p, q in zip(ours.param_groups[0]["params"], theirs.param_groups[0]["params"]):
+        assert set(ours.state[p]) == set(theirs.state[q])
+        assert ours.state[p]["step"].item() == theirs.state[q]["step"].item()
+
+
 @pytest.mark.parametrize("cls", [torch.optim.RMSprop, torch.optim.Adagrad])
-def test_without_momentum_or_lr_decay_no_step_is_kept_so_torch_cannot_continue(cls):
-    """A known difference: functopk keeps no step where the maths needs none; torch.optim's loading wants one."""
-    (params,) = make_params(1)
-    ours = ft.TorchOptimizer.from_torch(cls, params, lr=0.05)
-    run(ours, params, 1)
-    saved = through_file(ours.state_dict())
-    assert saved["state"] and all("step" not in entry for entry in saved["state"].values())
-    with pytest.raises(KeyError, match="step"):
-        cls(params, lr=0.05).load_state_dict(saved)
+def test_without_momentum_or_lr_decay_torchs_step_is_kept_and_loads_both_ways(cls):
+    """The maths needs no step count here, but torch.optim keeps one per parameter, and its loading wants it."""
+    theirs_p, ours_p, loaded_p, resumed_p = make_params(4)
+    theirs = cls(theirs_p, lr=0.05)
+    ours = ft.TorchOptimizer.from_torch(cls, ours_p, lr=0.05)
+    for opt, params in ((theirs, theirs_p), (ours, ours_p)):
+        run_skipping_last(opt, params)
+    assert_same_steps(ours, theirs)  # steps 2 and 1
+    with torch.no_grad():
+        for a, b, c in zip(loaded_p, resumed_p, ours_p):
+            a.copy_(c)
+            b.copy_(c)
+    loaded = cls(loaded_p, lr=0.05)  # functopk -> torch.optim
+    loaded.load_state_dict(through_file(ours.state_dict()))
+    resumed = ft.TorchOptimizer.from_torch(cls, resumed_p, lr=0.05)  # torch.optim -> functopk
+    resumed.load_state_dict(through_file(theirs.state_dict()))
+    for opt, params in ((theirs, theirs_p), (ours, ours_p), (loaded, loaded_p), (resumed, resumed_p)):
+        run(opt, params, 2)
+    for opt, params in ((ours, ours_p), (loaded, loaded_p), (resumed, resumed_p)):
+        assert_same_params(params, theirs_p)
+        assert_same_steps(opt, theirs)  # steps 4 and 3
+    # functopk's own resume: bit for bit
+    again_p = [p.detach().clone().requires_grad_() for p in ours_p]
+    again = ft.TorchOptimizer.from_torch(cls, again_p, lr=0.05)
+    again.load_state_dict(through_file(ours.state_dict()))
+    run(ours, ours_p, 2)
+    run(again, again_p, 2)
+    assert all(torch.equal(a, b) for a, b in zip(again_p, ours_p))
+    assert_same_steps(again, ours)
+
+
+def test_adagrad_state_starts_at_a_parameters_first_step_and_loads_both_ways():
+    """A known difference: torch.optim.Adagrad makes every entry (step 0, sum) at construction, functopk at the
+    parameter's first step; a parameter without a gradient yet has no entry, and both loads still continue."""
+    theirs_p, ours_p, loaded_p, resumed_p = make_params(4)
+    theirs = torch.optim.Adagrad(theirs_p, lr=0.05, initial_accumulator_value=0.1)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.Adagrad, ours_p, lr=0.05, initial_accumulator_value=0.1)
+    assert len(theirs.state) == 2 and len(ours.state) == 0
+    for opt, params in ((theirs, theirs_p), (ours, ours_p)):
+        params[-1].grad = None
+        run(opt, params[:-1], 1)
+    assert set(theirs.state[theirs_p[-1]]) == {"step", "sum"} and ours_p[-1] not in ours.state
+    loaded = torch.optim.Adagrad(loaded_p, lr=0.05, initial_accumulator_value=0.1)
+    loaded.load_state_dict(through_file(ours.state_dict()))
+    resumed = ft.TorchOptimizer.from_torch(torch.optim.Adagrad, resumed_p, lr=0.05, initial_accumulator_value=0.1)
+    resumed.load_state_dict(through_file(theirs.state_dict()))
+    with torch.no_grad():
+        for a, b, c in zip(loaded_p, resumed_p, ours_p):
+            a.copy_(c)
+            b.copy_(c)
+    for opt, params in ((theirs, theirs_p), (ours, ours_p), (loaded, loaded_p), (resumed, resumed_p)):
+        run(opt, params, 2)
+    for opt, params in ((ours, ours_p), (loaded, loaded_p), (resumed, resumed_p)):
+        assert_same_params(params, theirs_p)
+        assert_same_steps(opt, theirs)
