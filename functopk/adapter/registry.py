@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk.base import GradientTransformation
+from functopk.base import GradientTransformation, recorded
 from functopk.optim import adam_variants as _adam_variants
 from functopk.optim import alias
 from functopk.optim import classic as _classic
@@ -151,6 +151,7 @@ def torch_hyperparams(optimizer_class: type[torch.optim.Optimizer], kwargs: Mapp
     return group
 
 
+@recorded
 def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **torch_kwargs: Any) -> GradientTransformation:
     """The transformation with the semantics of ``optimizer_class(params, **torch_kwargs)``.
 
