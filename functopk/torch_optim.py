@@ -19,7 +19,8 @@ import optree
 import torch
 
 from functopk._checks import check_hyperparam
-from functopk.adapter.groups import ParamGroupOptimizer, torch_class
+from functopk.adapter.classes import from_torch_optimizer, torch_class
+from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.recut import Layout, remap, same_ptree
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
@@ -179,7 +180,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         The result behaves like the torch optimizer in everything a torch user
         relies on: per-group hyperparameters, per-parameter state and step counts,
         ``add_param_group``, ``state_dict`` in torch's layout, every scheduler,
-        ``GradScaler``; see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
+        ``GradScaler``, ``isinstance(opt, optimizer_class)`` and the class name
+        loggers show (``type(opt).__name__ == "AdamW"``), pickling and deep copies;
+        see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
         :func:`functopk.from_torch`'s. ``sparsify`` (e.g. ``ft.topk(1000)`` or
         ``ft.error_feedback(ft.topk(density=1e-3))``) sees the gradients of all
         groups as one tree, so a top-k is global across groups.
@@ -200,7 +203,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
             2
         """
-        return ParamGroupOptimizer(optimizer_class, params, sparsify, **defaults)
+        return from_torch_optimizer(optimizer_class, params, sparsify, defaults)
 
     @classmethod
     def from_torch_class(
@@ -212,7 +215,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         ``C(param_groups, **kwargs)`` when ``C`` is an optimizer class and takes any
         other callable (a ``functools.partial`` of :meth:`from_torch`) for a factory
         of the model, without its decay/no-decay groups. The same arguments give the
-        same class.
+        same class; it is named as ``optimizer_class`` and subclasses it (and
+        :class:`~functopk.adapter.ParamGroupOptimizer`), and it pickles.
 
         Args:
             optimizer_class: A ``torch.optim`` class, as for :meth:`from_torch`.
@@ -222,8 +226,8 @@ class TorchOptimizer(torch.optim.Optimizer):
             >>> import torch, functopk as ft
             >>> SparseAdamW = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, ft.topk(2))
             >>> opt = SparseAdamW(torch.nn.Linear(4, 1).parameters(), lr=0.01)
-            >>> isinstance(opt, torch.optim.Optimizer), opt.param_groups[0]["lr"]
-            (True, 0.01)
+            >>> type(opt).__name__, isinstance(opt, torch.optim.AdamW), opt.param_groups[0]["lr"]
+            ('AdamW', True, 0.01)
         """
         return torch_class(optimizer_class, sparsify)
 

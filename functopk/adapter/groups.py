@@ -28,7 +28,7 @@ from functopk.adapter import per_param
 from functopk.adapter.registry import spec_for, torch_hyperparams
 from functopk.base import GradientTransformation, OptState, check_transformation
 
-__all__ = ["ParamGroupOptimizer", "torch_class"]
+__all__ = ["ParamGroupOptimizer"]
 
 _SPARSIFY = "sparsify."
 _NOT_HYPER = ("params", "param_names")
@@ -140,7 +140,13 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       dtype differs from what the transformation keeps (torch's float ``step``)
       is converted;
     * ``sparsify``'s state is kept per parameter too, under keys starting
-      with ``"sparsify."``.
+      with ``"sparsify."``;
+    * ``from_torch`` makes it of a subclass named as, and subclassing,
+      ``optimizer_class`` (:mod:`functopk.adapter.classes`), for loggers and
+      ``isinstance``;
+    * ``pickle``/``torch.save``/``copy.deepcopy`` copy groups, state and
+      ``sparsify`` (which pickles as the factory call that made it: a lambda
+      among its arguments raises ``TypeError``).
 
     Example:
         >>> import torch, functopk as ft
@@ -355,21 +361,3 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                         key = (name, value.dtype, value.device, value.tolist())
                         entries[name] = pool.setdefault(key, value)
 
-
-_CLASSES: dict[tuple[Any, Any], type[ParamGroupOptimizer]] = {}
-
-
-def torch_class(
-    optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
-) -> type[ParamGroupOptimizer]:
-    """A :class:`ParamGroupOptimizer` subclass ``C(params, **defaults)`` for one class and ``sparsify`` (cached)."""
-    spec_for(optimizer_class)  # a bad class fails here, not at the first instance
-    key = (optimizer_class, sparsify)
-    if key not in _CLASSES:
-
-        def __init__(self: ParamGroupOptimizer, params: Iterable[Any], **defaults: Any) -> None:
-            ParamGroupOptimizer.__init__(self, optimizer_class, params, sparsify, **defaults)
-
-        name = optimizer_class.__name__ + ("" if sparsify is None else "Sparsified")
-        _CLASSES[key] = type(name, (ParamGroupOptimizer,), {"__init__": __init__, "__module__": __name__})
-    return _CLASSES[key]
