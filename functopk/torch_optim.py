@@ -12,6 +12,7 @@ the whole model::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
@@ -37,6 +38,16 @@ _STATE_KEY = "functopk"
 def _lr_key(lr: Any) -> Any:
     """A hashable identity for a group's lr: its value for numbers, the object for tensors."""
     return ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else ("number", float(lr))
+
+
+def _checked_build(factory: Factory, learning_rate: Any) -> GradientTransformation:
+    """``factory(learning_rate)``, checked to be a transformation."""
+    out = factory(learning_rate)
+    if not isinstance(out, GradientTransformation):
+        raise TypeError(
+            f"tx must be a GradientTransformation or a factory returning one; the factory returned {type(out).__name__}"
+        )
+    return out
 
 
 class TorchOptimizer(torch.optim.Optimizer):
@@ -89,6 +100,13 @@ class TorchOptimizer(torch.optim.Optimizer):
     ``torch.load(weights_only=True)`` round-trip it. :meth:`load_state_dict`
     checks structure, shapes and dtypes first and changes nothing on error.
 
+    **Pickling.** ``pickle``, ``torch.save`` and ``copy.deepcopy`` copy the
+    optimizer with its transformation and state (pickle the model with it, so
+    that the copy steps the copied parameters). The transformation pickles as
+    the factory call that made it; a factory ``tx`` must be a module-level
+    function: a lambda or local function raises ``TypeError`` naming it (deepcopy
+    works with either).
+
     **AMP.** ``GradScaler.step(opt)`` unscales the gradients, checks them for
     inf/NaN and calls :meth:`step` only when all are finite (one host sync,
     inside the scaler, as for ``torch.optim.SGD``); a skipped step leaves the
@@ -136,17 +154,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         elif callable(tx):
             if lr is None:
                 raise TypeError("lr is required when tx is a factory lr -> GradientTransformation")
-            factory = tx
-
-            def build(learning_rate: Any) -> GradientTransformation:
-                out = factory(learning_rate)
-                if not isinstance(out, GradientTransformation):
-                    raise TypeError(
-                        f"tx must be a GradientTransformation or a factory returning one; the factory returned "
-                        f"{type(out).__name__}"
-                    )
-                return out
-
+            build = functools.partial(_checked_build, tx)  # picklable when tx is a module-level function
             self._injected = True
             self._tx = inject_hyperparams(build)(learning_rate=check_hyperparam(lr, "lr", minimum=0.0))
             self._factory = build  # rebuilt below with a float64 rate when a parameter is float64
@@ -246,7 +254,8 @@ class TorchOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for name in ("_injected", "_tx", "_mutable", "_lr_dtype", "_factory"):
-            state[name] = getattr(self, name)
+            if hasattr(self, name):  # _factory: with a factory only
+                state[name] = getattr(self, name)
         return state
 
     # -- parameter groups --------------------------------------------------------------------------

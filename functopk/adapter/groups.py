@@ -172,10 +172,22 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         super().__init__(params, torch_hyperparams(optimizer_class, defaults))
 
     def __getstate__(self) -> dict[str, Any]:
+        # torch's groups and state, the torch class and sparsify; the rest (spec, transformations) is rebuilt
         state = super().__getstate__()
-        for name in ("optimizer_class", "_spec", "_sparsify", "_parts"):
-            state[name] = getattr(self, name)
+        state["optimizer_class"] = self.optimizer_class
+        state["sparsify"] = self.sparsify
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (or deep-copy); ``load_state_dict`` also calls this, with groups and state only."""
+        state = dict(state)
+        unpickled = "sparsify" in state
+        sparsify = state.pop("sparsify", None)
+        super().__setstate__(state)
+        if unpickled:  # the torch class's TorchSpec is looked up again (its build functions do not pickle)
+            self._spec = spec_for(self.optimizer_class)
+            self._sparsify = None if sparsify is None else _Part(sparsify, {}, _SPARSIFY)
+            self._parts = {}
 
     @property
     def sparsify(self) -> GradientTransformation | None:
