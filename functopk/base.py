@@ -262,7 +262,7 @@ def recorded(factory: Factory) -> Factory:
         made = factory(*args, **kwargs)
         if isinstance(made, GradientTransformation):
             return with_recipe(made, build, args, kwargs)
-        return RecordedFunction(made, (build, args, kwargs))
+        return RecordedFunction(made, (build, args, kwargs)) if callable(made) else made
 
     return build  # type: ignore[return-value]
 

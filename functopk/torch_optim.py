@@ -100,12 +100,9 @@ class TorchOptimizer(torch.optim.Optimizer):
     ``torch.load(weights_only=True)`` round-trip it. :meth:`load_state_dict`
     checks structure, shapes and dtypes first and changes nothing on error.
 
-    **Pickling.** ``pickle``, ``torch.save`` and ``copy.deepcopy`` copy the
-    optimizer with its transformation and state (pickle the model with it, so
-    that the copy steps the copied parameters). The transformation pickles as
-    the factory call that made it; a factory ``tx`` must be a module-level
-    function: a lambda or local function raises ``TypeError`` naming it (deepcopy
-    works with either).
+    **Pickling.** ``pickle``/``torch.save``/``copy.deepcopy`` copy it with its
+    transformation and state (pickle the model with it). A factory ``tx`` must be a
+    module-level function to pickle: a lambda raises ``TypeError`` naming it.
 
     **AMP.** ``GradScaler.step(opt)`` unscales the gradients, checks them for
     inf/NaN and calls :meth:`step` only when all are finite (one host sync,
