@@ -199,6 +199,8 @@ def test_loggers_and_isinstance_see_the_torch_class(name):
         assert type(opt).__name__ == name
         assert isinstance(opt, cls) and isinstance(opt, ft.ParamGroupOptimizer)
     assert type(made[0]) is type(made[1]) is type(made[2])  # one class per torch class; sparsify is an argument
+    with pytest.raises(NotImplementedError, match=r"torch\.optim\..*\._init_group is torch.s implementation"):
+        made[0]._init_group()  # torch's own helpers are not inherited (they would run torch's maths)
 
 
 def _forbidden(owner: type, name: str):
