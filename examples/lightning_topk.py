@@ -204,8 +204,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     state_diff = max_state_diff(dense_ft_trainer.optimizers[0], dense_torch.trainer.optimizers[0])
     sparsify = f"topk(density={args.density})" if args.density else f"topk({args.k})"
     checks = {
-        "optimizer is functopk's ParamGroupOptimizer (Lightning passes it through)":
-            type(opt).__name__ == "ParamGroupOptimizer",
+        "optimizer is functopk's, seen as torch.optim.AdamW (LearningRateMonitor would log lr-AdamW)":
+            isinstance(opt, ft.ParamGroupOptimizer) and isinstance(opt, torch.optim.AdamW)
+            and type(opt).__name__ == "AdamW",
         f"optimizer steps = {total} (accumulate_grad_batches=2)":
             trainer.global_step == total and len(record.lrs) == total,
         "per-parameter 'step' = trainer.global_step":

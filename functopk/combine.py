@@ -16,7 +16,7 @@ import optree
 import torch
 
 from functopk._checks import check_state, check_tree, describe, first_difference, path_str
-from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
+from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, recorded
 from functopk.tree.maths import PyTree, flatten_like
 
 __all__ = ["MaskOrFn", "MaskedState", "chain", "masked", "named_chain", "partition", "resolve_mask"]
@@ -68,6 +68,7 @@ def _wrong_state(owner: str, expected: str, got: str) -> TypeError:
     )
 
 
+@recorded
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply transformations one after another; the state is the tuple of their states.
 
@@ -105,6 +106,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+@recorded
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
     """Like :func:`chain`, but the state is a dict keyed by the given names.
 
@@ -178,6 +180,7 @@ class MaskedState(NamedTuple):
     inner_state: OptState
 
 
+@recorded
 def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformation:
     """Apply ``inner`` to the leaves where ``mask`` is True; pass the others through unchanged.
 
@@ -236,6 +239,7 @@ def _resolve_labels(labels: LabelsOrFn, tree: PyTree, known: Mapping[Hashable, A
     return flat
 
 
+@recorded
 def partition(
     transforms: Mapping[Hashable, GradientTransformation], param_labels: LabelsOrFn
 ) -> GradientTransformation:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from functopk._checks import check_bool, check_callable, check_density, check_int, check_number, describe
-from functopk.base import Schedule
+from functopk.base import Schedule, recorded
 
 __all__ = [
     "constant_schedule",
@@ -46,6 +46,7 @@ def _out(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
 
 
+@recorded
 def constant_schedule(value: float) -> Schedule:
     """Always ``value``.
 
@@ -63,6 +64,7 @@ def constant_schedule(value: float) -> Schedule:
     return schedule
 
 
+@recorded
 def linear_schedule(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
     """Linear interpolation from ``init_value`` to ``end_value`` over ``transition_steps`` steps.
 
@@ -86,6 +88,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int, 
     return schedule
 
 
+@recorded
 def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
     """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` steps.
 
@@ -111,6 +114,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     return schedule
 
 
+@recorded
 def warmup_cosine_decay_schedule(
     init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
 ) -> Schedule:
@@ -140,6 +144,7 @@ def warmup_cosine_decay_schedule(
     return join_schedules(parts, [warmup_steps])
 
 
+@recorded
 def exponential_decay(
     init_value: float,
     transition_steps: int,
@@ -181,6 +186,7 @@ def exponential_decay(
     return schedule
 
 
+@recorded
 def piecewise_constant_schedule(
     init_value: float, boundaries_and_scales: Mapping[int, float] | None = None
 ) -> Schedule:
@@ -211,6 +217,7 @@ def piecewise_constant_schedule(
     return schedule
 
 
+@recorded
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     """Run ``schedules[i]`` between ``boundaries[i-1]`` and ``boundaries[i]``.
 
@@ -245,6 +252,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     return schedule
 
 
+@recorded
 def dgc_density_warmup(final_density: float, steps_per_epoch: int, warmup_epochs: int = 4) -> Schedule:
     """Deep Gradient Compression's exponential density warm-up (Lin et al. 2018).
 

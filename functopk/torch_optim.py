@@ -12,6 +12,7 @@ the whole model::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
@@ -19,7 +20,8 @@ import optree
 import torch
 
 from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
-from functopk.adapter.groups import ParamGroupOptimizer, torch_class
+from functopk.adapter.classes import from_torch_optimizer, torch_class
+from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.recut import Layout, remap, same_ptree
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
@@ -36,6 +38,16 @@ _STATE_KEY = "functopk"
 def _lr_key(lr: Any) -> Any:
     """A hashable identity for a group's lr: its value for numbers, the object for tensors."""
     return ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else ("number", float(lr))
+
+
+def _checked_build(factory: Factory, learning_rate: Any) -> GradientTransformation:
+    """``factory(learning_rate)``, checked to be a transformation."""
+    out = factory(learning_rate)
+    if not isinstance(out, GradientTransformation):
+        raise TypeError(
+            f"tx must be a GradientTransformation or a factory returning one; the factory returned {type(out).__name__}"
+        )
+    return out
 
 
 class TorchOptimizer(torch.optim.Optimizer):
@@ -88,6 +100,10 @@ class TorchOptimizer(torch.optim.Optimizer):
     ``torch.load(weights_only=True)`` round-trip it. :meth:`load_state_dict`
     checks structure, shapes and dtypes first and changes nothing on error.
 
+    **Pickling.** ``pickle``/``torch.save``/``copy.deepcopy`` copy it with its
+    transformation and state (pickle the model with it). A factory ``tx`` must be a
+    module-level function to pickle: a lambda raises ``TypeError`` naming it.
+
     **AMP.** ``GradScaler.step(opt)`` unscales the gradients, checks them for
     inf/NaN and calls :meth:`step` only when all are finite (one host sync,
     inside the scaler, as for ``torch.optim.SGD``); a skipped step leaves the
@@ -137,17 +153,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         elif callable(tx):
             if lr is None:
                 raise TypeError("lr is required when tx is a factory lr -> GradientTransformation")
-            factory = tx
-
-            def build(learning_rate: Any) -> GradientTransformation:
-                out = factory(learning_rate)
-                if not isinstance(out, GradientTransformation):
-                    raise TypeError(
-                        f"tx must be a GradientTransformation or a factory returning one; the factory returned "
-                        f"{type(out).__name__}"
-                    )
-                return out
-
+            build = functools.partial(_checked_build, tx)  # picklable when tx is a module-level function
             self._injected = True
             self._tx = inject_hyperparams(build)(learning_rate=check_hyperparam(lr, "lr", minimum=0.0))
             self._factory = build  # rebuilt below with a float64 rate when a parameter is float64
@@ -181,7 +187,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         The result behaves like the torch optimizer in everything a torch user
         relies on: per-group hyperparameters, per-parameter state and step counts,
         ``add_param_group``, ``state_dict`` in torch's layout, every scheduler,
-        ``GradScaler``; see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
+        ``GradScaler``, ``isinstance(opt, optimizer_class)`` and the class name
+        loggers show (``type(opt).__name__ == "AdamW"``), pickling and deep copies;
+        see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
         :func:`functopk.from_torch`'s. ``sparsify`` (e.g. ``ft.topk(1000)`` or
         ``ft.error_feedback(ft.topk(density=1e-3))``) sees the gradients of all
         groups as one tree, so a top-k is global across groups.
@@ -206,7 +214,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
             2
         """
-        return ParamGroupOptimizer(optimizer_class, params, sparsify, **defaults)
+        return from_torch_optimizer(optimizer_class, params, sparsify, defaults)
 
     @classmethod
     def from_torch_class(
@@ -218,7 +226,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         ``C(param_groups, **kwargs)`` when ``C`` is an optimizer class and takes any
         other callable (a ``functools.partial`` of :meth:`from_torch`) for a factory
         of the model, without its decay/no-decay groups. The same arguments give the
-        same class.
+        same class; it is named as ``optimizer_class`` and subclasses it (and
+        :class:`~functopk.adapter.ParamGroupOptimizer`), and it pickles.
 
         Args:
             optimizer_class: A ``torch.optim`` class, as for :meth:`from_torch`.
@@ -228,8 +237,8 @@ class TorchOptimizer(torch.optim.Optimizer):
             >>> import torch, functopk as ft
             >>> SparseAdamW = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, ft.topk(2))
             >>> opt = SparseAdamW(torch.nn.Linear(4, 1).parameters(), lr=0.01)
-            >>> isinstance(opt, torch.optim.Optimizer), opt.param_groups[0]["lr"]
-            (True, 0.01)
+            >>> type(opt).__name__, isinstance(opt, torch.optim.AdamW), opt.param_groups[0]["lr"]
+            ('AdamW', True, 0.01)
         """
         return torch_class(optimizer_class, sparsify)
 
@@ -248,7 +257,8 @@ class TorchOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         for name in ("_injected", "_tx", "_mutable", "_lr_dtype", "_factory"):
-            state[name] = getattr(self, name)
+            if hasattr(self, name):  # _factory: with a factory only
+                state[name] = getattr(self, name)
         return state
 
     # -- parameter groups --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ are compared with torch.optim run in float64 (ground truth):
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import pytest
@@ -279,3 +280,60 @@ def test_tensor_hyperparameters_changed_in_place_are_read_at_the_next_step(cls, 
     assert max_err(_run_with_changes(cls, kwargs, "torch", change=False), truth) > 1e-3  # the changes matter
     assert max_err(_run_with_changes(cls, kwargs, "functional"), truth) < 1e-12
     assert max_err(_run_with_changes(cls, kwargs, "adapter"), truth) < 1e-12
+
+
+@pytest.mark.parametrize("name", sorted(COVERED))
+def test_loggers_and_isinstance_see_the_torch_class(name):
+    """Lightning's LearningRateMonitor logs lr-{type(opt).__name__}; code checks isinstance(opt, torch.optim.X)."""
+    cls = getattr(torch.optim, name)
+    params = [torch.zeros(2, 2, requires_grad=True)]
+    made = [
+        ft.TorchOptimizer.from_torch(cls, params),
+        ft.TorchOptimizer.from_torch(cls, params, sparsify=ft.topk(1)),
+        ft.TorchOptimizer.from_torch_class(cls)(params),
+        ft.TorchOptimizer.from_torch_class(cls, ft.topk(1))(params),
+    ]
+    for opt in made:
+        assert type(opt).__name__ == name
+        assert isinstance(opt, cls) and isinstance(opt, ft.ParamGroupOptimizer)
+    assert type(made[0]) is type(made[1]) is type(made[2])  # one class per torch class; sparsify is an argument
+    with pytest.raises(NotImplementedError, match=r"torch\.optim\..*\._init_group is torch.s implementation"):
+        made[0]._init_group()  # torch's own helpers are not inherited (they would run torch's maths)
+    if name == "Adagrad":
+        with pytest.raises(NotImplementedError, match="share_memory"):
+            made[0].share_memory()
+
+
+def _forbidden(owner: type, name: str):
+    def method(*args, **kwargs):
+        raise AssertionError(f"{owner.__name__}.{name} ran")
+
+    method.hooked = True  # so that torch.optim.Optimizer.__init__ does not wrap (and set) the class's step
+    return method
+
+
+@pytest.mark.parametrize("name", sorted(COVERED))
+def test_no_method_of_the_torch_class_runs(name, monkeypatch):
+    """The class subclasses torch's, but steps, loads and copies with functopk's and torch.optim.Optimizer's code.
+
+    (Only ``__init__`` runs, on a throw-away parameter, to check the arguments as torch does.)
+    """
+    cls = getattr(torch.optim, name)
+    truth = run_torch(cls, {}, torch.float64)
+    owners = cls.__mro__[: cls.__mro__.index(torch.optim.Optimizer)]
+    names = {attr for owner in owners for attr, value in vars(owner).items() if callable(value) and attr != "__init__"}
+    for owner in owners:
+        for attr in names:
+            monkeypatch.setattr(owner, attr, _forbidden(owner, attr), raising=False)
+    with default_dtype_for(torch.float64):
+        params = _params(cls, torch.float64)
+        opt = ft.TorchOptimizer.from_torch(cls, list(params.values()))
+        for i in range(STEPS):
+            for p in params.values():
+                p.grad = _grad(p.detach())
+            opt.step()
+            if i == 1:  # a reload and a copy on the way
+                opt.load_state_dict(opt.state_dict())
+                params, opt = copy.deepcopy((params, opt))
+        opt.zero_grad()
+    assert max_err(params, truth) < 1e-12

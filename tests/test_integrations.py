@@ -190,6 +190,7 @@ def test_from_torch_class_is_an_optimizer_class_with_torchs_signature():
     sparsify = ft.topk(3)
     cls = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, sparsify)
     assert isinstance(cls, type) and issubclass(cls, ft.ParamGroupOptimizer)
+    assert cls.__name__ == "AdamW" and issubclass(cls, torch.optim.AdamW)  # what loggers show, what isinstance sees
     assert ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, sparsify) is cls  # the same class for the same args
     model = torch.nn.Linear(4, 2)
     opt = cls([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.02}], lr=0.01, weight_decay=0.0)

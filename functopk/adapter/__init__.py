@@ -5,6 +5,8 @@
 * :mod:`~functopk.adapter.groups`: :class:`ParamGroupOptimizer`, made by
   :meth:`functopk.TorchOptimizer.from_torch`: a drop-in ``torch.optim`` optimizer with torch's
   param-group semantics and an optional global sparsification;
+* :mod:`~functopk.adapter.classes`: the classes of its optimizers, named as (and subclasses of) the
+  torch class they replace;
 * :mod:`~functopk.adapter.per_param`: a state cut into torch's per-parameter entries;
 * :mod:`~functopk.adapter.checkpoint`: :class:`ParamGroupOptimizer`'s state dicts in torch's
   layout, checked whole before loading.

@@ -34,7 +34,7 @@ from functopk.adapter.registry import (
 )
 from functopk.base import GradientTransformation, OptState, check_transformation
 
-__all__ = ["ParamGroupOptimizer", "torch_class"]
+__all__ = ["ParamGroupOptimizer"]
 
 _SPARSIFY = "sparsify."
 _NOT_HYPER = ("params", "param_names")
@@ -215,7 +215,13 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       becomes functopk's count) and ``torch.optim`` loads ``state_dict()``;
       see :meth:`load_state_dict` for the checks;
     * ``sparsify``'s state is kept per parameter too, under keys starting
-      with ``"sparsify."``.
+      with ``"sparsify."``;
+    * ``from_torch`` makes it of a subclass named as, and subclassing,
+      ``optimizer_class`` (:mod:`functopk.adapter.classes`), for loggers and
+      ``isinstance``;
+    * ``pickle``/``torch.save``/``copy.deepcopy`` copy groups, state and
+      ``sparsify`` (which pickles as the factory call that made it: a lambda
+      among its arguments raises ``TypeError``).
 
     Example:
         >>> import torch, functopk as ft
@@ -241,10 +247,22 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         super().__init__(params, torch_hyperparams(optimizer_class, defaults))
 
     def __getstate__(self) -> dict[str, Any]:
+        # torch's groups and state, the torch class and sparsify; the rest (spec, transformations) is rebuilt
         state = super().__getstate__()
-        for name in ("optimizer_class", "_spec", "_sparsify", "_parts"):
-            state[name] = getattr(self, name)
+        state["optimizer_class"] = self.optimizer_class
+        state["sparsify"] = self.sparsify
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (or deep-copy); ``load_state_dict`` also calls this, with groups and state only."""
+        state = dict(state)
+        unpickled = "sparsify" in state
+        sparsify = state.pop("sparsify", None)
+        super().__setstate__(state)
+        if unpickled:  # the torch class's TorchSpec is looked up again (its build functions do not pickle)
+            self._spec = spec_for(self.optimizer_class)
+            self._sparsify = None if sparsify is None else _Part(sparsify, {}, _SPARSIFY)
+            self._parts = {}
 
     @property
     def sparsify(self) -> GradientTransformation | None:
@@ -447,21 +465,3 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             out.append((every, self._sparsify.layout(every)))
         return out
 
-
-_CLASSES: dict[tuple[Any, Any], type[ParamGroupOptimizer]] = {}
-
-
-def torch_class(
-    optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
-) -> type[ParamGroupOptimizer]:
-    """A :class:`ParamGroupOptimizer` subclass ``C(params, **defaults)`` for one class and ``sparsify`` (cached)."""
-    spec_for(optimizer_class)  # a bad class fails here, not at the first instance
-    key = (optimizer_class, sparsify)
-    if key not in _CLASSES:
-
-        def __init__(self: ParamGroupOptimizer, params: Iterable[Any], **defaults: Any) -> None:
-            ParamGroupOptimizer.__init__(self, optimizer_class, params, sparsify, **defaults)
-
-        name = optimizer_class.__name__ + ("" if sparsify is None else "Sparsified")
-        _CLASSES[key] = type(name, (ParamGroupOptimizer,), {"__init__": __init__, "__module__": __name__})
-    return _CLASSES[key]

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import is_zero
-from functopk.base import GradientTransformation, init_count, leafwise
+from functopk.base import GradientTransformation, init_count, leafwise, recorded
 from functopk.combine import chain
 from functopk.optim import adam_variants as _adam_variants
 from functopk.optim import alias
@@ -227,6 +227,7 @@ def check_torch_step_accepts(
     optimizer_class(stand_ins, **{k: v for k, v in hyperparams.items() if k in accepted}).step()
 
 
+@recorded
 def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **torch_kwargs: Any) -> GradientTransformation:
     """The transformation with the semantics of ``optimizer_class(params, **torch_kwargs)``.
 

@@ -59,6 +59,7 @@ from functopk.base import (
     Updates,
     check_transformation,
     leafwise,
+    recorded,
 )
 from functopk.combine import chain, masked
 from functopk.compress.feedback import ErrorFeedbackState, error_feedback
@@ -136,6 +137,7 @@ def _clear_sent(
     )
 
 
+@recorded
 def momentum_correction(
     inner: GradientTransformation,
     momentum: float | torch.Tensor,
@@ -239,6 +241,7 @@ def momentum_correction(
 # --------------------------------------------------------------------------- local gradient clipping
 
 
+@recorded
 def dgc_local_clipping(
     max_norm: float | torch.Tensor, *, num_workers: int = 1, per_leaf: bool = True
 ) -> GradientTransformation:
@@ -347,6 +350,7 @@ def _local_weight_decay(
 # --------------------------------------------------------------------------- the alias
 
 
+@recorded
 def dgc(
     learning_rate: ScalarOrSchedule,
     momentum: float | torch.Tensor = 0.9,

@@ -55,7 +55,7 @@ from typing import NamedTuple
 import optree
 
 from functopk._checks import check_leaves, check_like, check_shapes, check_state
-from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
+from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, recorded
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
 from functopk.tree.maths import zeros_like as tree_zeros_like
@@ -82,6 +82,7 @@ class ErrorFeedbackState(NamedTuple):
     inner_state: OptState
 
 
+@recorded
 def error_feedback(inner: GradientTransformation) -> GradientTransformation:
     """Wrap a compressor with residual memory (error feedback).
 

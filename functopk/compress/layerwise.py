@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 
 from functopk._checks import check_int, check_k_or_density, describe
-from functopk.base import EmptyState, GradientTransformation, leafwise
+from functopk.base import EmptyState, GradientTransformation, leafwise, recorded
 from functopk.sparse import dispatch
 from functopk.sparse.api import k_from_density, topk_sparsify
 
@@ -36,6 +36,7 @@ def check_method(method: Any) -> str:
     return dispatch.check_method(method)
 
 
+@recorded
 def layerwise_topk(
     k: int | None = None, *, density: float | None = None, min_size: int = 4096, method: str | None = None
 ) -> GradientTransformation:

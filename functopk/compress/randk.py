@@ -31,7 +31,7 @@ from functopk._checks import (
     check_state,
     one_device,
 )
-from functopk.base import GradientTransformation, Params, Updates, init_count
+from functopk.base import GradientTransformation, Params, Updates, init_count, recorded
 from functopk.sparse.api import resolve_k
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
@@ -171,6 +171,7 @@ class RandKState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]
 
 
+@recorded
 def randk(
     k: int | None = None, *, density: float | None = None, seed: int = 0, unbiased: bool = False
 ) -> GradientTransformation:

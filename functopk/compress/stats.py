@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_int, check_leaves, check_like, check_state
-from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation
+from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, recorded
 from functopk.tree import foreach
 
 __all__ = ["CompressionStats", "CompressionStatsState", "compression_stats"]
@@ -91,6 +91,7 @@ def _measure(inputs: list[torch.Tensor], outputs: list[torch.Tensor], index_byte
     )
 
 
+@recorded
 def compression_stats(inner: GradientTransformation, *, index_bytes: int = 4) -> GradientTransformation:
     """Record what the compressor ``inner`` kept at each step in the state (see the module docstring).
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from functopk._checks import check_hyperparam
-from functopk.base import EmptyState, GradientTransformation, leafwise
+from functopk.base import EmptyState, GradientTransformation, leafwise, recorded
 
 __all__ = ["threshold"]
 
 
+@recorded
 def threshold(v: float | torch.Tensor) -> GradientTransformation:
     """Hard-threshold sparsification: keep the coordinates with ``|x| >= v``, zero the rest.
 

@@ -10,7 +10,7 @@ import optree
 import torch
 
 from functopk._checks import check_density, check_k, check_k_or_density, check_state
-from functopk.base import EmptyState, GradientTransformation, Params, Updates, init_count
+from functopk.base import EmptyState, GradientTransformation, Params, Updates, init_count, recorded
 from functopk.sparse import dispatch
 from functopk.sparse.api import KLike, resolve_k, sparse_leaves
 
@@ -37,6 +37,7 @@ def _scheduled(fn: Callable[..., Any], count: torch.Tensor | None, name: str) ->
     return check_k(value) if name == "k" else check_density(value)
 
 
+@recorded
 def topk(
     k: int | torch.Tensor | Callable[[torch.Tensor], Any] | None = None,
     *,

@@ -17,7 +17,7 @@ import optree
 import torch
 
 from functopk._checks import check_leaves, check_shapes, check_state
-from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, init_count
+from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, init_count, recorded
 from functopk.optim._shared import check_count, step_or_skip
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
@@ -48,6 +48,7 @@ class MultiStepsState(NamedTuple):
     acc_grads: PyTree
 
 
+@recorded
 def multi_steps(inner: GradientTransformation, every_k: int | torch.Tensor) -> GradientTransformation:
     """Accumulate gradients over ``every_k`` calls and apply ``inner`` to their mean on the last one.
 

@@ -37,7 +37,7 @@ from functopk._checks import (
     path_str,
     require_params,
 )
-from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count
+from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count, recorded
 from functopk.optim._shared import Hyper, Leaves, group_scalar
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
@@ -237,6 +237,7 @@ def _transform(learning_rate: ScalarOrSchedule, cfg: _Config) -> GradientTransfo
     return GradientTransformation(init, update)
 
 
+@recorded
 def adafactor(
     learning_rate: ScalarOrSchedule = 1e-2,
     *,

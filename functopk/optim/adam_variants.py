@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
 from functopk.optim._shared import Hyper, Leaves, group_scalar
 from functopk.optim.adaptive import _ema_sq, adam_config
 from functopk.tree import foreach
@@ -140,6 +140,7 @@ class NadamState(NamedTuple):
     nu: PyTree
 
 
+@recorded
 def nadam(
     learning_rate: ScalarOrSchedule = 2e-3,
     *,
@@ -255,6 +256,7 @@ class RadamState(NamedTuple):
     nu: PyTree
 
 
+@recorded
 def radam(
     learning_rate: ScalarOrSchedule = 1e-3,
     *,
@@ -365,6 +367,7 @@ class AdamaxState(NamedTuple):
     nu: PyTree
 
 
+@recorded
 def adamax(
     learning_rate: ScalarOrSchedule = 2e-3,
     *,

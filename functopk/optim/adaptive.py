@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
 from functopk.combine import MaskOrFn
 from functopk.optim._shared import Hyper, Leaves, selected, with_mask
 from functopk.tree import foreach
@@ -209,6 +209,7 @@ def adam_transform(
     return with_mask(make, decay.mask if decay is not None else None, name)
 
 
+@recorded
 def scale_by_adam(
     b1: Hyper = 0.9, b2: Hyper = 0.999, eps: Hyper = 1e-8, eps_root: Hyper = 0.0, *, amsgrad: bool = False
 ) -> GradientTransformation:
@@ -261,6 +262,7 @@ class ScaleByRmsState(NamedTuple):
     mu: PyTree | None
 
 
+@recorded
 def scale_by_rms(
     decay: Hyper = 0.9,
     eps: Hyper = 1e-8,
@@ -328,6 +330,7 @@ class ScaleByRssState(NamedTuple):
     sum_of_squares: PyTree
 
 
+@recorded
 def scale_by_rss(
     initial_accumulator_value: Hyper = 0.1, eps: Hyper = 1e-7, *, eps_in_sqrt: bool = True
 ) -> GradientTransformation:

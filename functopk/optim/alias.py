@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
-from functopk.base import GradientTransformation, ScalarOrSchedule
+from functopk.base import GradientTransformation, ScalarOrSchedule, recorded
 from functopk.combine import MaskOrFn, chain
 from functopk.optim._shared import Hyper
 from functopk.optim.adaptive import AdamDecay, adam_config, adam_transform, scale_by_rms, scale_by_rss
@@ -44,6 +44,7 @@ def _prefix(maximize: bool, weight_decay: Hyper) -> list[GradientTransformation]
     return parts
 
 
+@recorded
 def sgd(
     learning_rate: ScalarOrSchedule,
     *,
@@ -94,6 +95,7 @@ def sgd(
     return chain(*parts)
 
 
+@recorded
 def adam(
     learning_rate: ScalarOrSchedule = 1e-3,
     *,
@@ -136,6 +138,7 @@ def adam(
     return adam_transform(cfg, learning_rate, AdamDecay(weight_decay, decoupled=False))
 
 
+@recorded
 def adamw(
     learning_rate: ScalarOrSchedule = 1e-3,
     *,
@@ -179,6 +182,7 @@ def adamw(
     return adam_transform(cfg, learning_rate, AdamDecay(weight_decay, decoupled=True, mask=mask))
 
 
+@recorded
 def rmsprop(
     learning_rate: ScalarOrSchedule = 1e-2,
     *,
@@ -223,6 +227,7 @@ def rmsprop(
     return chain(*parts)
 
 
+@recorded
 def adagrad(
     learning_rate: ScalarOrSchedule = 1e-2,
     *,

@@ -25,7 +25,7 @@ from functopk._checks import (
     describe,
     is_zero,
 )
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
 from functopk.optim._shared import Hyper, Leaves, group_scalar
 from functopk.optim.adaptive import _ema_sq
 from functopk.tree import foreach
@@ -85,6 +85,7 @@ class AdadeltaState(NamedTuple):
     acc_delta: PyTree
 
 
+@recorded
 def adadelta(
     learning_rate: ScalarOrSchedule = 1.0,
     *,
@@ -187,6 +188,7 @@ def _sign_factors(products: Leaves, eta_minus: Hyper, eta_plus: Hyper) -> Leaves
     return out
 
 
+@recorded
 def rprop(
     learning_rate: Hyper = 1e-2,
     *,
@@ -303,6 +305,7 @@ def _torch_scalar_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+@recorded
 def asgd(
     learning_rate: ScalarOrSchedule = 1e-2,
     *,

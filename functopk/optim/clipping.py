@@ -21,6 +21,7 @@ from functopk.base import (
     check_transformation,
     init_count,
     leafwise,
+    recorded,
 )
 from functopk.optim._shared import Leaves, check_count, step_or_skip
 from functopk.tree import foreach
@@ -29,6 +30,7 @@ from functopk.tree.maths import all_finite
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "clip", "clip_by_global_norm", "zero_nans"]
 
 
+@recorded
 def clip(max_delta: float | torch.Tensor) -> GradientTransformation:
     """Clamp every coordinate of the updates to ``[-max_delta, max_delta]`` (NaN stays NaN).
 
@@ -53,6 +55,7 @@ def clip(max_delta: float | torch.Tensor) -> GradientTransformation:
     return leafwise("clip", update)
 
 
+@recorded
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
     """Scale the updates down so that their global L2 norm is at most ``max_norm``.
 
@@ -83,6 +86,7 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     return leafwise("clip_by_global_norm", update)
 
 
+@recorded
 def zero_nans() -> GradientTransformation:
     """Replace NaN coordinates of the updates by 0 (infinities are kept).
 
@@ -123,6 +127,7 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: OptState
 
 
+@recorded
 def apply_if_finite(
     inner: GradientTransformation, max_consecutive_errors: int | torch.Tensor | None = None
 ) -> GradientTransformation:

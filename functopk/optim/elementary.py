@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_bool, check_callable, check_hyperparam, check_scalar_or_schedule, is_zero
-from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, leafwise
+from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, leafwise, recorded
 from functopk.combine import MaskOrFn
 from functopk.optim._shared import Leaves, selected, with_mask
 from functopk.tree import foreach
@@ -50,6 +50,7 @@ def _scale(step_size: float | torch.Tensor, name: str, *, negate: bool = False) 
     return leafwise(name, update)
 
 
+@recorded
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     """Multiply updates by a constant ``step_size``.
 
@@ -87,6 +88,7 @@ def _scale_by_schedule(schedule: Schedule, name: str) -> GradientTransformation:
     return leafwise(name, update, init=init, state=ScaleByScheduleState)
 
 
+@recorded
 def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     """Multiply updates by ``schedule(count)``, where ``count`` is the step number (from 0).
 
@@ -106,6 +108,7 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     return _scale_by_schedule(schedule, "scale_by_schedule")
 
 
+@recorded
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
     """Multiply updates by ``-learning_rate`` (or ``+learning_rate`` with ``flip_sign=False``).
 
@@ -148,6 +151,7 @@ class TraceState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]
 
 
+@recorded
 def trace(
     decay: float | torch.Tensor, nesterov: bool = False, *, dampening: float | torch.Tensor = 0.0
 ) -> GradientTransformation:
@@ -227,6 +231,7 @@ def _decay(grads: Leaves, params: Leaves | None, flags: list[bool] | None, weigh
     return out
 
 
+@recorded
 def add_decayed_weights(
     weight_decay: float | torch.Tensor | Schedule = 0.0, mask: MaskOrFn | None = None
 ) -> GradientTransformation:

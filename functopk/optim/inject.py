@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_callable, check_state
-from functopk.base import GradientTransformation, OptState, Params, Updates, init_count
+from functopk.base import GradientTransformation, OptState, Params, Updates, init_count, with_recipe
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
@@ -147,6 +147,13 @@ def inject_hyperparams(
             updates, inner_state = inner.update(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
-        return GradientTransformation(init, update)
+        return with_recipe(GradientTransformation(init, update), _injected, (factory, static, args), kwargs)
 
     return wrapped
+
+
+def _injected(
+    factory: Callable[..., GradientTransformation], static: frozenset[str], args: tuple[Any, ...], **kwargs: Any
+) -> GradientTransformation:
+    """``inject_hyperparams(factory, static)(*args, **kwargs)``: how an injected transformation is unpickled."""
+    return inject_hyperparams(factory, static)(*args, **kwargs)

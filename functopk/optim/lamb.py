@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from functopk._checks import check_hyperparam, check_scalar_or_schedule
-from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, leafwise
+from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, leafwise, recorded
 from functopk.combine import MaskOrFn, chain
 from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.adaptive import scale_by_adam
@@ -43,6 +43,7 @@ def _ratios(param_norms: torch.Tensor, update_norms: torch.Tensor, min_norm: Hyp
     return list(ratio.unbind())
 
 
+@recorded
 def scale_by_trust_ratio(
     min_norm: Hyper = 0.0, trust_coefficient: Hyper = 1.0, eps: Hyper = 0.0
 ) -> GradientTransformation:
@@ -92,6 +93,7 @@ def scale_by_trust_ratio(
     return leafwise("scale_by_trust_ratio", update, needs_params=True)
 
 
+@recorded
 def lamb(
     learning_rate: ScalarOrSchedule,
     *,

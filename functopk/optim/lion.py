@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_hyperparam, check_scalar_or_schedule
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
 from functopk.combine import MaskOrFn, chain
 from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.elementary import add_decayed_weights, scale_by_learning_rate
@@ -48,6 +48,7 @@ class ScaleByLionState(NamedTuple):
     mu: PyTree
 
 
+@recorded
 def scale_by_lion(b1: Hyper = 0.9, b2: Hyper = 0.99) -> GradientTransformation:
     """Replace updates by the sign of a momentum interpolation: Lion's direction (Chen et al., 2023).
 
@@ -88,6 +89,7 @@ def scale_by_lion(b1: Hyper = 0.9, b2: Hyper = 0.99) -> GradientTransformation:
     return leafwise("scale_by_lion", update, init=init, state=ScaleByLionState, tree_fields=("mu",))
 
 
+@recorded
 def lion(
     learning_rate: ScalarOrSchedule,
     *,

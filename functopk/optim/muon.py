@@ -26,7 +26,16 @@ from functopk._checks import (
     is_zero,
     path_str,
 )
-from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count, leafwise
+from functopk.base import (
+    GradientTransformation,
+    OptState,
+    Params,
+    ScalarOrSchedule,
+    Updates,
+    init_count,
+    leafwise,
+    recorded,
+)
 from functopk.optim._shared import Hyper, Leaves, group_scalar
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
@@ -191,6 +200,7 @@ def _transform(learning_rate: ScalarOrSchedule, cfg: _Config) -> GradientTransfo
     return GradientTransformation(init, update)
 
 
+@recorded
 def muon(
     learning_rate: ScalarOrSchedule = 1e-3,
     *,
