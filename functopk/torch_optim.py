@@ -22,7 +22,7 @@ import torch
 from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
 from functopk.adapter.classes import from_torch_optimizer, torch_class
 from functopk.adapter.groups import ParamGroupOptimizer
-from functopk.adapter.recut import Layout, remap, same_ptree
+from functopk.adapter.recut import Layout, make_tree, param_names, remap, same_ptree, saved_names
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
@@ -62,37 +62,29 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     **Learning rate.** Two forms, chosen by what ``tx`` is:
 
-    * ``tx`` a :class:`~functopk.GradientTransformation` (it has its own learning
-      rate, e.g. ``ft.sgd(0.1)``), without ``lr=`` (given, it would silently
-      multiply the transformation's own rate, so it is a ``TypeError``): each
-      group's ``lr`` (starting at ``1.0``) is a *factor on that group's updates*:
-      at 1.0 the updates are applied exactly as the transformation computed them; a scheduler scales them
-      relative to it; groups may have different factors (one global top-k, then
-      per-group step sizes). Exact for optimizers whose learning rate is the
-      last, linear factor (sgd, adam, ...).
+    * ``tx`` a :class:`~functopk.GradientTransformation` with its own learning
+      rate (``ft.sgd(0.1)``), without ``lr=`` (it would multiply that rate: a
+      ``TypeError``): each group's ``lr`` (from ``1.0``) is a *factor on that
+      group's updates*, which a scheduler scales (one global top-k, then
+      per-group step sizes). Exact where the learning rate is the last, linear
+      factor (sgd, adam, ...).
     * ``tx`` a *factory* ``lr -> GradientTransformation`` with ``lr=`` given,
       e.g. ``TorchOptimizer(params, lambda lr: ft.chain(ft.topk(1000), ft.sgd(lr)), lr=0.1)``:
-      the learning rate lives *inside* the transformation (through
-      :func:`~functopk.inject_hyperparams`, as a 0-d tensor in the state), so
-      the transformation sees the value that ``param_groups`` holds at every
-      step, as a scheduler set it (this matters when something follows the
-      learning rate in the chain, e.g. error feedback on ``lr``-scaled updates).
-      One global transformation has one learning rate: all groups with
-      gradients must then hold the same ``lr`` (the same number, or the same
-      tensor object: tensor values are not compared, which would sync), else
-      :meth:`step` raises.
+      the learning rate lives *inside* the transformation (a 0-d tensor in the
+      state, through :func:`~functopk.inject_hyperparams`), which sees the
+      ``param_groups`` value at every step (this matters when something follows
+      it in the chain, e.g. error feedback). All groups with gradients must then
+      hold the same ``lr`` (the same number, or the same tensor object: values
+      are not compared, which would sync), else :meth:`step` raises.
 
     **State.** One state for the whole tree, created at the first step from the
-    parameters that have gradients. If later steps give gradients to further
-    parameters (unfreezing, :meth:`add_param_group`), the state is extended:
-    state subtrees shaped like the parameter tree get the fresh ``init`` values
-    for the new parameters; other leaves (step counts) are kept. If a step lacks
-    gradients for some covered parameters, the transformation runs on the others
-    and the state of the missing ones is carried over unchanged, as
-    ``torch.optim`` does. Step counts count optimizer steps, not per-parameter
-    steps. A transformation whose state is sized by the whole parameter set
-    (not per parameter) cannot be extended or restricted; that raises
-    ``ValueError``.
+    parameters with gradients. Parameters that get gradients later (unfreezing,
+    :meth:`add_param_group`) extend it: state subtrees shaped like the parameter
+    tree get fresh ``init`` values for them; other leaves (step counts, which
+    count optimizer steps) are kept. A step without gradients for some covered
+    parameters runs on the others and carries their state over, as
+    ``torch.optim`` does. A state sized by the whole parameter set (not per
+    parameter) cannot be extended or restricted: ``ValueError``.
 
     **Checkpoints.** :meth:`state_dict` is ``torch.optim``'s format with the
     transformation state under ``state["functopk"]`` as a plain dict
@@ -276,27 +268,10 @@ class TorchOptimizer(torch.optim.Optimizer):
             group = self.param_groups[-1]
             check_distinct_params(group, len(self.param_groups) - 1)
             group["lr"] = check_hyperparam(group["lr"], "lr", minimum=0.0)
-            self._names(self.param_groups)
+            param_names(self.param_groups)
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-
-    @staticmethod
-    def _names(groups: list[dict[str, Any]]) -> list[str] | None:
-        """All parameter names in group order, or ``None`` when the parameters have no names."""
-        if not all("param_names" in g for g in groups):
-            return None
-        names = [n for g in groups for n in g["param_names"]]
-        seen: set[str] = set()
-        for name in names:
-            if name in seen:
-                raise ValueError(f"parameter name {name!r} appears twice in the param groups; names must be unique")
-            seen.add(name)
-        return names
-
-    @staticmethod
-    def _make_tree(values: list[Any], names: list[str] | None) -> PyTree:
-        return dict(zip(names, values)) if names is not None else list(values)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -324,10 +299,10 @@ class TorchOptimizer(torch.optim.Optimizer):
             grads.append(g)
         if all(g is None for g in grads):
             return loss
-        names = self._names(self.param_groups)
+        names = param_names(self.param_groups)
         mask = tuple(g is not None for g in grads)
-        active = self._make_tree([p if m else None for p, m in zip(slots, mask)], names)
-        grad_tree = self._make_tree(grads, names)
+        active = make_tree([p if m else None for p, m in zip(slots, mask)], names)
+        grad_tree = make_tree(grads, names)
 
         # Work on locals and commit at the end, so that an error leaves the state as it was.
         box = self._mutable
@@ -339,7 +314,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             if state is None:
                 state, ptree = self._tx.init(active), active
             covered = {id(p) for p in optree.tree_leaves(ptree)}
-            union = self._make_tree([p if m or id(p) in covered else None for p, m in zip(slots, mask)], names)
+            union = make_tree([p if m or id(p) in covered else None for p, m in zip(slots, mask)], names)
             if not same_ptree(union, ptree):
                 grows = any(id(p) not in covered for p in optree.tree_leaves(active))
                 state = remap(state, ptree, union, self._tx.init(union) if grows else None)
@@ -485,8 +460,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param group {i} lacks 'lr', which every TorchOptimizer group keeps")
             check_hyperparam(s["lr"], f"state_dict['param_groups'][{i}]['lr']", minimum=0.0)
         # after loading, the saved names (if any) replace the current ones, as in torch.optim
-        self._names([{**g, "param_names": s["param_names"]} if "param_names" in s else g
-                     for g, s in zip(self.param_groups, saved_groups)])
+        param_names(saved_names(self.param_groups, saved_groups))
 
     def _parse_entry(self, entry: Any, saved_groups: list[dict[str, Any]]) -> tuple[OptState, PyTree]:
         if not isinstance(entry, dict) or set(entry) != {"transform", "params_with_state"}:
@@ -505,11 +479,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                 f"got {indices!r}"
             )
         # After loading, the saved names (if any) replace the current ones, as in torch.optim.
-        groups = [
-            {**g, "param_names": s["param_names"]} if "param_names" in s else g
-            for g, s in zip(self.param_groups, saved_groups)
-        ]
-        names = self._names(groups)
+        groups = saved_names(self.param_groups, saved_groups)
+        names = param_names(groups)
         chosen = set(indices)
-        ptree = self._make_tree([p if i in chosen else None for i, p in enumerate(slots)], names)
+        ptree = make_tree([p if i in chosen else None for i, p in enumerate(slots)], names)
         return state_from_dict(self._tx.init(ptree), entry["transform"]), ptree

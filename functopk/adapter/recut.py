@@ -18,7 +18,34 @@ from functopk.adapter.per_param import part_of
 from functopk.base import OptState
 from functopk.tree.maths import PyTree
 
-__all__ = ["Layout", "remap", "same_ptree"]
+__all__ = ["Layout", "make_tree", "param_names", "remap", "same_ptree", "saved_names"]
+
+
+def param_names(groups: list[dict[str, Any]]) -> list[str] | None:
+    """All parameter names in group order, or ``None`` when the parameters have no names.
+
+    Raises:
+        ValueError: a name appears twice.
+    """
+    if not all("param_names" in g for g in groups):
+        return None
+    names = [n for g in groups for n in g["param_names"]]
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"parameter name {name!r} appears twice in the param groups; names must be unique")
+        seen.add(name)
+    return names
+
+
+def saved_names(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` with the names a checkpoint's groups carry (a load replaces them, as in ``torch.optim``)."""
+    return [{**g, "param_names": s["param_names"]} if "param_names" in s else g for g, s in zip(groups, saved)]
+
+
+def make_tree(values: list[Any], names: list[str] | None) -> PyTree:
+    """The tree of ``values``: a dict by parameter name when there are names, else a list in group order."""
+    return dict(zip(names, values)) if names is not None else list(values)
 
 
 class Layout(NamedTuple):
