@@ -105,6 +105,17 @@ def test_adagrad_lr_decay_set_later_decays_from_torchs_step_count():
     step_both(pairs, where="after lr_decay")
 
 
+def test_adagrad_initial_accumulator_value_comes_from_the_constructor_as_in_torch():
+    """torch.optim.Adagrad starts every sum at the constructor's value; a group's own value is not read."""
+    pairs = twin(torch.optim.Adagrad, lambda m: decay_groups(m, initial_accumulator_value=2.0), lr=0.05,
+                 initial_accumulator_value=0.1)
+    for i in range(2):
+        step_both(pairs, where=f"step {i}")
+    for (model, opt) in pairs:
+        assert opt.param_groups[1]["initial_accumulator_value"] == 2.0
+        assert opt.state[model[3].bias]["sum"].min() < 2.0  # started from 0.1, as torch does
+
+
 def test_none_grads_skip_a_parameter_and_keep_its_step_count():
     def drop_bias(model, opt):
         model[3].bias.grad = None

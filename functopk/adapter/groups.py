@@ -269,12 +269,16 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         """The transformation applied to the gradients of all groups together (``None``: none)."""
         return None if self._sparsify is None else self._sparsify.tx
 
+    def _build(self, group: dict[str, Any]) -> GradientTransformation:
+        """The transformation for ``group``, with what torch reads from the constructor's arguments instead."""
+        return self._spec.build({**group, **{k: self.defaults[k] for k in self._spec.from_defaults}})
+
     def _part(self, group: dict[str, Any]) -> _Part:
         """The transformation for ``group``'s current hyperparameters (rebuilt when one changed)."""
         key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            part = _Part(self._spec.build(group), self._spec.state_names, class_name=self.optimizer_class.__name__)
+            part = _Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__)
             if cached is not None and _shape(cached[0]) == _shape(key):
                 part.reuse_layouts(cached[1])  # only a value changed (a scheduler's lr): the same state structure
             cached = self._parts[id(group)] = (key, part)
@@ -325,7 +329,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         active = [[p for p in g["params"] if p.grad is not None] for g in self.param_groups]
-        views.check_sparse(self.optimizer_class.__name__, self.param_groups, active)
+        views.check_sparse(self.optimizer_class.__name__, self.param_groups, active, self.defaults)
         if not any(active):
             return loss
         grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
@@ -446,7 +450,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         parts: list[tuple[list[torch.Tensor], _Part, bool]] = []
         for i, (s, g) in enumerate(zip(groups, self.param_groups)):
             try:
-                part = _Part(self._spec.build(s), self._spec.state_names)
+                part = _Part(self._build(s), self._spec.state_names)
                 part.layout(list(g["params"]))
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"param group {i} does not make a {self._owner_name()}: {err!r}") from err

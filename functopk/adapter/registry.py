@@ -64,10 +64,13 @@ class TorchSpec(NamedTuple):
     Attributes:
         build: The transformation for a param group's hyperparameters (torch's keys, all present).
         state_names: functopk state field name -> torch's per-parameter state key.
+        from_defaults: Hyperparameters the torch class reads from the constructor's arguments
+            (``optimizer.defaults``), never from a param group (Adagrad's ``initial_accumulator_value``).
     """
 
     build: Callable[[Hyperparams], GradientTransformation]
     state_names: Mapping[str, str]
+    from_defaults: tuple[str, ...] = ()
 
 
 def _sgd(h: Hyperparams) -> GradientTransformation:
@@ -132,7 +135,7 @@ _SPECS: dict[str, TorchSpec] = {
     "Adam": TorchSpec(_adam, _ADAM_NAMES),
     "AdamW": TorchSpec(lambda h: _adam(h, decoupled=True), _ADAM_NAMES),
     "RMSprop": TorchSpec(_rmsprop, {"nu": "square_avg", "mu": "grad_avg", "trace": "momentum_buffer", "count": "step"}),
-    "Adagrad": TorchSpec(_adagrad, {"sum_of_squares": "sum", "count": "step"}),
+    "Adagrad": TorchSpec(_adagrad, {"sum_of_squares": "sum", "count": "step"}, ("initial_accumulator_value",)),
 }
 
 

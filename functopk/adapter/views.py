@@ -51,8 +51,12 @@ def real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def check_sparse(class_name: str, groups: Sequence[Mapping[str, Any]], active: Sequence[Sequence[Any]]) -> None:
+def check_sparse(
+    class_name: str, groups: Sequence[Mapping[str, Any]], active: Sequence[Sequence[Any]], defaults: Mapping[str, Any]
+) -> None:
     """Refuse a sparse gradient where ``torch.optim.<class_name>`` refuses it, before anything changes.
+
+    ``defaults``: the constructor's arguments (Adagrad's ``initial_accumulator_value`` is read there, as torch does).
 
     Raises:
         NotImplementedError: a parameter of ``active`` (per group) has a sparse
@@ -73,7 +77,7 @@ def check_sparse(class_name: str, groups: Sequence[Mapping[str, Any]], active: S
                 f"{class_name}'s weight_decay option is not compatible with sparse gradients, as in torch.optim: "
                 f"param group {i} has weight_decay={group['weight_decay']} and a sparse gradient"
             )
-        if class_name == "Adagrad" and bool(group["eps"] == 0) and bool(group["initial_accumulator_value"] == 0):
+        if class_name == "Adagrad" and bool(group["eps"] == 0) and bool(defaults["initial_accumulator_value"] == 0):
             raise NotImplementedError(
                 f"Adagrad with eps=0, initial_accumulator_value=0 and a sparse gradient (param group {i}): the dense "
                 "step would divide 0 by 0 at the coordinates no gradient has touched yet, which torch's sparse step "
