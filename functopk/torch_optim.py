@@ -295,7 +295,10 @@ class TorchOptimizer(torch.optim.Optimizer):
         for p in slots:
             g = p.grad
             if g is not None and g.is_sparse:
-                raise TypeError("TorchOptimizer does not support sparse gradients")
+                raise TypeError(
+                    "TorchOptimizer(params, tx) does not support sparse gradients (its tree is dense); "
+                    "TorchOptimizer.from_torch(torch.optim.SGD or torch.optim.Adagrad, ...) takes them as torch does"
+                )
             grads.append(g)
         if all(g is None for g in grads):
             return loss

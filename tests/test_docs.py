@@ -103,3 +103,16 @@ def test_readme_demo_table_is_the_committed_demo_output():
     assert "(benchmarks/results/demo/curves.png)" in readme
     header = results.splitlines()[0]
     assert "4 epochs, batch 64" in header and "k = 11,173 (0.100%)" in header  # the demo's defaults
+
+
+def test_interop_differences_are_tested():
+    """Every row of docs/interop.md's table of differences from torch.optim names tests that exist."""
+    text = (ROOT / "docs" / "interop.md").read_text()
+    table = text.split("### Where `from_torch` differs from `torch.optim`", 1)[1].split("\n\n| what |", 1)[1]
+    rows = [line for line in table.split("\n\n", 1)[0].splitlines() if line.startswith("| ")][1:]
+    assert len(rows) >= 10
+    for row in rows:
+        refs = re.findall(r"`(tests/[\w/]+\.py)::(test_\w+)`", row.rsplit("|", 2)[-2])
+        assert refs, f"a row without a test: {row[:80]}"
+        for path, name in refs:
+            assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name} does not exist"
