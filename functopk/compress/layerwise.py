@@ -14,7 +14,8 @@ import torch
 from functopk._checks import check_int, check_k_or_density, describe
 from functopk.base import EmptyState, GradientTransformation, leafwise, recorded
 from functopk.sparse import dispatch
-from functopk.sparse.api import k_from_density, topk_sparsify
+from functopk.sparse.api import topk_sparsify
+from functopk.sparse.k import k_from_density
 
 __all__ = ["check_method", "layerwise_topk"]
 

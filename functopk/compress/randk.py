@@ -32,7 +32,7 @@ from functopk._checks import (
     one_device,
 )
 from functopk.base import GradientTransformation, Params, Updates, init_count, recorded
-from functopk.sparse.api import resolve_k
+from functopk.sparse.k import resolve_k
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from functopk._checks import check_density, check_k, check_k_or_density, check_state
+from functopk._checks import check_k_or_density, check_state
 from functopk.base import EmptyState, GradientTransformation, Params, Updates, init_count, recorded
 from functopk.sparse import dispatch
-from functopk.sparse.api import KLike, resolve_k, sparse_leaves
+from functopk.sparse.api import sparse_leaves
+from functopk.sparse.k import k_at_step, resolve_k
 
 __all__ = ["TopKState", "topk"]
 
@@ -27,14 +27,6 @@ class TopKState(NamedTuple):
     """
 
     count: torch.Tensor  # type: ignore[assignment]
-
-
-def _scheduled(fn: Callable[..., Any], count: torch.Tensor | None, name: str) -> Any:
-    """The value of the schedule ``fn`` at ``count``, checked as a ``k`` or a ``density``."""
-    value = fn(count)
-    if not isinstance(value, (torch.Tensor, numbers.Real)) or isinstance(value, bool):
-        raise TypeError(f"the {name} schedule must return a number or a 0-d tensor, got {type(value).__name__}")
-    return check_k(value) if name == "k" else check_density(value)
 
 
 @recorded
@@ -84,14 +76,9 @@ def topk(
     method = dispatch.check_method(method)
     scheduled = callable(k) or callable(density)
 
-    def count_of(leaves: list[torch.Tensor], count: torch.Tensor | None, name: str) -> KLike:
-        kk = _scheduled(k, count, "k") if callable(k) else k
-        dd = _scheduled(density, count, "density") if callable(density) else density
-        return resolve_k(kk, dd, sum(x.numel() for x in leaves), name=name)
-
     def init(params: Params) -> EmptyState | TopKState:
         if params is not None and not scheduled:
-            count_of(sparse_leaves(params, "params")[0], None, "params")
+            resolve_k(k, density, sum(x.numel() for x in sparse_leaves(params, "params")[0]), name="params")
         return TopKState(count=init_count(params)) if scheduled else EmptyState()
 
     def update(
@@ -99,11 +86,12 @@ def topk(
     ) -> tuple[Updates, EmptyState | TopKState]:
         del params
         leaves, treedef = sparse_leaves(updates, "updates")
+        numel = sum(x.numel() for x in leaves)
         if scheduled:
             step = check_state(state, TopKState, "topk").count
-            kk, state = count_of(leaves, step, "updates"), TopKState(count=step + 1)
+            kk, state = k_at_step(k, density, step, numel), TopKState(count=step + 1)
         else:
-            kk, state = count_of(leaves, None, "updates"), check_state(state, EmptyState, "topk")
+            kk, state = k_at_step(k, density, None, numel), check_state(state, EmptyState, "topk")
         return optree.tree_unflatten(treedef, dispatch.select(leaves, kk, method).dense(leaves)), state
 
     return GradientTransformation(init, update)

@@ -25,7 +25,7 @@ from functopk.distributed.resume import Layout, Regroup
 from functopk.distributed.saved import FORMAT, VERSION, check_exchange, check_saved
 from functopk.distributed.stats import HookStats
 from functopk.distributed.tree import tree_wire_bytes
-from functopk.sparse.api import k_from_density
+from functopk.sparse.k import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
 

@@ -13,7 +13,7 @@ from functopk.base import GradientTransformation, Params, Updates
 from functopk.distributed.agree import check_agreement, layout_code
 from functopk.distributed.exchange import _check_group_arg, _nonfinite, _receive, _resolve_group, _send, _wire_bytes
 from functopk.distributed.tree import _tree_step, tree_wire_bytes
-from functopk.sparse.api import resolve_k
+from functopk.sparse.k import resolve_k
 from functopk.tree.layout import FlatLayout
 
 __all__ = ["DistributedTopKState", "distributed_topk"]

@@ -1,13 +1,15 @@
 """The global top-k engine (``ft.sparse``): selection functions, sparse updates, and their kernels.
 
 * :mod:`~functopk.sparse.api`: ``topk_sparsify``, ``topk_mask``,
-  ``topk_indices``, ``gaussian_threshold``, ``k_from_density``, ``resolve_k``:
-  pure functions on any tree of tensors;
+  ``topk_indices``, ``gaussian_threshold``: pure functions on any tree of tensors;
+* :mod:`~functopk.sparse.k`: what ``k`` is, the one home of the count kept:
+  ``k_from_density``, ``resolve_k``, and what a kernel takes from a tensor ``k``;
 * :mod:`~functopk.sparse.updates`: :class:`SparseUpdates` and
   ``apply_sparse_updates`` / ``apply_sparse_updates_``;
-* :mod:`~functopk.sparse.dispatch`: the one place that picks a kernel and
-  normalises ``k``, returning a result type of :mod:`~functopk.sparse.selection`
-  (``Indices``, ``Mask``, ``Threshold``, ``HostThreshold``);
+* :mod:`~functopk.sparse.dispatch`: the one place that picks a kernel,
+  returning a :class:`~functopk.sparse.selection.Selection` (``Indices``,
+  ``Mask``, ``Threshold``, ``HostThreshold`` of :mod:`~functopk.sparse.selection`,
+  or ``ExactOp`` of :mod:`~functopk.sparse.ops`);
 * :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
 * :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
 * :mod:`~functopk.sparse.config`: :class:`KernelConfig`, their tuning constants.
@@ -15,9 +17,10 @@
 The transformation form, :func:`functopk.topk`, lives in :mod:`functopk.compress`.
 """
 
-from functopk.sparse.api import gaussian_threshold, k_from_density, resolve_k, topk_indices, topk_mask, topk_sparsify
+from functopk.sparse.api import gaussian_threshold, topk_indices, topk_mask, topk_sparsify
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.dispatch import SlowPathWarning
+from functopk.sparse.k import k_from_density, resolve_k
 from functopk.sparse.updates import SparseUpdates, apply_sparse_updates, apply_sparse_updates_
 
 __all__ = [

@@ -27,6 +27,7 @@ Selection rules (shared by the exact methods ``"exact"`` and ``"torch"``):
   and values beyond int64 give ``n``). A NaN ``k`` is a ``ValueError`` where
   ``k`` is read on the host anyway (the eager exact kernel); elsewhere (static
   kernels, compiled code) it means ``k = n``: keep everything, lose nothing.
+  :mod:`functopk.sparse.k` holds these rules.
 
 Methods (``method=``; see ``docs/topk.md`` for measurements and the compile table):
 
@@ -55,81 +56,27 @@ the speed, never the result.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import optree
 import torch
 
-from functopk._checks import check_density, check_k, check_k_or_density, check_leaves, one_device
+from functopk._checks import check_k, check_k_or_density, check_leaves, one_device
 from functopk.sparse import dispatch
 from functopk.sparse.config import KernelConfig
-from functopk.sparse.dispatch import KLike, tensor_count
+from functopk.sparse.k import KLike, k_on_device, resolve_k
 from functopk.sparse.kernels.approx import gaussian_threshold_flat
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES, common_dtype
 from functopk.sparse.updates import SparseUpdates
 from functopk.tree.maths import PyTree
 
 __all__ = [
-    "KLike",
     "gaussian_threshold",
-    "k_from_density",
-    "resolve_k",
     "sparse_leaves",
     "topk_indices",
     "topk_mask",
     "topk_sparsify",
 ]
-
-
-def k_from_density(density: float | torch.Tensor, numel: int) -> KLike:
-    """The number of coordinates kept at ``density``: ``round(density * numel)``, at least 1.
-
-    A 0-d tensor ``density`` gives a 0-d int64 tensor clamped to ``[1, numel]``
-    on device (no host sync): ``inf`` or a product beyond int64 gives
-    ``numel``, and so does NaN (keep everything: nothing is lost).
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> ft.sparse.k_from_density(0.01, 25_557_032)
-        255570
-        >>> ft.sparse.k_from_density(1e-9, 1000)
-        1
-        >>> ft.sparse.k_from_density(torch.tensor(float("nan")), 1000)
-        tensor(1000)
-    """
-    density = check_density(density)
-    if numel < 1:
-        raise ValueError(f"numel must be >= 1, got {numel}")
-    if isinstance(density, torch.Tensor):
-        return tensor_count(torch.floor(density.to(torch.float64) * numel + 0.5), numel, rounded=True)
-    return min(numel, max(1, math.floor(density * numel + 0.5)))
-
-
-def resolve_k(k: Any, density: Any, numel: int, *, name: str = "updates") -> KLike:
-    """The count to keep from exactly one of ``k`` and ``density`` (already type-checked), for a tree of ``numel``.
-
-    An int ``k`` must be at most ``numel``; a 0-d tensor ``k`` is returned as it
-    is (the selection rounds and clamps it, see
-    :func:`functopk.sparse.dispatch.tensor_count`); a density becomes
-    :func:`k_from_density`. A tree with no coordinates (for example all-``None``
-    gradients) is a ``ValueError`` that says so.
-
-    Example:
-        >>> import functopk as ft
-        >>> ft.sparse.resolve_k(None, 0.5, 10), ft.sparse.resolve_k(3, None, 10)
-        (5, 3)
-    """
-    if numel < 1:
-        raise ValueError(
-            f"{name} has no coordinates: every leaf is empty or None (were all gradients None? "
-            "check that the loss depends on the parameters and that they require grad)"
-        )
-    if k is None:
-        return k_from_density(density, numel)
-    if not isinstance(k, torch.Tensor) and k > numel:
-        raise ValueError(f"k={k} exceeds the number of coordinates in {name} ({numel})")
-    return k
 
 
 def sparse_leaves(tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
@@ -265,7 +212,7 @@ def gaussian_threshold(
     leaves, _ = sparse_leaves(tree, "tree")
     numel = sum(x.numel() for x in leaves)
     if k is not None:
-        density = dispatch.device_count(resolve_k(k, None, numel, name="the tree"), numel) / numel
+        density = k_on_device(resolve_k(k, None, numel, name="the tree"), numel) / numel
     elif numel < 1:
         resolve_k(None, density, numel, name="the tree")
     flats = [x.detach().reshape(-1) for x in leaves]

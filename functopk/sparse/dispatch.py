@@ -5,7 +5,8 @@
 compiled graphs, and the static kernels, and the only place that turns a tensor
 ``k`` into what a kernel takes. The route (:func:`route`) depends on where the
 leaves are and how the code runs (kernels in :mod:`~functopk.sparse.kernels`,
-result types in :mod:`~functopk.sparse.selection` and :mod:`~functopk.sparse.ops`):
+result types in :mod:`~functopk.sparse.selection` and :mod:`~functopk.sparse.ops`, all
+of them a :class:`~functopk.sparse.selection.Selection`):
 
 ===============  ==============================  ===============================  ============================
 ``method``       ``"eager"`` (eager, CPU)        ``"op"`` (compiling, CPU)        ``"static"`` (other devices,
@@ -23,45 +24,41 @@ result types in :mod:`~functopk.sparse.selection` and :mod:`~functopk.sparse.ops
 So ``"exact"`` selects the same coordinates on every route, and eager and
 compiled CPU code run the very same kernel (bit-identical outputs).
 
-A tensor ``k`` (rounded if it is a float) is clamped to ``[1, n]`` by
-:func:`tensor_count`: ``inf`` or a value beyond int64 becomes ``n``, ``-inf``
-becomes 1. The exact CPU kernel reads ``k`` on the host anyway (eager, or
-inside the operator: a CPU scalar, no device synchronisation), and there a NaN
-``k`` is a ``ValueError``; the static kernels never read it, and there NaN
-becomes ``n`` ("keep everything": nothing is lost).
+What ``k`` becomes is decided in :mod:`functopk.sparse.k`: the exact CPU
+kernel reads it on the host anyway (:func:`~functopk.sparse.k.k_on_host`;
+eager, or inside the operator: a CPU scalar, no device synchronisation), and
+there a NaN ``k`` is a ``ValueError``; the static kernels never read it
+(:func:`~functopk.sparse.k.k_on_device`), and there NaN becomes ``n`` ("keep
+everything": nothing is lost).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.k import KLike, k_on_device, k_on_host
 from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
 from functopk.sparse.kernels.base import common_dtype, flat_magnitudes
 from functopk.sparse.kernels.exact import select_exact
 from functopk.sparse.kernels.static import mask_static
-from functopk.sparse.ops import ExactOp, host_count
+from functopk.sparse.ops import ExactOp
 from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
 
 __all__ = [
-    "KLike",
     "METHODS",
     "SLOW_STATIC_NUMEL",
     "SlowPathWarning",
+    "TENSOR_K_FRACTION",
     "check_method",
-    "device_count",
     "route",
     "select",
-    "tensor_count",
 ]
 
 METHODS = ("exact", "torch", "approx", "gaussian")
-
-KLike = Union[int, torch.Tensor]
-"""A count: a Python int, or a 0-d tensor (integer, or float rounded to the nearest integer)."""
 
 
 def check_method(method: Any) -> str:
@@ -84,31 +81,17 @@ def route(leaves: list[torch.Tensor]) -> str:
     return "op" if torch.compiler.is_compiling() else "eager"
 
 
-def tensor_count(k: torch.Tensor, n: int, *, rounded: bool = False) -> torch.Tensor:
-    """A 0-d count tensor as int64 in ``[1, n]``, on device, without reading it.
-
-    A float ``k`` is rounded half to even (unless ``rounded``: already an
-    integer value); ``+inf`` and values beyond int64 become ``n``, ``-inf``
-    becomes 1, NaN becomes ``n`` (keep everything: nothing is lost).
-
-    Example:
-        >>> import torch
-        >>> [int(tensor_count(torch.tensor(v), 10)) for v in (2.5, float("nan"), float("inf"), 1e30, -3.0)]
-        [2, 10, 10, 10, 1]
-    """
-    if k.is_floating_point():
-        k = k if rounded else torch.round(k.to(torch.float64))
-        k = torch.nan_to_num(k, nan=float(n), posinf=float(n), neginf=1.0).clamp(1, n)
-    return k.to(torch.int64).clamp(1, n)
-
-
-def device_count(k: KLike, n: int) -> KLike:
-    """``k`` as the static kernels take it: an int as it is, a tensor through :func:`tensor_count` (no host read)."""
-    return k if isinstance(k, int) else tensor_count(k, n)
-
-
 SLOW_STATIC_NUMEL = 1 << 20
 """Trees this large get :class:`SlowPathWarning` when ``"exact"`` falls back to the static kernel on the CPU."""
+
+TENSOR_K_FRACTION = 0.01
+"""The share of kept coordinates :class:`~.selection.HostThreshold` tunes its scan for when ``k`` is a tensor.
+
+The share only picks the scan strategy, never the result, and a tensor ``k``
+is not read on the host to learn it; 1% is a typical compression density, for
+which the default config scans directly over int64 words (between
+``column_max_fraction`` and ``words_max_fraction``).
+"""
 
 
 class SlowPathWarning(UserWarning):
@@ -132,16 +115,17 @@ def _warn_static_on_cpu(n: int) -> None:
         )
 
 
-def select(
-    leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConfig | None = None
-) -> Selection | ExactOp:
+def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConfig | None = None) -> Selection:
     """Run the kernel that ``method`` and the context call for on ``leaves`` (see the module table).
 
     Args:
         leaves: The checked leaves (supported floats, one device, at least one coordinate).
-        k: An int in ``[1, n]`` (checked), or a 0-d tensor (clamped by :func:`tensor_count`).
+        k: An int in ``[1, n]`` (checked), or a 0-d tensor (clamped by :func:`~functopk.sparse.k.clamp_k`).
         method: One of :data:`METHODS` (checked).
         config: The kernels' tuning constants (default: :data:`~.config.DEFAULT_CONFIG`).
+
+    Returns:
+        A :class:`~.selection.Selection`: ask it for the output (``dense``, ``masks`` or ``sparse``).
 
     Example:
         >>> import torch
@@ -160,16 +144,16 @@ def select(
     n = sum(x.numel() for x in leaves)
     flats = [x.detach().reshape(-1) for x in leaves]
     if method == "exact" and where == "eager":
-        return Indices(*select_exact(flats, host_count(k, n), dtype, config))
-    count = device_count(k, n)
+        return Indices(*select_exact(flats, k_on_host(k, n), dtype, config))
+    k = k_on_device(k, n)
     if method == "exact" and leaves[0].device.type == "cpu" and n >= SLOW_STATIC_NUMEL:
         _warn_static_on_cpu(n)
     if method in ("exact", "torch"):
-        return Mask(mask_static(flat_magnitudes(flats, dtype), count), count)
+        return Mask(mask_static(flat_magnitudes(flats, dtype), k), k)
     if method == "approx":
-        t = sample_threshold(flats, count, dtype)
+        t = sample_threshold(flats, k, dtype)
     else:
-        t = gaussian_threshold_flat(flats, count / n, dtype)
+        t = gaussian_threshold_flat(flats, k / n, dtype)
     if where == "eager":
-        return HostThreshold(t, count / n if isinstance(count, int) else 0.01, config)
+        return HostThreshold(t, k / n if isinstance(k, int) else TENSOR_K_FRACTION, config)
     return Threshold(t)

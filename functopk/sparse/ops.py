@@ -6,14 +6,20 @@ threshold on the host and returns data-dependent shapes, which
 ``torch.library.custom_op``, it becomes one node of the compiled graph whose
 output shapes are known in advance:
 
-=========================  ==========================================  ============================
-operator                   output                                      shape (fake implementation)
-=========================  ==========================================  ============================
-``functopk::topk_dense``   the sparsified leaves                       the leaves' shapes and dtypes
-``functopk::topk_masks``   boolean leaves                              the leaves' shapes
-``functopk::topk_indices`` sorted flat indices and values              ``(k,)`` for an int ``k``;
-                                                                       data-dependent for a tensor ``k``
-=========================  ==========================================  ============================
+=========================  =====================  ==================================  ============================
+operator                   Python name            output                              shape (fake implementation)
+=========================  =====================  ==================================  ============================
+``functopk::topk_dense``   :func:`exact_dense`    the sparsified leaves               the leaves' shapes and dtypes
+``functopk::topk_masks``   :func:`exact_masks`    boolean leaves                      the leaves' shapes
+``functopk::topk_indices`` :func:`exact_indices`  sorted flat indices and values      ``(k,)`` for an int ``k``;
+                                                                                      data-dependent for a tensor
+                                                                                      ``k``
+=========================  =====================  ==================================  ============================
+
+Each takes ``(leaves, k, k_tensor, config)``: ``k`` an int and ``k_tensor``
+``None``, or ``k_tensor`` a 0-d tensor (then ``k`` is unused, 0), and
+``config`` the :class:`~functopk.sparse.config.KernelConfig` as floats
+(:func:`config_values`).
 
 So a ``fullgraph=True`` step compiles without a graph break, runs the eager
 kernel at eager speed, and selects bit for bit what eager mode selects. Values
@@ -37,11 +43,13 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk.sparse.config import KernelConfig
+from functopk.sparse.k import k_on_host
 from functopk.sparse.kernels.base import common_dtype
 from functopk.sparse.kernels.exact import select_exact
 from functopk.sparse.selection import Indices, sparse_updates
+from functopk.sparse.updates import SparseUpdates
 
-__all__ = ["ExactOp", "config_values", "host_count", "topk_dense", "topk_indices", "topk_masks"]
+__all__ = ["ExactOp", "config_values", "exact_dense", "exact_indices", "exact_masks"]
 
 _FIELDS = dataclasses.fields(KernelConfig)
 
@@ -63,83 +71,66 @@ def _config(values: list[float]) -> KernelConfig:
     return KernelConfig(**kw)
 
 
-def host_count(k: int | torch.Tensor, n: int) -> int:
-    """``k`` as a Python int in ``[1, n]`` (a tensor is read on the host); a NaN tensor ``k`` is a ``ValueError``.
-
-    Example:
-        >>> import torch
-        >>> host_count(torch.tensor(2.5), 10), host_count(7, 10)
-        (2, 7)
-    """
-    from functopk.sparse.dispatch import tensor_count  # dispatch imports this module
-
-    if not isinstance(k, torch.Tensor):
-        return k
-    if k.is_floating_point() and bool(torch.isnan(k)):
-        raise ValueError(f"k is NaN; expected a count in [1, {n}] (a 0-d tensor k is rounded and clamped to it)")
-    return int(tensor_count(k, n))
-
-
-def _indices(leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]) -> Indices:
+def _indices(leaves: list[torch.Tensor], k: int, k_tensor: torch.Tensor | None, config: list[float]) -> Indices:
     """The eager exact kernel on the operator's (real) inputs."""
-    kk = host_count(count if count is not None else k, sum(x.numel() for x in leaves))
+    k = k_on_host(k_tensor if k_tensor is not None else k, sum(x.numel() for x in leaves))
     flats = [x.detach().reshape(-1) for x in leaves]
-    return Indices(*select_exact(flats, kk, common_dtype(leaves), _config(config)))
+    return Indices(*select_exact(flats, k, common_dtype(leaves), _config(config)))
 
 
 def _per_leaf_op(output: str, dtype_of: Callable[[torch.Tensor], torch.dtype]):
     """Register ``functopk::topk_<output>``: one output per leaf, with the leaf's shape (``Indices.<output>``)."""
 
     def impl(
-        leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]
+        leaves: list[torch.Tensor], k: int, k_tensor: torch.Tensor | None, config: list[float]
     ) -> list[torch.Tensor]:
-        return getattr(_indices(leaves, k, count, config), output)(leaves)
+        return getattr(_indices(leaves, k, k_tensor, config), output)(leaves)
 
     op = torch.library.custom_op(f"functopk::topk_{output}", impl, mutates_args=())
 
     @op.register_fake
-    def _(leaves, k, count, config):
+    def _(leaves, k, k_tensor, config):
         return [torch.empty(x.shape, dtype=dtype_of(x), device=x.device) for x in leaves]
 
     return op
 
 
-topk_dense = _per_leaf_op("dense", lambda x: x.dtype)
-"""``topk_dense(leaves, k, count, config)``: the sparsified leaves, zeros except the exact top ``k`` (or ``count``).
+exact_dense = _per_leaf_op("dense", lambda x: x.dtype)
+"""``exact_dense(leaves, k, k_tensor, config)``: the sparsified leaves, zeros except the exact top ``k``.
 
 >>> from functopk.sparse.config import DEFAULT_CONFIG
->>> topk_dense([torch.tensor([1.0, -3.0, 2.0])], 1, None, config_values(DEFAULT_CONFIG))
+>>> exact_dense([torch.tensor([1.0, -3.0, 2.0])], 1, None, config_values(DEFAULT_CONFIG))
 [tensor([ 0., -3.,  0.])]
 """
 
-topk_masks = _per_leaf_op("masks", lambda x: torch.bool)
-"""``topk_masks(leaves, k, count, config)``: boolean leaves, True at the exact top ``k`` (or ``count``).
+exact_masks = _per_leaf_op("masks", lambda x: torch.bool)
+"""``exact_masks(leaves, k, k_tensor, config)``: boolean leaves, True at the exact top ``k``.
 
 >>> from functopk.sparse.config import DEFAULT_CONFIG
->>> topk_masks([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
+>>> exact_masks([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
 [tensor([False,  True,  True])]
 """
 
 
 @torch.library.custom_op("functopk::topk_indices", mutates_args=())
-def topk_indices(
-    leaves: list[torch.Tensor], k: int, count: torch.Tensor | None, config: list[float]
+def exact_indices(
+    leaves: list[torch.Tensor], k: int, k_tensor: torch.Tensor | None, config: list[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ascending flat indices and their values (common dtype) of the exact top ``k`` (or ``count``).
+    """Ascending flat indices and their values (common dtype) of the exact top ``k`` (or ``k_tensor``).
 
     Example:
         >>> import torch
         >>> from functopk.sparse.config import DEFAULT_CONFIG
-        >>> topk_indices([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
+        >>> exact_indices([torch.tensor([1.0, -3.0, 2.0])], 2, None, config_values(DEFAULT_CONFIG))
         (tensor([1, 2]), tensor([-3.,  2.]))
     """
-    idx, vals = _indices(leaves, k, count, config)
+    idx, vals = _indices(leaves, k, k_tensor, config)
     return idx, vals
 
 
-@topk_indices.register_fake
-def _(leaves, k, count, config):
-    if count is None:
+@exact_indices.register_fake
+def _(leaves, k, k_tensor, config):
+    if k_tensor is None:
         size = k
     else:
         size = torch.library.get_ctx().new_dynamic_size(min=1, max=sum(x.numel() for x in leaves))
@@ -151,8 +142,8 @@ def _(leaves, k, count, config):
 class ExactOp(NamedTuple):
     """The exact top-k, to be computed by the custom operators (what :func:`~.dispatch.select` returns when compiling).
 
-    Each output calls the one operator that produces it, so a compiled graph
-    holds one opaque node per selection.
+    A :class:`~functopk.sparse.selection.Selection`: each output calls the one
+    operator that produces it, so a compiled graph holds one opaque node per selection.
     """
 
     k: int
@@ -161,13 +152,13 @@ class ExactOp(NamedTuple):
 
     def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The sparsified leaves (``functopk::topk_dense``)."""
-        return topk_dense(leaves, self.k, self.k_tensor, config_values(self.config))
+        return exact_dense(leaves, self.k, self.k_tensor, config_values(self.config))
 
     def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """Boolean leaves (``functopk::topk_masks``)."""
-        return topk_masks(leaves, self.k, self.k_tensor, config_values(self.config))
+        return exact_masks(leaves, self.k, self.k_tensor, config_values(self.config))
 
-    def sparse(self, leaves: list[torch.Tensor]):
+    def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
         """A :class:`~functopk.SparseUpdates` (``functopk::topk_indices``)."""
-        idx, vals = topk_indices(leaves, self.k, self.k_tensor, config_values(self.config))
+        idx, vals = exact_indices(leaves, self.k, self.k_tensor, config_values(self.config))
         return sparse_updates(leaves, idx, vals)

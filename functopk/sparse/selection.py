@@ -1,11 +1,12 @@
 """What a selection kernel produced, as small result types that know how to become each output.
 
-:func:`functopk.sparse.dispatch.select` returns one of them; the public
-functions only ask it for the output they return:
+:func:`functopk.sparse.dispatch.select` returns one of them, typed as the
+one protocol they all follow, :class:`Selection`; the public functions only
+ask it for the output they return:
 
-* :meth:`dense` the sparsified leaves (kept values bit-exact, zeros elsewhere);
-* :meth:`masks` boolean leaves;
-* :meth:`sparse` a :class:`~functopk.sparse.SparseUpdates`.
+* :meth:`~Selection.dense` the sparsified leaves (kept values bit-exact, zeros elsewhere);
+* :meth:`~Selection.masks` boolean leaves;
+* :meth:`~Selection.sparse` a :class:`~functopk.sparse.SparseUpdates`.
 
 =====================  =============================================  ==========================
 type                   made by                                        shapes
@@ -14,12 +15,14 @@ type                   made by                                        shapes
 :class:`Mask`          the static exact kernel (flat boolean mask)     static
 :class:`Threshold`     an approximate threshold, static comparisons    static (dense outputs)
 :class:`HostThreshold` the same in eager CPU mode, read on the host    data-dependent, eager only
+``ops.ExactOp``        the eager exact kernel as custom operators     as :class:`Indices`, compiled
+                       (compiling on the CPU)
 =====================  =============================================  ==========================
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -30,6 +33,28 @@ from functopk.sparse.updates import SparseUpdates
 from functopk.tree.layout import FlatLayout
 
 __all__ = ["HostThreshold", "Indices", "Mask", "Selection", "Threshold", "sparse_updates"]
+
+
+@runtime_checkable
+class Selection(Protocol):
+    """What :func:`functopk.sparse.dispatch.select` returns: a selection that can become each output.
+
+    Every result type of this module follows it, and so does
+    :class:`~functopk.sparse.ops.ExactOp`; each method takes the leaves the
+    selection was made from.
+    """
+
+    def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sparsified leaves: the selected values (bit-exact), zeros elsewhere."""
+        ...
+
+    def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Boolean leaves, True at the selected coordinates."""
+        ...
+
+    def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
+        """The selected coordinates as a :class:`~functopk.SparseUpdates`."""
+        ...
 
 
 def sparse_updates(leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor) -> SparseUpdates:
@@ -162,6 +187,3 @@ class HostThreshold(NamedTuple):
         idx, vals = scan_above(flats, t, common_dtype(leaves), self.fraction, self.config)
         return sparse_updates(leaves, idx, vals)
 
-
-Selection = Union[Indices, Mask, Threshold, HostThreshold]
-"""What :func:`functopk.sparse.dispatch.select` returns."""

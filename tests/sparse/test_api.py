@@ -198,29 +198,6 @@ def test_works_under_torch_func_grad(device):
     assert torch.equal(out["w"], torch.tensor([0.0, -6.0, 4.0])) and torch.equal(out["b"], torch.tensor([0.0]))
 
 
-def test_k_from_density(device):
-    assert ft.sparse.k_from_density(0.01, 25600) == 256
-    assert ft.sparse.k_from_density(1.0, 7) == 7
-    assert ft.sparse.k_from_density(1e-12, 7) == 1
-    assert ft.sparse.k_from_density(0.5, 7) == 4  # round half up: floor(3.5 + 0.5)
-    k = ft.sparse.k_from_density(torch.tensor(0.5, device=device), 7)
-    assert k.dtype == torch.int64 and int(k) == 4 and k.device == torch.device(device)
-    with pytest.raises(ValueError, match="numel must be >= 1"):
-        ft.sparse.k_from_density(0.5, 0)
-
-
-def test_resolve_k():
-    assert ft.sparse.resolve_k(3, None, 10) == 3
-    assert ft.sparse.resolve_k(None, 0.25, 10) == 3  # floor(2.5 + 0.5)
-    k = torch.tensor(99.0)
-    assert ft.sparse.resolve_k(k, None, 10) is k  # a tensor k is clamped by the selection, not here
-    with pytest.raises(ValueError, match=r"k=11 exceeds the number of coordinates in grads \(10\)"):
-        ft.sparse.resolve_k(11, None, 10, name="grads")
-    with pytest.raises(ValueError, match="grads has no coordinates.*were all gradients None"):
-        ft.sparse.resolve_k(1, None, 0, name="grads")
-
-
-
 # --------------------------------------------------------------------------- bad input, one row each
 
 GOOD = {"w": torch.ones(3), "b": torch.ones(2)}
@@ -338,16 +315,6 @@ def test_nan_tensor_k_raises_in_the_eager_exact_kernel():
             fn(tree, torch.tensor(math.nan))
 
 
-def test_tensor_density_nan_inf_or_huge_gives_n_not_1(device):
-    for value in (math.nan, math.inf, 1e30):
-        k = ft.sparse.k_from_density(torch.tensor(value, dtype=torch.float64, device=device), 1000)
-        assert k.dtype == torch.int64 and int(k) == 1000
-    assert int(ft.sparse.k_from_density(torch.tensor(-math.inf, device=device), 1000)) == 1
-    assert int(ft.sparse.k_from_density(torch.tensor(1e-9, device=device), 1000)) == 1
-
-
-
-
 # --------------------------------------------------------------------------- gaussian_threshold
 
 
@@ -398,8 +365,6 @@ def test_gaussian_threshold_nan_density_counts_as_one(device):
     for where in dict.fromkeys(("cpu", device)):
         assert float(ft.sparse.gaussian_threshold(tree, density=torch.tensor(math.nan, device=where))) == 0.0
         assert float(ft.sparse.gaussian_threshold(tree, torch.tensor(math.nan, device=where))) == 0.0
-
-
 
 
 # --------------------------------------------------------------------------- compile

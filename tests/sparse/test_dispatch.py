@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import typing
 import warnings
 
 import optree
@@ -11,7 +12,8 @@ import torch
 
 import functopk as ft
 from functopk.sparse import dispatch
-from functopk.sparse.selection import HostThreshold, Indices, Mask, Threshold
+from functopk.sparse.ops import ExactOp
+from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
 from tests.helpers import assert_tree_bitwise_equal, bits
 
 
@@ -69,19 +71,29 @@ def test_eager_and_static_result_types_give_the_same_outputs(method):
         assert se.numel == ss.numel == 62 and se.sizes == ss.sizes == (40, 15, 7)
 
 
-def test_tensor_count():
-    n = 10
-    cases = {2.4: 2, 2.5: 2, 3.5: 4, 0.0: 1, -5.0: 1, 99.0: 10, math.inf: 10, -math.inf: 1, 1e30: 10, 2.0**63: 10,
-             math.nan: 10}
-    for value, expected in cases.items():
-        for dtype in (torch.float16, torch.float32, torch.float64):
-            if abs(value) > 6e4 and not math.isinf(value) and dtype == torch.float16:
-                continue
-            got = dispatch.tensor_count(torch.tensor(value, dtype=dtype), n)
-            assert got.dtype == torch.int64 and int(got) == expected, (value, dtype)
-    for value, expected in {-(2**62): 1, 2**62: 10, 3: 3}.items():
-        assert int(dispatch.tensor_count(torch.tensor(value), n)) == expected
-    assert int(dispatch.tensor_count(torch.tensor(7, dtype=torch.uint8), n)) == 7
+def test_select_returns_one_type_on_every_route(monkeypatch):
+    """Eager, static and compiling (the operator) routes all return a Selection; ExactOp selects like Indices."""
+    assert typing.get_type_hints(dispatch.select)["return"] is Selection
+    leaves = _leaves()
+    grad_leaves = [x.clone().requires_grad_() for x in leaves]
+    for method in dispatch.METHODS:
+        for k in (5, torch.tensor(5)):
+            assert isinstance(dispatch.select(leaves, k, method), Selection)
+            assert isinstance(dispatch.select(grad_leaves, k, method), Selection)
+    eager = dispatch.select(leaves, 5, "exact")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the route of a compiled graph
+    for k in (5, torch.tensor(5)):
+        op = dispatch.select(leaves, k, "exact")
+        assert type(op) is ExactOp and isinstance(op, Selection)
+        assert_tree_bitwise_equal(op.dense(leaves), eager.dense(leaves))
+        assert_tree_bitwise_equal(op.masks(leaves), eager.masks(leaves))
+        assert torch.equal(op.sparse(leaves).indices, eager.sparse(leaves).indices)
+
+
+def test_a_tensor_k_tunes_the_host_threshold_scan_for_the_named_fraction():
+    leaves = _leaves()
+    assert dispatch.select(leaves, torch.tensor(5), "approx").fraction == dispatch.TENSOR_K_FRACTION
+    assert dispatch.select(leaves, 5, "approx").fraction == 5 / 62  # an int k: its own share
 
 
 def test_nan_k_raises_only_where_k_is_read_on_the_host():

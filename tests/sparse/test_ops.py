@@ -89,10 +89,17 @@ def test_opcheck():
     """torch.library.opcheck: schema, fake implementations, no aliasing, consistent with the real kernel."""
     leaves = [torch.randn(50), torch.randn(4, 5, dtype=torch.float64), torch.randn(7).half()]
     cfg = ops.config_values(COLUMNS)
-    for op in (ops.topk_dense, ops.topk_masks, ops.topk_indices):
+    for op in (ops.exact_dense, ops.exact_masks, ops.exact_indices):
         torch.library.opcheck(op, (leaves, 6, None, cfg), test_utils=("test_schema", "test_faketensor"))
-    for op in (ops.topk_dense, ops.topk_masks):
+    for op in (ops.exact_dense, ops.exact_masks):
         torch.library.opcheck(op, (leaves, 0, torch.tensor(6), cfg), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_operator_arguments_name_k_never_count():
+    """``count`` is the step counter everywhere else: the operators take ``k`` and ``k_tensor``."""
+    for name in ("topk_dense", "topk_masks", "topk_indices"):
+        schema = getattr(torch.ops.functopk, name).default._schema
+        assert [a.name for a in schema.arguments] == ["leaves", "k", "k_tensor", "config"], name
 
 
 def test_config_round_trips_through_the_operator_arguments():

@@ -143,23 +143,27 @@ class Scanner:
                 self.direct(seg[s : s + segment], start + s)
             return
         m = seg.numel()
-        per = 8 // seg.element_size()
-        padded = -(-m // per) * per
+        per = 8 // seg.element_size()  # values per int64 word
+        padded = -(-m // per) * per  # m rounded up to whole words
         buf = self._buffer(seg.dtype)
+        # Step I: candidates keep their value, every other coordinate becomes +0 (all bits 0)
         torch.ops.aten.hardshrink.out(seg, self._limit(seg.dtype), out=buf[:m])
         if self.fraction > self.config.words_max_fraction:  # dense candidates: words would mostly be hits
+            # Step II, dense: the non-zero values are the candidates
             nz = buf[:m].nonzero().view(-1)
             self._count(nz.numel())
             if nz.numel():
                 self.dense.append((nz.add(start), buf.index_select(0, nz).to(self.dtype)))
             return
         if padded > m:
-            buf[m:padded].zero_()
-        w = buf[:padded].view(torch.int64).nonzero().view(-1)
-        self._count(w.numel())
-        if w.numel():
-            words = buf[:padded].view(-1, per).index_select(0, w)  # copies: the buffer is reused
-            self.words.setdefault(seg.dtype, []).append((words, w.mul_(per).add_(start)))
+            buf[m:padded].zero_()  # the last word's padding must read as "no candidate"
+        # Step II, sparse: a word is hit when one of its values is a candidate (non-zero bits); few are
+        hit_words = buf[:padded].view(torch.int64).nonzero().view(-1)
+        self._count(hit_words.numel())
+        if hit_words.numel():
+            words = buf[:padded].view(-1, per).index_select(0, hit_words)  # copies: the buffer is reused
+            # Step III: keep the hit words and the flat index of each one's first value (see _expand_words)
+            self.words.setdefault(seg.dtype, []).append((words, hit_words.mul_(per).add_(start)))
 
     def _packed(self, pending: list[torch.Tensor], start: int) -> None:
         size = sum(f.numel() for f in pending)
@@ -186,53 +190,68 @@ class Scanner:
             self.direct(block[rows * cols :], start + rows * cols)
 
     def _expand_words(self, leaf_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidates inside the hit words of the direct scan: sorted (indices, values)."""
         parts = self.words.pop(leaf_dtype)
-        words = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        base = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        words = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]  # (hit words, per)
+        first = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]  # flat index of each word
         per = words.shape[1]
         flat = words.view(-1)
-        q = flat.nonzero().view(-1)
-        self._count(q.numel() - words.shape[0])  # the exact count replaces the count of hit words
-        idx = base.index_select(0, q // per).add_(q % per)
-        return idx, flat.index_select(0, q).to(self.dtype)
+        pos = flat.nonzero().view(-1)  # candidates' positions among the hit words' values
+        self._count(pos.numel() - words.shape[0])  # the exact count replaces the count of hit words
+        # value ``pos`` is value ``pos % per`` of hit word ``pos // per``
+        idx = first.index_select(0, pos // per).add_(pos % per)
+        return idx, flat.index_select(0, pos).to(self.dtype)
 
     def _expand_columns(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Candidates of the column blocks, one sorted (indices, values) pair per leaf dtype."""
+        """Candidates of the column blocks, one sorted (indices, values) pair per leaf dtype.
+
+        Block ``mat`` views the leaf from flat index ``start`` as ``(rows, n_cols)``, so its element
+        ``(row, col)`` is flat index ``start + row * n_cols + col``. Only its hit columns are read:
+        gathered as a ``(rows, width)`` matrix, ``width`` its number of hit columns.
+        """
         rows = self.rows
+        # Step I: the hit columns of all blocks, numbered block after block, ascending
         hit = torch.cat(self.colhits) if len(self.colhits) > 1 else self.colhits[0]
         self.colhits = []
+        # a column of ``rows`` coordinates is hit with probability about 1 - (1 - fraction) ** rows
         hit_cols = nonzero_1d(hit, 1.0 - (1.0 - self.fraction) ** rows)
         del hit
         self._count(hit_cols.numel())  # each hit column holds at least one candidate
-        col_offsets = [0]
+        # Step II: per block, gather its hit columns (block i holds columns first_col[i] to first_col[i + 1] - 1)
+        first_col = [0]
         for mat, _ in self.blocks:
-            col_offsets.append(col_offsets[-1] + mat.shape[1])
-        bounds = torch.searchsorted(hit_cols, torch.tensor(col_offsets, device=self.device)).tolist()
+            first_col.append(first_col[-1] + mat.shape[1])
+        bounds = torch.searchsorted(hit_cols, torch.tensor(first_col, device=self.device)).tolist()
         groups: dict[torch.dtype, list] = {}
-        for (mat, start), off, lo, hi in zip(self.blocks, col_offsets, bounds, bounds[1:]):
+        for (mat, start), off, lo, hi in zip(self.blocks, first_col, bounds, bounds[1:]):
             if hi > lo:
-                cols = hit_cols[lo:hi] - off
+                cols = hit_cols[lo:hi] - off  # the block's own column numbers
+                # row-major: gathered element (row, j) lands at row * width + j
                 groups.setdefault(mat.dtype, []).append((mat.index_select(1, cols).view(-1), cols, start, mat.shape[1]))
         out = []
+        # Step III: per leaf dtype, keep the candidates among the gathered elements and find their flat indices
         for leaf_dtype, blocks in groups.items():
-            subs = torch.cat([b[0] for b in blocks])
+            gathered = torch.cat([b[0] for b in blocks])
             # hardshrink keeps the candidates' values (|x| > t, NaN) and zeros the rest, in place
-            subs = torch.ops.aten.hardshrink.out(subs, self._limit(leaf_dtype), out=subs)
-            q = subs.nonzero().view(-1)
-            hits = [b[1].numel() for b in blocks]
-            self._count(q.numel() - sum(hits))  # the exact count replaces the count of hit columns
-            if not q.numel():
+            gathered = torch.ops.aten.hardshrink.out(gathered, self._limit(leaf_dtype), out=gathered)
+            pos = gathered.nonzero().view(-1)  # candidates' positions in ``gathered``
+            widths = [b[1].numel() for b in blocks]  # hit columns per block
+            self._count(pos.numel() - sum(widths))  # the exact count replaces the count of hit columns
+            if not pos.numel():
                 continue
-            # per-candidate lookups of its block: (elements before it, hit columns, columns, start)
-            elem_off = torch.tensor([0] + [rows * h for h in hits], device=self.device).cumsum(0)
-            b = torch.searchsorted(elem_off, q, right=True) - 1
-            table = torch.tensor([[h, c, s] for (_, _, s, c), h in zip(blocks, hits)], device=self.device)
-            h_b, cols_b, start_b = table.index_select(0, b).unbind(1)
-            local = q - elem_off.index_select(0, b)
-            r = torch.div(local, h_b, rounding_mode="floor")
-            col_base = torch.tensor([0] + hits, device=self.device).cumsum(0).index_select(0, b)
-            col = torch.cat([blk[1] for blk in blocks]).index_select(0, col_base + local - r * h_b)
-            out.append((start_b + r * cols_b + col, subs.index_select(0, q).to(self.dtype)))
+            # the blocks' gathers lie end to end in ``gathered``: find each candidate's block
+            gather_start = torch.tensor([0] + [rows * w for w in widths], device=self.device).cumsum(0)
+            block = torch.searchsorted(gather_start, pos, right=True) - 1
+            # per candidate, from its block: the gather's width, the view's n_cols, and the flat start
+            table = torch.tensor([[w, c, s] for (_, _, s, c), w in zip(blocks, widths)], device=self.device)
+            width, n_cols, block_start = table.index_select(0, block).unbind(1)
+            local = pos - gather_start.index_select(0, block)  # position in its block's gather
+            row = torch.div(local, width, rounding_mode="floor")  # its row of the block's view
+            # local - row * width is j, its place among the block's hit columns, whose numbers start at
+            # first_hit in the blocks' ``cols`` laid end to end
+            first_hit = torch.tensor([0] + widths, device=self.device).cumsum(0).index_select(0, block)
+            col = torch.cat([blk[1] for blk in blocks]).index_select(0, first_hit + local - row * width)
+            out.append((block_start + row * n_cols + col, gathered.index_select(0, pos).to(self.dtype)))
         return out
 
     def _scan(self, flats: Sequence[torch.Tensor]) -> None:
