@@ -327,6 +327,28 @@ def torch_duplicate_warning_ignored() -> Iterator[None]:
         yield
 
 
+def group_scalar(value: Any) -> Any:
+    """A ``torch.optim`` param group's value as functopk's hyperparameters take it.
+
+    Used by both sides of torch interop: the ``TORCH_BUILDERS`` tables of :mod:`functopk.optim`
+    and the adapter's registry (:mod:`functopk.adapter.registry`), hence here, below both layers.
+    A number stays as given; a one-element tensor of any shape (torch accepts
+    ``betas=(torch.tensor([[0.9]]), ...)``) becomes a 0-d view of it, so a
+    scheduler's in-place change still reaches the update and its value is not
+    read; a tuple or list (``betas``, ``etas``, ...) is converted element by element.
+
+    Raises:
+        ValueError: a tensor with other than one element.
+    """
+    if isinstance(value, (tuple, list)):
+        return tuple(group_scalar(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"a tensor hyperparameter must have one element, got shape {tuple(value.shape)}")
+        return value.reshape(())
+    return value
+
+
 # --------------------------------------------------------------------------- writing in place
 
 

@@ -20,9 +20,9 @@ import optree
 import torch
 
 from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
-from functopk.adapter.classes import from_torch_optimizer, torch_class
+from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
 from functopk.adapter.groups import ParamGroupOptimizer
-from functopk.adapter.recut import Layout, make_tree, param_names, remap, same_ptree, saved_names
+from functopk.adapter.recut import LastStepParams, make_tree, param_names, remap, same_ptree, saved_names
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
@@ -105,8 +105,9 @@ class TorchOptimizer(torch.optim.Optimizer):
     the learning rates pass as values, so a scheduled ``lr`` may recompile the
     step when it changes unless it is a 0-d tensor (``lr=torch.tensor(0.1)``), as
     for ``torch.optim``. The fully compiled path is the functional one
-    (``tx.update`` in a compiled step). The optimizers made by :meth:`from_torch`
-    do not compile: their compiled step raises ``NotImplementedError``.
+    (``tx.update`` in a compiled step). The optimizers made by
+    :func:`~functopk.optimizer_from_torch` do not compile: their compiled step
+    raises ``NotImplementedError``.
 
     Args:
         params: Parameters, ``(name, parameter)`` pairs, or param-group dicts, as
@@ -157,7 +158,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         # Everything step() changes lives in this dict and is changed by item assignment:
         # torch.compile (dynamo) replays mutations of a dict, but silently drops attribute
         # assignments on torch.optim.Optimizer subclasses (torch 2.14; cf. pytorch/pytorch#171590).
-        self._mutable: dict[str, Any] = {"state": None, "ptree": None, "layout": None, "lr": None}
+        self._mutable: dict[str, Any] = {"state": None, "ptree": None, "last_step": None, "lr": None}
         super().__init__(params, {"lr": check_hyperparam(lr, "lr", minimum=0.0)})
         self._lr_dtype = torch.float32
         if self._injected and any(p.dtype == torch.float64 for g in self.param_groups for p in g["params"]):
@@ -165,6 +166,9 @@ class TorchOptimizer(torch.optim.Optimizer):
             # the injected rate in float64, so that float64 models step exactly as with torch.optim's Python lr
             exact = torch.tensor(float(lr) if not isinstance(lr, torch.Tensor) else lr.item(), dtype=torch.float64)
             self._tx = inject_hyperparams(self._factory)(learning_rate=exact)
+
+    # The optimizer door's older names, kept because user code depends on them (transformers' Trainer
+    # takes a from_torch_class class); they return what functopk.optimizer_from_torch returns.
 
     @classmethod
     def from_torch(
@@ -174,65 +178,32 @@ class TorchOptimizer(torch.optim.Optimizer):
         sparsify: GradientTransformation | None = None,
         **defaults: Any,
     ) -> ParamGroupOptimizer:
-        """A drop-in ``optimizer_class(params, **defaults)``, with ``sparsify`` on all groups' gradients first.
+        """:func:`functopk.optimizer_from_torch` (a kept alias): a drop-in ``optimizer_class(params, **defaults)``.
 
-        The result behaves like the torch optimizer in everything a torch user
-        relies on: per-group hyperparameters, per-parameter state and step counts,
-        ``add_param_group``, ``state_dict`` in torch's layout, every scheduler,
-        ``GradScaler``, ``isinstance(opt, optimizer_class)`` and the class name
-        loggers show (``type(opt).__name__ == "AdamW"``), pickling and deep copies;
-        see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
-        :func:`functopk.from_torch`'s. ``sparsify`` (e.g. ``ft.topk(1000)`` or
-        ``ft.error_feedback(ft.topk(density=1e-3))``) sees the gradients of all
-        groups as one tree, so a top-k is global across groups.
-
-        Refused where torch's behaviour would not hold: a parameter listed twice in a
-        group (``ValueError``), ``capturable=True``, ``differentiable=True`` and a
-        compiled ``opt.step`` (``NotImplementedError``, saying what to use instead).
-
-        Args:
-            optimizer_class: A ``torch.optim`` class (all but ``LBFGS`` and ``SparseAdam``).
-            params: Parameters, ``(name, parameter)`` pairs or param-group dicts, as for torch.
-            sparsify: A transformation of the gradients, or ``None``.
-            **defaults: ``optimizer_class``'s keyword arguments (torch's defaults and checks).
+        The result is an instance of ``optimizer_class`` and of
+        :class:`~functopk.adapter.ParamGroupOptimizer`, not of :class:`TorchOptimizer`.
 
         Example:
             >>> import torch, functopk as ft
-            >>> model = torch.nn.Linear(4, 1)
-            >>> opt = ft.TorchOptimizer.from_torch(torch.optim.SGD, model.parameters(), ft.topk(2), lr=0.1)
-            >>> before = [p.detach().clone() for p in model.parameters()]
-            >>> model(torch.randn(8, 4)).square().mean().backward()
-            >>> opt.step()
-            >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
-            2
+            >>> opt = ft.TorchOptimizer.from_torch(torch.optim.SGD, torch.nn.Linear(4, 1).parameters(), lr=0.1)
+            >>> type(opt).__name__, isinstance(opt, ft.ParamGroupOptimizer)
+            ('SGD', True)
         """
-        return from_torch_optimizer(optimizer_class, params, sparsify, defaults)
+        return optimizer_from_torch(optimizer_class, params, sparsify, **defaults)
 
     @classmethod
     def from_torch_class(
         cls, optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
     ) -> type[ParamGroupOptimizer]:
-        """:meth:`from_torch` as a class ``C(params, **defaults)``, for code that wants an optimizer *class*.
-
-        transformers' ``Trainer(optimizer_cls_and_kwargs=(C, kwargs))`` calls
-        ``C(param_groups, **kwargs)`` when ``C`` is an optimizer class and takes any
-        other callable (a ``functools.partial`` of :meth:`from_torch`) for a factory
-        of the model, without its decay/no-decay groups. The same arguments give the
-        same class; it is named as ``optimizer_class`` and subclasses it (and
-        :class:`~functopk.adapter.ParamGroupOptimizer`), and it pickles.
-
-        Args:
-            optimizer_class: A ``torch.optim`` class, as for :meth:`from_torch`.
-            sparsify: A transformation of the gradients of all groups, or ``None``.
+        """:func:`functopk.optimizer_class_from_torch` (a kept alias): the class of :meth:`from_torch`'s optimizer.
 
         Example:
             >>> import torch, functopk as ft
-            >>> SparseAdamW = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, ft.topk(2))
-            >>> opt = SparseAdamW(torch.nn.Linear(4, 1).parameters(), lr=0.01)
-            >>> type(opt).__name__, isinstance(opt, torch.optim.AdamW), opt.param_groups[0]["lr"]
-            ('AdamW', True, 0.01)
+            >>> C = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW)
+            >>> C is ft.optimizer_class_from_torch(torch.optim.AdamW), C.__name__
+            (True, 'AdamW')
         """
-        return torch_class(optimizer_class, sparsify)
+        return optimizer_class_from_torch(optimizer_class, sparsify)
 
     # -- the public view of the state ------------------------------------------------------------
 
@@ -297,7 +268,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             if g is not None and g.is_sparse:
                 raise TypeError(
                     "TorchOptimizer(params, tx) does not support sparse gradients (its tree is dense); "
-                    "TorchOptimizer.from_torch(torch.optim.SGD or torch.optim.Adagrad, ...) takes them as torch does"
+                    "ft.optimizer_from_torch(torch.optim.SGD or torch.optim.Adagrad, ...) takes them as torch does"
                 )
             grads.append(g)
         if all(g is None for g in grads):
@@ -309,11 +280,11 @@ class TorchOptimizer(torch.optim.Optimizer):
 
         # Work on locals and commit at the end, so that an error leaves the state as it was.
         box = self._mutable
-        state, ptree, layout = box["state"], box["ptree"], box["layout"]
-        if state is not None and layout is not None and layout.fits(slots, mask, names):
+        state, ptree, last_step = box["state"], box["ptree"], box["last_step"]
+        if state is not None and last_step is not None and last_step.fits(slots, mask, names):
             full, union = True, ptree  # the common case: the same parameters have gradients as last time
         else:
-            layout = None
+            last_step = None
             if state is None:
                 state, ptree = self._tx.init(active), active
             covered = {id(p) for p in optree.tree_leaves(ptree)}
@@ -331,9 +302,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         if not full:
             new_state = remap(new_state, active, union, state)
         self._apply_updates(active, updates)
-        if layout is None and full:
-            layout = Layout(tuple(slots), mask, names)
-        box.update(state=new_state, ptree=union, layout=layout)
+        if last_step is None and full:
+            last_step = LastStepParams(tuple(slots), mask, names)
+        box.update(state=new_state, ptree=union, last_step=last_step)
         return loss
 
     def _shape_template(self, ptree: PyTree) -> OptState:
@@ -447,7 +418,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 f"not know (it keeps its whole state under {_STATE_KEY!r})"
             )
         super().load_state_dict({**state_dict, "state": {}})
-        self._mutable.update(state=new_state, ptree=new_ptree, layout=None, lr=None)
+        self._mutable.update(state=new_state, ptree=new_ptree, last_step=None, lr=None)
 
     def _check_saved_groups(self, saved_groups: Any) -> None:
         """What :meth:`step` needs of the groups a load puts in place: sizes, a valid ``lr``, unique names."""

@@ -116,3 +116,23 @@ def test_interop_differences_are_tested():
         assert refs, f"a row without a test: {row[:80]}"
         for path, name in refs:
             assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name} does not exist"
+
+
+def test_license_is_the_full_apache_2_text_and_packaged():
+    """pyproject.toml says Apache-2.0: LICENSE holds that licence's whole text and the build ships it."""
+    text = (ROOT / "LICENSE").read_text()
+    for part in ("Apache License\n                           Version 2.0, January 2004", "TERMS AND CONDITIONS FOR USE",
+                 "9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS",
+                 "APPENDIX: How to apply the Apache License to your work."):  # fmt: skip
+        assert part in text, part
+    assert len(text.splitlines()) == 202
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'license = "Apache-2.0"' in pyproject and 'license-files = ["LICENSE"]' in pyproject
+
+
+def test_changelog_records_this_version_and_the_kept_aliases():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert "## [Unreleased]" in text and f"## [{ft.__version__}]" in text
+    for name in ("ft.optimizer_from_torch", "ft.optimizer_class_from_torch", "ft.TorchOptimizer.from_torch",
+                 "ft.TorchOptimizer.from_torch_class"):  # fmt: skip
+        assert f"`{name}" in text, name

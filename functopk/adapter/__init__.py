@@ -1,18 +1,25 @@
-"""``torch.optim`` interoperability: torch's optimizer classes as functopk transformations, and back.
+"""``torch.optim`` interoperability: two doors, named by what they return.
 
-* :mod:`~functopk.adapter.registry`: :func:`~functopk.from_torch`, the transformation with a
-  ``torch.optim`` class's semantics;
-* :mod:`~functopk.adapter.groups`: :class:`ParamGroupOptimizer`, made by
-  :meth:`functopk.TorchOptimizer.from_torch`: a drop-in ``torch.optim`` optimizer with torch's
-  param-group semantics and an optional global sparsification;
-* :mod:`~functopk.adapter.classes`: the classes of its optimizers, named as (and subclasses of) the
-  torch class they replace;
+* the transformation door, :func:`~functopk.from_torch` (:mod:`~functopk.adapter.registry`): a
+  ``torch.optim`` class's semantics as a functopk transformation, for the functional style;
+* the optimizer door, :func:`~functopk.optimizer_from_torch` and
+  :func:`~functopk.optimizer_class_from_torch` (:mod:`~functopk.adapter.classes`): a drop-in
+  ``torch.optim`` optimizer (or its class), named as and subclassing the torch class, with an
+  optional global sparsification; its behaviour is :class:`ParamGroupOptimizer`'s
+  (:mod:`~functopk.adapter.groups`).
+
+``ft.TorchOptimizer.from_torch`` and ``ft.TorchOptimizer.from_torch_class`` are the optimizer
+door's older names, kept. The modules behind the doors:
+
 * :mod:`~functopk.adapter.per_param`: a state cut into torch's per-parameter entries;
+* :mod:`~functopk.adapter.views`: sparse gradients and complex parameters as dense real tensors;
 * :mod:`~functopk.adapter.checkpoint`: :class:`ParamGroupOptimizer`'s state dicts in torch's
-  layout, checked whole before loading.
+  layout, checked whole before loading;
+* :mod:`~functopk.adapter.recut`: ``TorchOptimizer``'s state when the set of parameters changes.
 """
 
+from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
 from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.registry import from_torch
 
-__all__ = ["ParamGroupOptimizer", "from_torch"]
+__all__ = ["ParamGroupOptimizer", "from_torch", "optimizer_class_from_torch", "optimizer_from_torch"]

@@ -103,7 +103,7 @@ class Expected(NamedTuple):
 
 
 def expected_entries(
-    templates: Iterable[tuple[list[torch.Tensor], list[dict[str, Any]], per_param.Layout, bool]],
+    templates: Iterable[tuple[list[torch.Tensor], list[dict[str, Any]], per_param.EntryLayout, bool]],
     torch_keys: Iterable[str],
 ) -> dict[torch.Tensor, Expected]:
     """Each parameter's :class:`Expected` entry.
@@ -170,7 +170,7 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
 
 
 def share_equal_scalars_(
-    state: Mapping[torch.Tensor, dict[str, Any]], parts: Iterable[tuple[list[torch.Tensor], per_param.Layout]]
+    state: Mapping[torch.Tensor, dict[str, Any]], parts: Iterable[tuple[list[torch.Tensor], per_param.EntryLayout]]
 ) -> None:
     """Let parameters whose shared leaves are equal share one object again (one cohort), in place.
 

@@ -1,6 +1,8 @@
-"""The classes of ``from_torch`` optimizers: named as, and instances of, the ``torch.optim`` class they replace.
+"""The optimizer door of torch interop: a ``torch.optim`` class's optimizer, and its class, computed by functopk.
 
-``TorchOptimizer.from_torch(torch.optim.AdamW, ...)`` makes an object whose class
+:func:`optimizer_from_torch` makes the optimizer, :func:`optimizer_class_from_torch`
+its class (the transformation door is :func:`functopk.from_torch`).
+``optimizer_from_torch(torch.optim.AdamW, ...)`` makes an object whose class
 is called ``AdamW`` and subclasses both :class:`torch.optim.AdamW` and
 :class:`~functopk.adapter.ParamGroupOptimizer`, so that loggers (Lightning's
 ``LearningRateMonitor`` names its series ``lr-{type(opt).__name__}``) and
@@ -31,13 +33,13 @@ from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.registry import spec_for
 from functopk.base import GradientTransformation
 
-__all__ = ["from_torch_optimizer", "torch_class"]
+__all__ = ["TorchNamedMeta", "optimizer_class_from_torch", "optimizer_from_torch"]
 
 _CLASS_ATTRIBUTES = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__"})
 
 
-class TorchNamed(type):
-    """The metaclass of the generated classes: a class pickles as the ``torch_class`` call that makes it."""
+class TorchNamedMeta(type):
+    """The metaclass of the torch-named classes: a class pickles as the :func:`optimizer_class_from_torch` call."""
 
     torch_recipe: tuple[type[torch.optim.Optimizer], GradientTransformation | None]
     token: str
@@ -53,15 +55,15 @@ def _find_class(
 ) -> type[ParamGroupOptimizer]:
     """The class again: the same object in the process that made it, else made from its recipe."""
     if token not in _BY_TOKEN:
-        _BY_TOKEN[token] = torch_class(optimizer_class, sparsify)
+        _BY_TOKEN[token] = optimizer_class_from_torch(optimizer_class, sparsify)
     return _BY_TOKEN[token]
 
 
-def _reduce_class(cls: TorchNamed) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _reduce_class(cls: TorchNamedMeta) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return _find_class, (cls.token, *cls.torch_recipe)
 
 
-copyreg.pickle(TorchNamed, _reduce_class)  # pickle saves classes by name unless their metaclass is registered
+copyreg.pickle(TorchNamedMeta, _reduce_class)  # pickle saves classes by name unless their metaclass is registered
 
 
 def _not_functopk(owner: type, name: str) -> Callable[..., Any]:
@@ -89,14 +91,33 @@ def _shadows(optimizer_class: type[torch.optim.Optimizer]) -> dict[str, Any]:
     return out
 
 
-def torch_class(
+def optimizer_class_from_torch(
     optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
 ) -> type[ParamGroupOptimizer]:
-    """The class ``C(params, **defaults)`` of ``from_torch(optimizer_class, params, sparsify, **defaults)`` (cached).
+    """The class ``C(params, **defaults)`` of :func:`optimizer_from_torch`, for code that wants an optimizer *class*.
 
-    ``C.__name__`` is ``optimizer_class.__name__``; ``C`` subclasses
-    ``optimizer_class`` and :class:`~functopk.adapter.ParamGroupOptimizer`; the
-    same arguments give the same class.
+    transformers' ``Trainer(optimizer_cls_and_kwargs=(C, kwargs))`` calls
+    ``C(param_groups, **kwargs)`` when ``C`` is an optimizer class and takes any
+    other callable (a ``functools.partial`` of :func:`optimizer_from_torch`) for a
+    factory of the model, without its decay/no-decay groups. The same arguments
+    give the same class; it is named as ``optimizer_class`` and subclasses it (and
+    :class:`~functopk.adapter.ParamGroupOptimizer`), and it pickles.
+    ``ft.TorchOptimizer.from_torch_class`` is the same function under its older name.
+
+    Args:
+        optimizer_class: A ``torch.optim`` class, as for :func:`optimizer_from_torch`.
+        sparsify: A transformation of the gradients of all groups, or ``None``.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
+        ValueError: it has no functopk form (``LBFGS``, ``SparseAdam``).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> SparseAdamW = ft.optimizer_class_from_torch(torch.optim.AdamW, ft.topk(2))
+        >>> opt = SparseAdamW(torch.nn.Linear(4, 1).parameters(), lr=0.01)
+        >>> type(opt).__name__, isinstance(opt, torch.optim.AdamW), opt.param_groups[0]["lr"]
+        ('AdamW', True, 0.01)
     """
     spec_for(optimizer_class)  # a bad class fails here, not at the first instance
     key = (optimizer_class, sparsify)
@@ -113,23 +134,53 @@ def torch_class(
             "__qualname__": name,
             "__doc__": f"``torch.optim.{name}`` computed by functopk (see :class:`ParamGroupOptimizer`).",
         }
-        cls: Any = TorchNamed(name, (optimizer_class, ParamGroupOptimizer), namespace)
+        cls: Any = TorchNamedMeta(name, (optimizer_class, ParamGroupOptimizer), namespace)
         cls.torch_recipe, cls.token = key, uuid.uuid4().hex
         _CLASSES[key] = _BY_TOKEN[cls.token] = cls
     return _CLASSES[key]
 
 
-def from_torch_optimizer(
+def optimizer_from_torch(
     optimizer_class: type[torch.optim.Optimizer],
     params: Iterable[Any],
-    sparsify: GradientTransformation | None,
-    defaults: dict[str, Any],
+    sparsify: GradientTransformation | None = None,
+    **defaults: Any,
 ) -> ParamGroupOptimizer:
-    """``from_torch``'s optimizer: of the class ``torch_class(optimizer_class)``, with this ``sparsify``.
+    """A drop-in ``optimizer_class(params, **defaults)``, with ``sparsify`` on all groups' gradients first.
 
-    (One class per torch class, not per ``sparsify``: a fresh transformation per call would grow the cache.)
+    The result behaves like the torch optimizer in everything a torch user
+    relies on: per-group hyperparameters, per-parameter state and step counts,
+    ``add_param_group``, ``state_dict`` in torch's layout, every scheduler,
+    ``GradScaler``, ``isinstance(opt, optimizer_class)`` and the class name
+    loggers show (``type(opt).__name__ == "AdamW"``), pickling and deep copies;
+    see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
+    :func:`functopk.from_torch`'s. ``sparsify`` (e.g. ``ft.topk(1000)`` or
+    ``ft.error_feedback(ft.topk(density=1e-3))``) sees the gradients of all
+    groups as one tree, so a top-k is global across groups.
+    ``ft.TorchOptimizer.from_torch`` is the same function under its older name.
+
+    Refused where torch's behaviour would not hold: a parameter listed twice in a
+    group (``ValueError``), ``capturable=True``, ``differentiable=True`` and a
+    compiled ``opt.step`` (``NotImplementedError``, saying what to use instead).
+
+    Args:
+        optimizer_class: A ``torch.optim`` class (all but ``LBFGS`` and ``SparseAdam``).
+        params: Parameters, ``(name, parameter)`` pairs or param-group dicts, as for torch.
+        sparsify: A transformation of the gradients, or ``None``.
+        **defaults: ``optimizer_class``'s keyword arguments (torch's defaults and checks).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = ft.optimizer_from_torch(torch.optim.SGD, model.parameters(), ft.topk(2), lr=0.1)
+        >>> before = [p.detach().clone() for p in model.parameters()]
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+        >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
+        2
     """
-    cls = torch_class(optimizer_class)
+    # One class per torch class, not per sparsify: a fresh transformation per call would grow the cache.
+    cls = optimizer_class_from_torch(optimizer_class)
     opt: ParamGroupOptimizer = cls.__new__(cls)
     ParamGroupOptimizer.__init__(opt, optimizer_class, params, sparsify, **defaults)
     return opt

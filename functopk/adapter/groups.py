@@ -1,4 +1,4 @@
-"""``TorchOptimizer.from_torch``: a ``torch.optim`` optimizer with torch's param-group semantics, sparsified.
+"""``ft.optimizer_from_torch``'s optimizer: a ``torch.optim`` optimizer with torch's param-group semantics, sparsified.
 
 :class:`ParamGroupOptimizer` behaves like ``optimizer_class(params, **defaults)``
 (per-group hyperparameters read at every step, per-parameter state and step
@@ -106,7 +106,7 @@ class _Part:
         self, tx: GradientTransformation, rename: Mapping[str, str], prefix: str = "", class_name: str = ""
     ) -> None:
         self.tx, self.rename, self.prefix, self.class_name = tx, rename, prefix, class_name
-        self._layouts: dict[int, per_param.Layout] = {}
+        self._layouts: dict[int, per_param.EntryLayout] = {}
 
     def reuse_layouts(self, other: _Part) -> None:
         """Take ``other``'s layouts: a part for the same hyperparameters up to values has the same structure."""
@@ -129,7 +129,7 @@ class _Part:
         layout = self.layout(params)
         return per_param.join(self._param_form(params, per_param.split(state, layout)), layout)
 
-    def layout(self, params: list[torch.Tensor]) -> per_param.Layout:
+    def layout(self, params: list[torch.Tensor]) -> per_param.EntryLayout:
         n = len(params)
         if n not in self._layouts:
             self._layouts[n] = per_param.layout_of(self._real_template(params), n, self.rename, self.prefix)
@@ -181,7 +181,7 @@ class _Part:
         return [updates[i] for i in range(len(params))], per_param.split(new_state, layout)
 
 
-def _cohorts(entries: list[dict[str, Any]], layout: per_param.Layout) -> list[list[int]]:
+def _cohorts(entries: list[dict[str, Any]], layout: per_param.EntryLayout) -> list[list[int]]:
     """Positions grouped by the identity of their shared leaves (the parameters that can step together)."""
     shared = [n for n, part in zip(layout.names, layout.is_part) if not part]
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -193,7 +193,7 @@ def _cohorts(entries: list[dict[str, Any]], layout: per_param.Layout) -> list[li
 class ParamGroupOptimizer(torch.optim.Optimizer):
     """``optimizer_class(params, **defaults)`` computed by functopk, with an optional global ``sparsify`` first.
 
-    Made by :meth:`functopk.TorchOptimizer.from_torch`; see there. Everything a
+    Made by :func:`functopk.optimizer_from_torch`; see there. Everything a
     torch user relies on behaves as in ``optimizer_class``:
 
     * ``param_groups`` hold torch's keys and defaults (``lr`` is the real
@@ -216,7 +216,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       see :meth:`load_state_dict` for the checks;
     * ``sparsify``'s state is kept per parameter too, under keys starting
       with ``"sparsify."``;
-    * ``from_torch`` makes it of a subclass named as, and subclassing,
+    * ``optimizer_from_torch`` makes it of a subclass named as, and subclassing,
       ``optimizer_class`` (:mod:`functopk.adapter.classes`), for loggers and
       ``isinstance``;
     * ``pickle``/``torch.save``/``copy.deepcopy`` copy groups, state and
@@ -226,7 +226,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
     Example:
         >>> import torch, functopk as ft
         >>> model = torch.nn.Linear(3, 1)
-        >>> opt = ft.TorchOptimizer.from_torch(torch.optim.AdamW, model.parameters(), lr=0.01)
+        >>> opt = ft.optimizer_from_torch(torch.optim.AdamW, model.parameters(), lr=0.01)
         >>> model(torch.randn(4, 3)).sum().backward()
         >>> opt.step()
         >>> sorted(opt.state[model.weight]), opt.param_groups[0]["lr"]
@@ -461,7 +461,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                      for ps, part, main in parts if ps]
         return checkpoint.expected_entries(templates, self._spec.state_names.values())
 
-    def _layouts(self) -> list[tuple[list[torch.Tensor], per_param.Layout]]:
+    def _layouts(self) -> list[tuple[list[torch.Tensor], per_param.EntryLayout]]:
         """Each transformation's parameters and layout: each group's, then ``sparsify``'s over all of them."""
         out = [(list(g["params"]), self._part(g).layout(list(g["params"]))) for g in self.param_groups if g["params"]]
         if self._sparsify is not None and out:

@@ -29,7 +29,7 @@ import torch
 
 from functopk.base import OptState
 
-__all__ = ["Layout", "as_tree", "join", "layout_of", "part_of", "split"]
+__all__ = ["EntryLayout", "as_tree", "join", "layout_of", "part_of", "split"]
 
 
 def as_tree(values: Sequence[Any]) -> dict[int, Any]:
@@ -37,7 +37,7 @@ def as_tree(values: Sequence[Any]) -> dict[int, Any]:
     return dict(enumerate(values))
 
 
-class Layout(NamedTuple):
+class EntryLayout(NamedTuple):
     """Where each per-parameter entry sits in a state built for ``n`` parameters.
 
     Attributes:
@@ -71,8 +71,8 @@ def _field_path(accessor: optree.PyTreeAccessor) -> list[str]:
     return out
 
 
-def layout_of(state: OptState, n: int, rename: Mapping[str, str] | None = None, prefix: str = "") -> Layout:
-    """The :class:`Layout` of ``state``, a state built for the parameter tree ``as_tree([p0, ..., p{n-1}])``.
+def layout_of(state: OptState, n: int, rename: Mapping[str, str] | None = None, prefix: str = "") -> EntryLayout:
+    """The :class:`EntryLayout` of ``state``, a state built for the parameter tree ``as_tree([p0, ..., p{n-1}])``.
 
     A part's (or shared leaf's) name is its last NamedTuple field name, passed
     through ``rename``; when two items would get the same name, each takes its
@@ -89,10 +89,10 @@ def layout_of(state: OptState, n: int, rename: Mapping[str, str] | None = None, 
     names = []
     for name, path in zip(short, paths):
         names.append(prefix + (name if short.count(name) == 1 else ".".join(path)))
-    return Layout(n=n, spec=spec, names=tuple(names), is_part=parts)
+    return EntryLayout(n=n, spec=spec, names=tuple(names), is_part=parts)
 
 
-def split(state: OptState, layout: Layout) -> list[dict[str, Any]]:
+def split(state: OptState, layout: EntryLayout) -> list[dict[str, Any]]:
     """``state`` (of the given layout) as one dict per parameter: its parts' entries and the shared leaves."""
     items = layout.spec.flatten_up_to(state)
     out: list[dict[str, Any]] = [{} for _ in range(layout.n)]
@@ -102,7 +102,7 @@ def split(state: OptState, layout: Layout) -> list[dict[str, Any]]:
     return out
 
 
-def join(entries: Sequence[Mapping[str, Any]], layout: Layout) -> OptState:
+def join(entries: Sequence[Mapping[str, Any]], layout: EntryLayout) -> OptState:
     """The state whose :func:`split` is ``entries`` (shared leaves are taken from the first entry).
 
     Raises:

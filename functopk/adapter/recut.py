@@ -18,7 +18,7 @@ from functopk.adapter.per_param import part_of
 from functopk.base import OptState
 from functopk.tree.maths import PyTree
 
-__all__ = ["Layout", "make_tree", "param_names", "remap", "same_ptree", "saved_names"]
+__all__ = ["LastStepParams", "make_tree", "param_names", "remap", "same_ptree", "saved_names"]
 
 
 def param_names(groups: list[dict[str, Any]]) -> list[str] | None:
@@ -48,14 +48,15 @@ def make_tree(values: list[Any], names: list[str] | None) -> PyTree:
     return dict(zip(names, values)) if names is not None else list(values)
 
 
-class Layout(NamedTuple):
-    """What the last full step saw, to skip the set-of-parameters checks when nothing changed."""
+class LastStepParams(NamedTuple):
+    """The parameters, gradient mask and names of the last full step: when they recur, no re-cut is needed."""
 
     slots: tuple[torch.Tensor, ...]
     mask: tuple[bool, ...]
     names: list[str] | None
 
     def fits(self, slots: list[torch.Tensor], mask: tuple[bool, ...], names: list[str] | None) -> bool:
+        """Whether a step on ``slots`` with this gradient ``mask`` and ``names`` sees the same parameters."""
         return (
             mask == self.mask
             and names == self.names

@@ -27,13 +27,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk._checks import is_zero
+from functopk._checks import group_scalar, is_zero
 from functopk.base import GradientTransformation, init_count, leafwise, recorded
 from functopk.combine import chain
 from functopk.optim import adam_variants as _adam_variants
 from functopk.optim import alias
 from functopk.optim import classic as _classic
-from functopk.optim._shared import group_scalar
 from functopk.optim.adafactor import TORCH_BUILDERS as _ADAFACTOR_BUILDERS
 from functopk.optim.adafactor import TORCH_STATE_NAMES as _ADAFACTOR_NAMES
 from functopk.optim.muon import TORCH_BUILDERS as _MUON_BUILDERS

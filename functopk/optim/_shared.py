@@ -7,7 +7,6 @@
   (``apply_if_finite``, ``multi_steps``): the inner update and state, or zeros
   and the old state, chosen on device;
 * :func:`check_count`: an int argument that may also be a 0-d tensor;
-* :func:`group_scalar`: a ``torch.optim`` param group's value as the aliases take it;
 * the type aliases ``Leaves`` (the leaf lists of the leaf maths) and ``Hyper`` (a
   hyperparameter: a number or a 0-d tensor).
 """
@@ -83,23 +82,3 @@ def check_count(value: Any, name: str, *, minimum: int) -> int | torch.Tensor:
     if isinstance(value, torch.Tensor):
         return check_scalar_tensor(value, name, kind="real", expected="an int or a 0-d tensor")
     return check_int(value, name, minimum=minimum)
-
-
-def group_scalar(value: Any) -> Any:
-    """A ``torch.optim`` param group's value as the aliases take it (the ``TORCH_BUILDERS`` use it).
-
-    A number stays as given; a one-element tensor of any shape (torch accepts
-    ``betas=(torch.tensor([[0.9]]), ...)``) becomes a 0-d view of it, so a
-    scheduler's in-place change still reaches the update and its value is not
-    read; a tuple or list (``betas``, ``etas``, ...) is converted element by element.
-
-    Raises:
-        ValueError: a tensor with other than one element.
-    """
-    if isinstance(value, (tuple, list)):
-        return tuple(group_scalar(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"a tensor hyperparameter must have one element, got shape {tuple(value.shape)}")
-        return value.reshape(())
-    return value

@@ -33,12 +33,13 @@ from functopk._checks import (
     check_shapes,
     check_state,
     describe,
+    group_scalar,
     is_zero,
     path_str,
     require_params,
 )
 from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count, recorded
-from functopk.optim._shared import Hyper, Leaves, group_scalar
+from functopk.optim._shared import Hyper, Leaves
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
 

@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
+from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, group_scalar, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
-from functopk.optim._shared import Hyper, Leaves, group_scalar
+from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.adaptive import _ema_sq, adam_config
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree

@@ -23,10 +23,11 @@ from functopk._checks import (
     check_hyperparam,
     check_scalar_or_schedule,
     describe,
+    group_scalar,
     is_zero,
 )
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
-from functopk.optim._shared import Hyper, Leaves, group_scalar
+from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.adaptive import _ema_sq
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree

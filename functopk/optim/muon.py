@@ -23,6 +23,7 @@ from functopk._checks import (
     check_leaves,
     check_scalar_or_schedule,
     describe,
+    group_scalar,
     is_zero,
     path_str,
 )
@@ -36,7 +37,7 @@ from functopk.base import (
     leafwise,
     recorded,
 )
-from functopk.optim._shared import Hyper, Leaves, group_scalar
+from functopk.optim._shared import Hyper, Leaves
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
