@@ -182,7 +182,7 @@ def dependencies() -> dict[str, set[str]]:
 
 def test_modules_import_only_from_their_layer_and_the_layers_above():
     order = {}
-    for layer, path in layout_table():
+    for layer, _path in layout_table():
         order.setdefault(layer, len(order))
     layer_of = {module_name(ROOT / path): order[layer] for layer, path in layout_table()}
     against = set()

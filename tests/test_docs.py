@@ -52,7 +52,7 @@ def test_all_lists_only_existing_names_without_duplicates():
 
 def test_relative_links_resolve():
     broken = []
-    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for md in [ROOT / "README.md", ROOT / "tests" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", md.read_text()):
             if "://" in target or target.startswith("mailto:"):
                 continue
