@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,3 +119,53 @@ def test_interop_differences_are_tested():
         assert refs, f"a row without a test: {row[:80]}"
         for path, name in refs:
             assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name} does not exist"
+
+
+def build_site(site_dir, root=ROOT):
+    """mkdocs.yml built in strict mode into ``site_dir`` from the pages under ``root``: the warnings, or None."""
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+    from mkdocs.exceptions import Abort
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("mkdocs")
+    logger.addHandler(handler)
+    old = os.environ.get("FUNCTOPK_SITE_ROOT")
+    os.environ["FUNCTOPK_SITE_ROOT"] = str(root)
+    try:
+        build(load_config(str(ROOT / "mkdocs.yml"), site_dir=str(site_dir), strict=True))
+    except Abort:
+        return warnings
+    finally:
+        logger.removeHandler(handler)
+        if old is None:
+            del os.environ["FUNCTOPK_SITE_ROOT"]
+        else:
+            os.environ["FUNCTOPK_SITE_ROOT"] = old
+    assert warnings == []
+    return None
+
+
+def test_site_builds_without_a_warning(tmp_path):
+    """The docs as a site (mkdocs.yml, strict, links and anchors validated), from the same files."""
+    assert build_site(tmp_path / "site") is None
+    assert (tmp_path / "site" / "docs" / "api" / "index.html").exists()
+    assert (tmp_path / "site" / "tests" / "index.html").exists()  # tests/README.md
+    assert (tmp_path / "site" / "benchmarks" / "results" / "demo" / "curves.png").exists()
+
+
+def test_site_build_fails_on_a_broken_link_or_anchor(tmp_path):
+    spec = importlib.util.spec_from_file_location("site_hooks", ROOT / "docs" / "site_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    for source in hooks.SOURCES:  # a copy of what the site is built from
+        (tmp_path / "root" / source).parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if (ROOT / source).is_dir() else shutil.copy)(ROOT / source, tmp_path / "root" / source)
+    (tmp_path / "root" / "docs" / "api.md").write_text("# API reference\n")  # the long page, not needed here
+    faq = tmp_path / "root" / "docs" / "faq.md"
+    faq.write_text(faq.read_text() + "\n[gone](missing.md) and [no anchor](topk.md#no-such-heading)\n")
+    warnings = build_site(tmp_path / "site", root=tmp_path / "root")
+    assert warnings is not None
+    assert any("missing.md" in w for w in warnings) and any("no-such-heading" in w for w in warnings), warnings
