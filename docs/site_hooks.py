@@ -48,3 +48,7 @@ def on_config(config):
 def on_post_build(config):
     while _staged:
         shutil.rmtree(_staged.pop(), ignore_errors=True)
+
+
+def on_build_error(error):
+    on_post_build(None)
