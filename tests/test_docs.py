@@ -169,3 +169,34 @@ def test_site_build_fails_on_a_broken_link_or_anchor(tmp_path):
     warnings = build_site(tmp_path / "site", root=tmp_path / "root")
     assert warnings is not None
     assert any("missing.md" in w for w in warnings) and any("no-such-heading" in w for w in warnings), warnings
+
+
+def user_docs():
+    """The pages a user reads (docs/api.md included: it is made from docstrings) and the examples' docstrings."""
+    import ast
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts = {str(page.relative_to(ROOT)): page.read_text() for page in pages}
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        texts[str(example.relative_to(ROOT))] = ast.get_docstring(ast.parse(example.read_text())) or ""
+    return texts
+
+
+def test_user_docs_cite_no_project_history():
+    """No "issue 12", "#19" or "this session": a user cannot see them. Other projects' issues are links."""
+    history = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w/.-])#\d+\b|\bsessions?\b|\bthis issue\b|\bthe issue\b")
+    found = [f"{where}: {m.group(0)!r}" for where, text in user_docs().items() for m in history.finditer(text)]
+    assert found == [], found
+
+
+def test_tests_readme_names_every_helper_module():
+    """tests/README.md says what each helper module holds: every module under tests/ that is not a test file."""
+    readme = (ROOT / "tests" / "README.md").read_text()
+    helpers = [
+        path.relative_to(ROOT)
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if not path.name.startswith("test_") and path.name != "__init__.py"
+    ]
+    assert len(helpers) >= 10
+    missing = [str(path) for path in helpers if str(path) not in readme]
+    assert missing == [], f"helper modules tests/README.md does not describe: {missing}"
