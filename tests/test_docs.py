@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,7 +55,7 @@ def test_all_lists_only_existing_names_without_duplicates():
 
 def test_relative_links_resolve():
     broken = []
-    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for md in [ROOT / "README.md", ROOT / "tests" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", md.read_text()):
             if "://" in target or target.startswith("mailto:"):
                 continue
@@ -136,3 +139,84 @@ def test_changelog_records_this_version_and_the_kept_aliases():
     for name in ("ft.optimizer_from_torch", "ft.optimizer_class_from_torch", "ft.TorchOptimizer.from_torch",
                  "ft.TorchOptimizer.from_torch_class"):  # fmt: skip
         assert f"`{name}" in text, name
+
+
+def build_site(site_dir, root=ROOT):
+    """mkdocs.yml built in strict mode into ``site_dir`` from the pages under ``root``: the warnings, or None."""
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+    from mkdocs.exceptions import Abort
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("mkdocs")
+    logger.addHandler(handler)
+    old = os.environ.get("FUNCTOPK_SITE_ROOT")
+    os.environ["FUNCTOPK_SITE_ROOT"] = str(root)
+    try:
+        build(load_config(str(ROOT / "mkdocs.yml"), site_dir=str(site_dir), strict=True))
+    except Abort:
+        return warnings
+    finally:
+        logger.removeHandler(handler)
+        if old is None:
+            del os.environ["FUNCTOPK_SITE_ROOT"]
+        else:
+            os.environ["FUNCTOPK_SITE_ROOT"] = old
+    assert warnings == []
+    return None
+
+
+def test_site_builds_without_a_warning(tmp_path):
+    """The docs as a site (mkdocs.yml, strict, links and anchors validated), from the same files."""
+    assert build_site(tmp_path / "site") is None
+    assert (tmp_path / "site" / "docs" / "api" / "index.html").exists()
+    assert (tmp_path / "site" / "tests" / "index.html").exists()  # tests/README.md
+    assert (tmp_path / "site" / "benchmarks" / "results" / "demo" / "curves.png").exists()
+
+
+def test_site_build_fails_on_a_broken_link_or_anchor(tmp_path):
+    spec = importlib.util.spec_from_file_location("site_hooks", ROOT / "docs" / "site_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    for source in hooks.SOURCES:  # a copy of what the site is built from
+        (tmp_path / "root" / source).parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if (ROOT / source).is_dir() else shutil.copy)(ROOT / source, tmp_path / "root" / source)
+    (tmp_path / "root" / "docs" / "api.md").write_text("# API reference\n")  # the long page, not needed here
+    faq = tmp_path / "root" / "docs" / "faq.md"
+    faq.write_text(faq.read_text() + "\n[gone](missing.md) and [no anchor](topk.md#no-such-heading)\n")
+    warnings = build_site(tmp_path / "site", root=tmp_path / "root")
+    assert warnings is not None
+    assert any("missing.md" in w for w in warnings) and any("no-such-heading" in w for w in warnings), warnings
+
+
+def user_docs():
+    """The pages a user reads (docs/api.md included: it is made from docstrings) and the examples' docstrings."""
+    import ast
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts = {str(page.relative_to(ROOT)): page.read_text() for page in pages}
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        texts[str(example.relative_to(ROOT))] = ast.get_docstring(ast.parse(example.read_text())) or ""
+    return texts
+
+
+def test_user_docs_cite_no_project_history():
+    """No "issue 12", "#19" or "this session": a user cannot see them. Other projects' issues are links."""
+    history = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w/.-])#\d+\b|\bsessions?\b|\bthis issue\b|\bthe issue\b")
+    found = [f"{where}: {m.group(0)!r}" for where, text in user_docs().items() for m in history.finditer(text)]
+    assert found == [], found
+
+
+def test_tests_readme_names_every_helper_module():
+    """tests/README.md says what each helper module holds: every module under tests/ that is not a test file."""
+    readme = (ROOT / "tests" / "README.md").read_text()
+    helpers = [
+        path.relative_to(ROOT)
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if not path.name.startswith("test_") and path.name != "__init__.py"
+    ]
+    assert len(helpers) >= 10
+    missing = [str(path) for path in helpers if str(path) not in readme]
+    assert missing == [], f"helper modules tests/README.md does not describe: {missing}"
