@@ -27,7 +27,7 @@ from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
 from functopk.tree.maths import PyTree
-from functopk.update import _paired_leaves
+from functopk.update import paired_leaves
 
 __all__ = ["TorchOptimizer"]
 
@@ -340,7 +340,7 @@ class TorchOptimizer(torch.optim.Optimizer):
     def _apply_updates(self, active: PyTree, updates: PyTree) -> None:
         """Add the updates into the parameters of ``active`` (``None`` where no gradient)."""
         try:
-            p_leaves, pairs, _ = _paired_leaves(active, updates, in_place=False)
+            p_leaves, pairs, _ = paired_leaves(active, updates, in_place=False)
         except (TypeError, ValueError) as err:
             raise type(err)(f"the transformation's updates do not fit the parameters with gradients: {err}") from err
         ps, us = [p_leaves[i] for i, _ in pairs], [u for _, u in pairs]

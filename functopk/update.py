@@ -43,7 +43,7 @@ def _check_pair(p: Any, u: Any, where: Callable[[], str]) -> None:
         raise ValueError(f"updates leaf at {where()} is on {u.device}, but the parameter is on {p.device}")
 
 
-def _paired_leaves(
+def paired_leaves(
     params: Params, updates: Updates, *, in_place: bool
 ) -> tuple[list[Any], list[tuple[int, torch.Tensor]], optree.PyTreeSpec]:
     """Every check of :func:`apply_updates` (and, ``in_place``, writability), before anything is computed.
@@ -90,7 +90,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
         ...                  {"w": torch.tensor([0.5, -1.0]), "frozen": None})
         {'w': tensor([1.5000, 0.0000]), 'frozen': tensor([1.])}
     """
-    p_leaves, pairs, treedef = _paired_leaves(params, updates, in_place=False)
+    p_leaves, pairs, treedef = paired_leaves(params, updates, in_place=False)
     out = list(p_leaves)
     if pairs:
         new = torch._foreach_add([p_leaves[i] for i, _ in pairs], [u for _, u in pairs])
@@ -124,7 +124,7 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
         >>> params["w"]
         tensor([1.5000, 0.0000])
     """
-    p_leaves, pairs, _ = _paired_leaves(params, updates, in_place=True)
+    p_leaves, pairs, _ = paired_leaves(params, updates, in_place=True)
     if pairs:
         with torch.no_grad():
             torch._foreach_add_([p_leaves[i] for i, _ in pairs], [u for _, u in pairs])

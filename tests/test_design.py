@@ -34,7 +34,6 @@ KNOWN_EXCEPTIONS: dict[str, set] = {
     # import cycles, as sorted tuples of the modules of one strongly connected component
     "cycles": {
         ("functopk.distributed.bucket", "functopk.distributed.hook"),  # bucket types and reads TopKHookState
-        ("functopk.sparse.dispatch", "functopk.sparse.ops"),  # ops imports dispatch.tensor_count in a function
     },
     # imports against the layer rule, as "importer -> imported"
     "layer_imports": set(),
@@ -69,8 +68,6 @@ KNOWN_EXCEPTIONS: dict[str, set] = {
         # an optimizer kernel shared between optimizer modules
         "functopk.optim.adam_variants: functopk.optim.adaptive._ema_sq",
         "functopk.optim.classic: functopk.optim.adaptive._ema_sq",
-        # TorchOptimizer's in-place step pairs leaves as apply_updates_ does
-        "functopk.torch_optim: functopk.update._paired_leaves",
     },
 }
 
