@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from functopk.distributed.exchange import _comm_error, _nonfinite, _receive, _send
 from functopk.distributed.hook_tree import tree_bucket
 from functopk.distributed.memory import BucketMemory, mask_velocity, used_mask
 from functopk.distributed.threshold import threshold_select
+from functopk.distributed.wire import comm_error, nonfinite, receive, send
 
 if TYPE_CHECKING:
     from functopk.distributed.hook import TopKHookState
@@ -52,7 +52,7 @@ def sparse_bucket(
     """Add the residual, select ``k``, exchange (all-gather or tree) and average into ``buf``."""
     group, rank, world = comm
     n = buf.numel()
-    acc = state._accumulate(mem, buf)  # grads + residual: after _send, this iteration's candidate residual
+    acc = state._accumulate(mem, buf)  # grads + residual: after send, this iteration's candidate residual
     keep = used_mask(mem, buf) if state.find_unused_parameters else None
     select = None if state.selection == "exact" else partial(_threshold_select, state, mem)
     if state.exchange == "tree":
@@ -60,13 +60,13 @@ def sparse_bucket(
     what = "the sparse all-gather of topk_hook"
     # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
     eligible = acc if keep is None else torch.where(keep, acc, 0)
-    idx, vals, work, gathered = _send(eligible, k, group, world, what, async_op=True, select=select)
+    idx, vals, work, gathered = send(eligible, k, group, world, what, async_op=True, select=select)
     if keep is not None:
         torch.where(keep, eligible, acc, out=acc)
 
     def finish() -> torch.Tensor:
-        state._flags.append(_nonfinite(gathered, world, k, n, buf.dtype))
-        out = _receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
+        state._flags.append(nonfinite(gathered, world, k, n, buf.dtype))
+        out = receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
         if mem.vscratch is not None:  # momentum factor masking: no velocity where the residual was spent
             mask_velocity(mem.vscratch, idx, acc if state.reselect else None, keep)
         return out
@@ -90,7 +90,7 @@ def _finisher(
         try:
             fut.wait()
         except Exception as exc:  # the backend's error type varies (RuntimeError, DistBackendError, ...)
-            raise _comm_error(what, group, exc) from exc
+            raise comm_error(what, group, exc) from exc
         return fn()
 
     return callback

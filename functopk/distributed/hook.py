@@ -13,11 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 from functopk._checks import check_bool, check_density, check_int, check_number, describe
 from functopk.distributed.agree import check_agreement
 from functopk.distributed.bucket import dense_bucket, sparse_bucket
-from functopk.distributed.exchange import (
-    _check_group_arg,
-    _resolve_group,
-    _wire_bytes,
-)
 from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit
 from functopk.distributed.names import by_name, model_info, registered_find_unused
 from functopk.distributed.offload import Offloader
@@ -25,6 +20,11 @@ from functopk.distributed.resume import Layout, Regroup
 from functopk.distributed.saved import FORMAT, VERSION, check_exchange, check_saved
 from functopk.distributed.stats import HookStats
 from functopk.distributed.tree import tree_wire_bytes
+from functopk.distributed.wire import (
+    check_group_arg,
+    resolve_group,
+    wire_bytes,
+)
 from functopk.sparse.api import k_from_density
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
@@ -130,7 +130,7 @@ class TopKHookState:
         exchange: str = "allgather",
         overlap: bool = False,
     ) -> None:
-        _check_group_arg(process_group, "process_group")
+        check_group_arg(process_group, "process_group")
         self.process_group: dist.ProcessGroup | None = process_group
         self.density: float = float(check_density(density, allow_tensor=False))
         self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
@@ -424,13 +424,13 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     """
     if state._regroup is not None and (deferred := state._regroup.arrive(state, bucket, topk_hook)) is not None:
         return deferred  # the first iteration after load_state_dict, buckets unlike the saved ones (resume.py)
-    group, rank, world = _resolve_group(state.process_group, "topk_hook")
+    group, rank, world = resolve_group(state.process_group, "topk_hook")
     buf = bucket.buffer()
     state._begin(group, rank, world, buf)
     n, vbytes = buf.numel(), buf.element_size()
     k = k_from_density(state.density, n)
     assert isinstance(k, int)  # a Python density gives a Python count
-    sent = _wire_bytes(k, n, buf.dtype)
+    sent = wire_bytes(k, n, buf.dtype)
     if state.iter < state.warmup_iters or sent >= n * vbytes:
         # After warm-up (or with a velocity to protect), a dense bucket still reports Inf/NaN.
         check = state.iter >= state.warmup_iters or bool(state.momentum)

@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from functopk.distributed.exchange import _local_topk
 from functopk.distributed.futures import failed
 from functopk.distributed.memory import mask_velocity
-from functopk.distributed.tree import _tree_reduce_
+from functopk.distributed.tree import tree_reduce_
+from functopk.distributed.wire import local_topk
 
 __all__: list[str] = []
 
@@ -51,7 +51,7 @@ def tree_bucket(
             sent (the others keep their ``acc`` value); ``None`` for all.
         k: Pairs each rank sends.
         select: ``select(flat, k) -> (idx, vals)``, the exact top ``k``
-            (``None``: :func:`functopk.distributed.exchange._local_topk`).
+            (``None``: :func:`functopk.distributed.wire.local_topk`).
         comm: ``(group, rank, world)``.
         flags: The state's per-bucket non-finite flags; this bucket's (a 0-d
             bool, the same on every rank) is appended once the rounds finish.
@@ -66,10 +66,10 @@ def tree_bucket(
     """
     group, rank, world = comm
     eligible = acc if keep is None else torch.where(keep, acc, 0)
-    idx, vals = (select or _local_topk)(eligible, k)
+    idx, vals = (select or local_topk)(eligible, k)
     eligible.index_fill_(0, idx, 0)
     try:
-        bad = _tree_reduce_(eligible, (idx, vals), buf.zero_(), group, rank, world, "the tree exchange of topk_hook")
+        bad = tree_reduce_(eligible, (idx, vals), buf.zero_(), group, rank, world, "the tree exchange of topk_hook")
     except RuntimeError as exc:
         return failed(exc)  # DDP raises it from backward() (see functopk.distributed.futures)
     if keep is not None:  # the put-back went into eligible: held-back coordinates keep their acc value

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from functopk._checks import check_bool, check_k_or_density, check_leaves, check_state, describe
 from functopk.base import GradientTransformation, Params, Updates
 from functopk.distributed.agree import check_agreement, layout_code
-from functopk.distributed.exchange import _check_group_arg, _nonfinite, _receive, _resolve_group, _send, _wire_bytes
-from functopk.distributed.tree import _tree_step, tree_wire_bytes
+from functopk.distributed.tree import tree_step, tree_wire_bytes
+from functopk.distributed.wire import check_group_arg, nonfinite, receive, resolve_group, send, wire_bytes
 from functopk.sparse.api import resolve_k
 from functopk.tree.layout import FlatLayout
 
@@ -186,7 +186,7 @@ def distributed_topk(
         >>> dist.destroy_process_group()
     """
     k, density = check_k_or_density(k, density, allow_tensor=False)
-    _check_group_arg(group, "group")
+    check_group_arg(group, "group")
     check_bool(reselect, "reselect")
     if not isinstance(exchange, str):
         raise TypeError(f"exchange must be 'allgather' or 'tree', got {describe(exchange)}")
@@ -221,7 +221,7 @@ def distributed_topk(
                 f"{res.numel()} on {res.device}; init the state from parameters shaped like the updates"
             )
         kk = _count(k, density, layout.numel)
-        grp, rank, world = _resolve_group(group, "distributed_topk")
+        grp, rank, world = resolve_group(group, "distributed_topk")
         signature = layout_code(layout.shapes, layout.dtypes, layout.treedef)
         if (id(grp), signature) not in agreed:
             check_agreement("distributed_topk", {
@@ -231,14 +231,14 @@ def distributed_topk(
             agreed.add((id(grp), signature))
         residual = layout.ravel(updates, dtype=res.dtype).add_(res)  # a fresh buffer: ours to change
         if exchange == "tree":
-            mean, bad = _tree_step(residual, kk, grp, rank, world, "the tree exchange of distributed_topk")
+            mean, bad = tree_step(residual, kk, grp, rank, world, "the tree exchange of distributed_topk")
             sent, received = tree_wire_bytes(kk, layout.numel, res.dtype, world, rank)
         else:
-            idx, vals, _, gathered = _send(residual, kk, grp, world, "the sparse all-gather of distributed_topk",
+            idx, vals, _, gathered = send(residual, kk, grp, world, "the sparse all-gather of distributed_topk",
                                            async_op=False)  # fmt: skip
-            mean = _receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, reselect)
-            bad = _nonfinite(gathered, world, kk, layout.numel, res.dtype)
-            sent = _wire_bytes(kk, layout.numel, res.dtype)
+            mean = receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, reselect)
+            bad = nonfinite(gathered, world, kk, layout.numel, res.dtype)
+            sent = wire_bytes(kk, layout.numel, res.dtype)
             received = sent * world
         new_state = DistributedTopKState(
             residual=torch.where(bad, res, residual, out=residual),

@@ -38,6 +38,7 @@ from typing import Any, Union
 
 import torch
 
+from functopk._checks import check_choice
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
 from functopk.sparse.kernels.base import common_dtype, flat_magnitudes
@@ -65,10 +66,8 @@ KLike = Union[int, torch.Tensor]
 
 
 def check_method(method: Any) -> str:
-    """``method`` if it is one of :data:`METHODS`, else ``ValueError``."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return method
+    """``method`` if it is one of :data:`METHODS`, else ``TypeError`` (not a str) or ``ValueError``."""
+    return check_choice(method, "method", METHODS)
 
 
 def route(leaves: list[torch.Tensor]) -> str:
