@@ -40,7 +40,7 @@ def dense_bucket(
 
     def dense_done() -> torch.Tensor:
         if check:
-            store.flags.append(~torch.isfinite(buf).all())
+            store.add_flag(~torch.isfinite(buf).all())
         return buf
 
     return work.get_future().then(_finisher(group, "the dense allreduce of topk_hook", dense_done))
@@ -66,7 +66,7 @@ def sparse_bucket(
     keep = used_mask(mem, buf) if hold_unused else None
     select = None if config.selection == "exact" else partial(_threshold_select, store, mem)
     if config.exchange == "tree":
-        return tree_bucket(buf, acc, keep, k, select, comm, store.flags, mem.vscratch)
+        return tree_bucket(buf, acc, keep, k, select, comm, store.add_flag, mem.vscratch)
     what = "the sparse all-gather of topk_hook"
     # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
     eligible = acc if keep is None else torch.where(keep, acc, 0)
@@ -75,7 +75,7 @@ def sparse_bucket(
         torch.where(keep, eligible, acc, out=acc)
 
     def finish() -> torch.Tensor:
-        store.flags.append(nonfinite(gathered, world, k, n, buf.dtype))
+        store.add_flag(nonfinite(gathered, world, k, n, buf.dtype))
         out = receive(buf.zero_(), gathered, (idx, vals), acc, world, config.reselect)
         if mem.vscratch is not None:  # momentum factor masking: no velocity where the residual was spent
             mask_velocity(mem.vscratch, idx, acc if config.reselect else None, keep)

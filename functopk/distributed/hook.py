@@ -108,6 +108,11 @@ class TopKHookState:
             with fewer compute threads than cores); see ``docs/distributed.md``.
 
     Attributes:
+        config: The arguments above but ``process_group``, ``model`` and
+            ``grad_scaler``, checked, as a frozen
+            :class:`~functopk.distributed.config.HookConfig` (every rank compares
+            them at the first call, so they cannot change afterwards); each is
+            also readable as an attribute of its own name.
         iter: Iterations seen (counted when the last bucket of an iteration passes).
         residuals: Error-feedback memory per bucket (a ``dict`` built on access),
             keyed by the bucket's parameters (their identities, in order), size,
@@ -301,12 +306,12 @@ class TopKHookState:
         if self.iter < self.warmup_iters or sent >= n * vbytes:  # dense: warm-up, or k pairs no smaller
             # After warm-up (or with a velocity to protect), a dense bucket still reports Inf/NaN.
             check = self.iter >= self.warmup_iters or bool(self.momentum)
-            store.expect += check
+            store.expect_flag(check)
             key, mem = store.memory(bucket, buf) if self.momentum else (None, None)
             self._record(bucket, HookStats(n * vbytes, n * vbytes, n * vbytes, n, n), key)
             return partial(dense_bucket, store, mem, buf, check, group, world)
         key, mem = store.memory(bucket, buf)
-        store.expect += 1
+        store.expect_flag()
         if self.exchange == "tree":
             stats = HookStats(*tree_wire_bytes(k, n, buf.dtype, world, rank), n * vbytes, k, n)
         else:
@@ -318,8 +323,6 @@ class TopKHookState:
     def _record(self, bucket: Any, stats: HookStats, key: tuple[Any, ...] | None) -> None:
         """Count the bucket; after the iteration's last one, close the iteration."""
         self._step = self._step + stats
-        if key is not None:
-            self._store.seen.add(key)
         self._layout.add(key[0] if key is not None else tuple(map(id, bucket.parameters())))
         if bucket.is_last():
             self._layout.end()

@@ -1,7 +1,7 @@
 """``topk_hook``'s ``exchange="tree"`` path: one bucket's pairs through gTop-k's tree, run synchronously.
 
 The rounds are those of ``distributed_topk(exchange="tree")``
-(:func:`functopk.distributed.tree._tree_reduce_`, one implementation for
+(:func:`functopk.distributed.tree.tree_reduce_`, one implementation for
 both). They run inside the hook call and the hook returns a future that is
 already complete, so the exchange does not overlap with the rest of the
 backward pass. Why not chain the rounds asynchronously: each round's send
@@ -38,7 +38,7 @@ def tree_bucket(
     k: int,
     select: Select | None,
     comm: tuple[dist.ProcessGroup, int, int],
-    flags: list[torch.Tensor],
+    flag: Callable[[torch.Tensor], None],
     velocity: torch.Tensor | None = None,
 ) -> torch.futures.Future[torch.Tensor]:
     """Exchange one bucket over the tree: a completed future of ``buf`` holding the mean over ranks.
@@ -53,8 +53,8 @@ def tree_bucket(
         select: ``select(flat, k) -> (idx, vals)``, the exact top ``k``
             (``None``: :func:`functopk.distributed.wire.local_topk`).
         comm: ``(group, rank, world)``.
-        flags: The state's per-bucket non-finite flags; this bucket's (a 0-d
-            bool, the same on every rank) is appended once the rounds finish.
+        flag: Takes this bucket's non-finite flag (a 0-d bool, the same on
+            every rank) once the rounds finish.
         velocity: With momentum correction, the candidate velocity: cleared
             where this rank's residual was spent (sent and not put back).
 
@@ -62,7 +62,7 @@ def tree_bucket(
         A completed future of ``buf``, or one failed with a ``RuntimeError``
         naming functopk and the likely cause (a peer died or timed out) if a
         send or receive failed, which DDP raises from ``backward()``; then no
-        flag is appended, so the iteration's residuals are kept.
+        flag is given, so the iteration's residuals are kept.
     """
     group, rank, world = comm
     eligible = acc if keep is None else torch.where(keep, acc, 0)
@@ -76,7 +76,7 @@ def tree_bucket(
         torch.where(keep, eligible, acc, out=acc)
     if velocity is not None:
         mask_velocity(velocity, idx, acc, keep)
-    flags.append(bad)
+    flag(bad)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut

@@ -69,9 +69,19 @@ class ResidualStore:
 
     # ------------------------------------------------------------------ one iteration
 
+    def expect_flag(self, expected: bool = True) -> None:
+        """A bucket of the running iteration will report whether its values were finite (see :meth:`add_flag`)."""
+        self.expect += expected
+
+    def add_flag(self, nonfinite: torch.Tensor) -> None:
+        """A bucket's verdict, once its exchange has finished: a 0-d bool on device, the same on every rank."""
+        self.flags.append(nonfinite)
+
     def memory(self, bucket: Any, buf: torch.Tensor) -> tuple[Key, BucketMemory]:
-        """The bucket's memory; a new one is assembled from the old buckets' and the loaded tensors."""
+        """The bucket's memory, marked as used this iteration; a new one is assembled from the old buckets' and
+        the loaded tensors."""
         key = (tuple(id(p) for p in bucket.parameters()), buf.numel(), buf.dtype, buf.device)
+        self.seen.add(key)
         mem = self.buckets.get(key)
         if mem is None:
             slots = bucket_slots(bucket, buf.numel())

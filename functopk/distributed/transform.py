@@ -152,8 +152,18 @@ def distributed_topk(
     dense tree with the structure and dtypes of the gradients. Every rank emits
     bit-identical updates, so replicas stay identical. Typically first in a
     chain: ``chain(distributed_topk(density=0.01), sgd(lr, momentum=0.9))``.
-    Re-selection (``reselect``, ``exchange="tree"``), non-finite steps, the
-    residual's unit and why it lives here: see this module's docstring.
+
+    With ``reselect=True`` the sum is cut back to its own top ``k`` (gTop-k,
+    Shi et al. 2019), so the update is exactly ``k``-sparse; what a rank sent
+    at the coordinates dropped there goes back into its residual, so no
+    gradient mass is lost. ``exchange="tree"`` is gTop-k's communication too:
+    ``log2 P`` rounds of pairwise swaps, each keeping the top ``k`` of the
+    pair's sum (``log2(P) * k`` pairs per rank, instead of the all-gather's
+    ``k`` sent and ``P k`` received); it always re-selects, and keeps a
+    slightly different set than the exact top ``k`` of the sum. NaN and Inf
+    are sent and reach every rank's update; in such a step every rank keeps
+    its residual (``state.skipped`` counts these steps). More, and the
+    residual's unit, in :mod:`functopk.distributed.transform`.
 
     ``init`` checks, in one small collective when a process group is
     initialised (every rank calls it alike), that every rank has the same tree
