@@ -35,7 +35,7 @@ class ExchangeConfig:
 
     Example:
         >>> from functopk.distributed.config import ExchangeConfig
-        >>> ExchangeConfig(density=0.5).count(10)
+        >>> ExchangeConfig(density=0.5).k_for(10)
         5
         >>> ExchangeConfig(k=2, exchange="ring")
         Traceback (most recent call last):
@@ -59,11 +59,11 @@ class ExchangeConfig:
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
-    def count(self, numel: int) -> int:
+    def k_for(self, numel: int) -> int:
         """The pairs each rank sends for a tree of ``numel`` coordinates (a Python int: it sizes the buffers)."""
-        count = resolve_k(self.k, self.density, numel, name="the tree")
-        assert isinstance(count, int)  # k and density are Python numbers here
-        return count
+        k = resolve_k(self.k, self.density, numel, name="the tree")
+        assert isinstance(k, int)  # k and density are Python numbers here
+        return k
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class HookConfig(ExchangeConfig):
 
     Example:
         >>> from functopk.distributed.config import HookConfig
-        >>> HookConfig(density=0.01, warmup_iters=5).bucket_count(1000)
+        >>> HookConfig(density=0.01, warmup_iters=5).bucket_k(1000)
         10
     """
 
@@ -96,8 +96,8 @@ class HookConfig(ExchangeConfig):
         check_choice(self.exchange, "exchange", EXCHANGES)
         check_bool(self.overlap, "overlap")
 
-    def bucket_count(self, numel: int) -> int:
+    def bucket_k(self, numel: int) -> int:
         """The pairs each rank sends for a bucket of ``numel`` coordinates."""
         k = k_from_density(self.density, numel)  # type: ignore[arg-type]  # a float after __post_init__
-        assert isinstance(k, int)  # a Python density gives a Python count
+        assert isinstance(k, int)  # a Python density gives a Python k
         return k

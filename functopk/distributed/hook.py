@@ -301,7 +301,7 @@ class TopKHookState:
         self._begin(group, rank, world, buf)
         # Step II: dense or compressed; the bucket's memory and byte counts; the rest goes to bucket.py.
         store, n, vbytes = self._store, buf.numel(), buf.element_size()
-        k = self.config.bucket_count(n)
+        k = self.config.bucket_k(n)
         sent = wire_bytes(k, n, buf.dtype)
         if self.iter < self.warmup_iters or sent >= n * vbytes:  # dense: warm-up, or k pairs no smaller
             # After warm-up (or with a velocity to protect), a dense bucket still reports Inf/NaN.

@@ -207,7 +207,7 @@ def distributed_topk(
 def _init(config: ExchangeConfig, group: dist.ProcessGroup | None, params: Params) -> DistributedTopKState:
     """A zero residual over ``params``' flat layout; with a process group, the ranks' agreement checked."""
     layout = _layout(params, "params")
-    k = config.count(layout.numel)
+    k = config.k_for(layout.numel)
     device, dtype = layout.device, layout.common_dtype
     if group is not None or (dist.is_available() and dist.is_initialized()):
         grp, rank, world = resolve_group(group, "distributed_topk")
@@ -245,7 +245,7 @@ def _update(
             f"updates have {layout.numel} coordinates on {layout.device}, but the state's residual has "
             f"{res.numel()} on {res.device}; init the state from parameters shaped like the updates"
         )
-    k, n = config.count(layout.numel), layout.numel
+    k, n = config.k_for(layout.numel), layout.numel
     grp, rank, world = resolve_group(group, "distributed_topk")
     # Step II: acc = grads + residual (a fresh buffer: ours to change); send its top k, which leaves the
     # candidate residual in it; receive every rank's pairs as the mean (and, with gTop-k, put back the dropped).

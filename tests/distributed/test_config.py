@@ -19,8 +19,8 @@ from functopk.sparse import k_from_density
 
 def test_exchange_config_is_checked_and_frozen():
     config = ExchangeConfig(density=0.5, reselect=True, exchange="tree")
-    assert (config.k, config.density, config.count(10)) == (None, 0.5, k_from_density(0.5, 10))
-    assert ExchangeConfig(k=3).count(10) == 3
+    assert (config.k, config.density, config.k_for(10)) == (None, 0.5, k_from_density(0.5, 10))
+    assert ExchangeConfig(k=3).k_for(10) == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.reselect = False  # type: ignore[misc]
     with pytest.raises(ValueError, match="give exactly one of k or density"):
@@ -28,13 +28,13 @@ def test_exchange_config_is_checked_and_frozen():
     with pytest.raises(TypeError, match="reselect must be a bool, got int 1"):
         ExchangeConfig(k=1, reselect=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"k=5 exceeds the number of coordinates in the tree \(4\)"):
-        ExchangeConfig(k=5).count(4)
+        ExchangeConfig(k=5).k_for(4)
 
 
 def test_hook_config_is_checked_and_frozen():
     config = HookConfig(density=1, warmup_iters=0, momentum=0.5)
     assert (config.density, type(config.density), config.momentum) == (1.0, float, 0.5)  # stored converted
-    assert config.bucket_count(1000) == 1000 and HookConfig().bucket_count(1000) == k_from_density(0.01, 1000)
+    assert config.bucket_k(1000) == 1000 and HookConfig().bucket_k(1000) == k_from_density(0.01, 1000)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.momentum = 0.9  # type: ignore[misc]
     with pytest.raises(ValueError, match="HookConfig takes a density, not k"):
