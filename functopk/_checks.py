@@ -65,6 +65,25 @@ def check_bool(value: Any, name: str) -> bool:
     return value
 
 
+def check_choice(value: Any, name: str, choices: Sequence[Any]) -> Any:
+    """``value`` if it is one of ``choices``: ``TypeError`` if its type is none of theirs, else ``ValueError``.
+
+    Example:
+        >>> check_choice("tree", "exchange", ("allgather", "tree"))
+        'tree'
+        >>> check_choice("ring", "exchange", ("allgather", "tree"))
+        Traceback (most recent call last):
+        ...
+        ValueError: exchange must be one of ('allgather', 'tree'), got str 'ring'
+    """
+    choices = tuple(choices)
+    if not any(type(value) is type(c) for c in choices):  # exact types: True is not the choice 1
+        raise TypeError(f"{name} must be one of {choices}, got {describe(value)}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {describe(value)}")
+    return value
+
+
 def check_int(value: Any, name: str, *, minimum: int | None = None, below: int | None = None) -> int:
     """``value`` as an int after checking its type (not bool) and range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import NamedTuple
 
@@ -130,3 +131,41 @@ def test_first_difference_for_node_type_changes():
     a = optree.tree_structure({"x": (torch.ones(1),)})
     b = optree.tree_structure({"x": [torch.ones(1)]})
     assert "node types differ" in C.first_difference(a, b)
+
+
+def test_check_choice_names_the_argument_and_the_allowed_values():
+    assert C.check_choice("tree", "exchange", ("allgather", "tree")) == "tree"
+    assert C.check_choice(None, "fn", (None, "a")) is None
+    with pytest.raises(ValueError, match=r"^exchange must be one of \('allgather', 'tree'\), got str 'ring'$"):
+        C.check_choice("ring", "exchange", ("allgather", "tree"))
+    with pytest.raises(TypeError, match=r"^exchange must be one of \('allgather', 'tree'\), got NoneType None$"):
+        C.check_choice(None, "exchange", ("allgather", "tree"))
+    with pytest.raises(TypeError, match=r"^flag must be one of \(0, 1\), got bool True$"):
+        C.check_choice(True, "flag", (0, 1))  # a bool is not the int 1
+
+
+def _call(module: str, name: str, *args, **kwargs):
+    """A call of ``module.name`` (imported when called: only its choice check is under test here)."""
+    return lambda: getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (_call("functopk.distributed", "TopKHookState", selection="fast"),
+         r"selection must be one of \('exact', 'threshold'\), got str 'fast'"),
+        (_call("functopk.distributed", "distributed_topk", 1, exchange="fast"),
+         r"exchange must be one of \('allgather', 'tree'\), got str 'fast'"),
+        (_call("functopk.optim.muon", "muon", adjust_lr_fn="fast"),
+         r"adjust_lr_fn must be one of \(None, 'original', .*\), got str 'fast'"),
+        (_call("functopk.compress.layerwise", "layerwise_topk", 1, method="fast"),
+         r"method must be one of \('exact', 'torch', 'approx', 'gaussian'\), got str 'fast'"),
+        (_call("functopk.sparse.dispatch", "check_method", "fast"),
+         r"method must be one of \('exact', 'torch', 'approx', 'gaussian'\), got str 'fast'"),
+    ],  # fmt: skip
+    ids=["topk_hook", "distributed_topk", "muon", "layerwise_topk", "dispatch"],
+)
+def test_every_choice_is_checked_with_one_message(call, message):
+    """The five choice checks of the package share :func:`functopk._checks.check_choice`'s message."""
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        call()

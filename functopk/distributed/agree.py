@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functopk.distributed.exchange import _gather_or_fail
+from functopk.distributed.wire import gather_or_fail
 
 __all__: list[str] = []
 
@@ -61,7 +61,7 @@ def check_agreement(
     names = list(fields)
     mine = torch.tensor([_code(fields[n]) for n in names], dtype=torch.int64)
     gathered = torch.empty(world * len(names), dtype=torch.int64, device=device)
-    _gather_or_fail(gathered, mine.to(device), group, f"the configuration check of {what}")
+    gather_or_fail(gathered, mine.to(device), group, f"the configuration check of {what}")
     table = gathered.view(world, len(names)).cpu()
     for j, name in enumerate(names):
         column = table[:, j].tolist()
@@ -84,12 +84,12 @@ def _gather_texts(text: str, group: dist.ProcessGroup, world: int, device: torch
     """Every rank's ``text`` (a collective: their lengths, then their UTF-8 bytes padded to the longest)."""
     mine = torch.tensor(list(text.encode()), dtype=torch.uint8)
     lengths = torch.empty(world, dtype=torch.int64, device=device)
-    _gather_or_fail(lengths, torch.tensor([mine.numel()], device=device), group, f"the configuration check of {what}")
+    gather_or_fail(lengths, torch.tensor([mine.numel()], device=device), group, f"the configuration check of {what}")
     longest = int(lengths.max())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine.to(device)
     texts = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    _gather_or_fail(texts, padded, group, f"the configuration check of {what}")
+    gather_or_fail(texts, padded, group, f"the configuration check of {what}")
     rows = texts.view(world, longest).cpu()
     return [bytes(rows[r, : int(lengths[r])].tolist()).decode(errors="replace") for r in range(world)]
 

@@ -5,79 +5,89 @@ and hands one of these functions the rest, to run on the backward thread or,
 with ``TopKHookState(overlap=True)``, on the state's worker thread
 (:mod:`functopk.distributed.offload`). Each returns a future of the bucket
 buffer holding the mean over ranks, and appends the bucket's non-finite flag
-to the state once its exchange has finished.
+to the :class:`~functopk.distributed.residuals.ResidualStore` once its
+exchange has finished.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from functopk.distributed.exchange import _comm_error, _nonfinite, _receive, _send
+from functopk.distributed.config import HookConfig
 from functopk.distributed.hook_tree import tree_bucket
 from functopk.distributed.memory import BucketMemory, mask_velocity, used_mask
+from functopk.distributed.residuals import ResidualStore
 from functopk.distributed.threshold import threshold_select
-
-if TYPE_CHECKING:
-    from functopk.distributed.hook import TopKHookState
+from functopk.distributed.wire import comm_error, nonfinite, receive, send
 
 __all__: list[str] = []
 
 
 def dense_bucket(
-    state: TopKHookState, mem: BucketMemory | None, buf: torch.Tensor, check: bool, group: dist.ProcessGroup,
+    store: ResidualStore, mem: BucketMemory | None, buf: torch.Tensor, check: bool, group: dist.ProcessGroup,
     world: int,
 ) -> torch.futures.Future[torch.Tensor]:
     """Allreduce the bucket (with momentum correction: the velocity); then record whether it is finite."""
     if mem is not None:  # send the velocity: plain momentum SGD
-        buf.copy_(state._velocity(mem, buf, state._rescale()))
+        buf.copy_(store.velocity(mem, buf, store.rescale()))
     buf.div_(world)  # divide first, as DDP's default hook does
     work = dist.all_reduce(buf, group=group, async_op=True)
 
     def dense_done() -> torch.Tensor:
         if check:
-            state._flags.append(~torch.isfinite(buf).all())
+            store.add_flag(~torch.isfinite(buf).all())
         return buf
 
     return work.get_future().then(_finisher(group, "the dense allreduce of topk_hook", dense_done))
 
 
 def sparse_bucket(
-    state: TopKHookState, mem: BucketMemory, buf: torch.Tensor, k: int, comm: tuple[dist.ProcessGroup, int, int]
+    store: ResidualStore,
+    config: HookConfig,
+    hold_unused: bool,
+    mem: BucketMemory,
+    buf: torch.Tensor,
+    k: int,
+    comm: tuple[dist.ProcessGroup, int, int],
 ) -> torch.futures.Future[torch.Tensor]:
-    """Add the residual, select ``k``, exchange (all-gather or tree) and average into ``buf``."""
+    """Add the residual, select ``k``, exchange (all-gather or tree) and average into ``buf``.
+
+    ``hold_unused``: hold back the residual of parameters whose local gradient
+    is all zero (DDP's ``find_unused_parameters``).
+    """
     group, rank, world = comm
     n = buf.numel()
-    acc = state._accumulate(mem, buf)  # grads + residual: after _send, this iteration's candidate residual
-    keep = used_mask(mem, buf) if state.find_unused_parameters else None
-    select = None if state.selection == "exact" else partial(_threshold_select, state, mem)
-    if state.exchange == "tree":
-        return tree_bucket(buf, acc, keep, k, select, comm, state._flags, mem.vscratch)
+    acc = store.accumulate(mem, buf)  # grads + residual: after send, this iteration's candidate residual
+    keep = used_mask(mem, buf) if hold_unused else None
+    select = None if config.selection == "exact" else partial(_threshold_select, store, mem)
+    if config.exchange == "tree":
+        return tree_bucket(buf, acc, keep, k, select, comm, store.add_flag, mem.vscratch)
     what = "the sparse all-gather of topk_hook"
     # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
     eligible = acc if keep is None else torch.where(keep, acc, 0)
-    idx, vals, work, gathered = _send(eligible, k, group, world, what, async_op=True, select=select)
+    idx, vals, work, gathered = send(eligible, k, group, world, what, async_op=True, select=select)
     if keep is not None:
         torch.where(keep, eligible, acc, out=acc)
 
     def finish() -> torch.Tensor:
-        state._flags.append(_nonfinite(gathered, world, k, n, buf.dtype))
-        out = _receive(buf.zero_(), gathered, (idx, vals), acc, world, state.reselect)
+        store.add_flag(nonfinite(gathered, world, k, n, buf.dtype))
+        out = receive(buf.zero_(), gathered, (idx, vals), acc, world, config.reselect)
         if mem.vscratch is not None:  # momentum factor masking: no velocity where the residual was spent
-            mask_velocity(mem.vscratch, idx, acc if state.reselect else None, keep)
+            mask_velocity(mem.vscratch, idx, acc if config.reselect else None, keep)
         return out
 
     return work.get_future().then(_finisher(group, what, finish))
 
 
-def _threshold_select(state: TopKHookState, mem: BucketMemory, flat: torch.Tensor, k: int):
+def _threshold_select(store: ResidualStore, mem: BucketMemory, flat: torch.Tensor, k: int):
     """``selection="threshold"``: the exact top ``k`` through the bucket's previous threshold."""
     idx, vals, mem.threshold, fell_back = threshold_select(flat, k, mem.threshold)
-    state.threshold_fallbacks += fell_back
+    store.threshold_fallbacks += fell_back
     return idx, vals
 
 
@@ -90,7 +100,7 @@ def _finisher(
         try:
             fut.wait()
         except Exception as exc:  # the backend's error type varies (RuntimeError, DistBackendError, ...)
-            raise _comm_error(what, group, exc) from exc
+            raise comm_error(what, group, exc) from exc
         return fn()
 
     return callback

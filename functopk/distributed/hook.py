@@ -1,8 +1,23 @@
-"""``topk_hook``: a DDP communication hook with top-k sparse exchange and per-bucket error feedback."""
+"""``topk_hook``: a DDP communication hook with top-k sparse exchange and per-bucket error feedback.
+
+Each bucket, in the order DDP calls the hook (the same on every rank):
+
+* Step I (:meth:`TopKHookState._begin`): once, check the registration and
+  that every rank is configured alike; commit the previous iteration's
+  memory unless a value in it was non-finite.
+* Step II (:meth:`TopKHookState._plan`): decide dense or compressed, fetch
+  the bucket's memory, and count the bytes.
+* Step III (:mod:`functopk.distributed.bucket`): add the residual, select,
+  exchange and average, on this thread or (``overlap=True``) on the state's
+  worker.
+
+The first iteration after ``load_state_dict`` may instead reduce within the
+saved buckets (:class:`functopk.distributed.resume.Regroup`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -10,24 +25,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from functopk._checks import check_bool, check_density, check_int, check_number, describe
+from functopk._checks import describe
 from functopk.distributed.agree import check_agreement
 from functopk.distributed.bucket import dense_bucket, sparse_bucket
-from functopk.distributed.exchange import (
-    _check_group_arg,
-    _resolve_group,
-    _wire_bytes,
-)
-from functopk.distributed.memory import BucketMemory, assemble, bucket_slots, commit
-from functopk.distributed.names import by_name, model_info, registered_find_unused
+from functopk.distributed.config import HookConfig
+from functopk.distributed.names import model_info, registered_find_unused
 from functopk.distributed.offload import Offloader
+from functopk.distributed.residuals import ResidualStore
 from functopk.distributed.resume import Layout, Regroup
-from functopk.distributed.saved import FORMAT, VERSION, check_exchange, check_saved
+from functopk.distributed.saved import FORMAT, VERSION, check_saved
 from functopk.distributed.stats import HookStats
 from functopk.distributed.tree import tree_wire_bytes
-from functopk.sparse.k import k_from_density
+from functopk.distributed.wire import check_group_arg, resolve_group, wire_bytes
 
 __all__ = ["HookStats", "TopKHookState", "topk_hook"]
+
+Launch = Callable[[], "torch.futures.Future[torch.Tensor]"]
 
 
 class TopKHookState:
@@ -95,6 +108,11 @@ class TopKHookState:
             with fewer compute threads than cores); see ``docs/distributed.md``.
 
     Attributes:
+        config: The arguments above but ``process_group``, ``model`` and
+            ``grad_scaler``, checked, as a frozen
+            :class:`~functopk.distributed.config.HookConfig` (every rank compares
+            them at the first call, so they cannot change afterwards); each is
+            also readable as an attribute of its own name.
         iter: Iterations seen (counted when the last bucket of an iteration passes).
         residuals: Error-feedback memory per bucket (a ``dict`` built on access),
             keyed by the bucket's parameters (their identities, in order), size,
@@ -130,64 +148,56 @@ class TopKHookState:
         exchange: str = "allgather",
         overlap: bool = False,
     ) -> None:
-        _check_group_arg(process_group, "process_group")
+        check_group_arg(process_group, "process_group")
         self.process_group: dist.ProcessGroup | None = process_group
-        self.density: float = float(check_density(density, allow_tensor=False))
-        self.warmup_iters: int = check_int(warmup_iters, "warmup_iters", minimum=0)
-        self.reselect: bool = check_bool(reselect, "reselect")
+        self.config = HookConfig(
+            density=density, warmup_iters=warmup_iters, reselect=reselect, selection=selection, momentum=momentum,
+            exchange=exchange, overlap=overlap,
+        )  # fmt: skip
         self._names, self._shapes, self.find_unused_parameters = model_info(model)
+        if grad_scaler is not None and not isinstance(getattr(grad_scaler, "_enabled", None), bool):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {describe(grad_scaler)}")
+        self._store = ResidualStore(self.config.momentum, grad_scaler, self._names)  # the buckets' memory
         # DDP rebuilds its buckets after a process's first iteration, unless it finds unused parameters (and
         # has no static graph)
         rebuilds = not self.find_unused_parameters or bool(getattr(model, "static_graph", True))
         self._layout = Layout(rebuilds)  # the buckets' parameters, for checkpoints (see resume.py)
         self._regroup: Regroup | None = None  # the first iteration after load_state_dict (see resume.py)
         self._saved_layout: tuple[tuple[str, ...], ...] | None = None
-        if grad_scaler is not None and not isinstance(getattr(grad_scaler, "_enabled", None), bool):
-            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {describe(grad_scaler)}")
-        self._scaler = grad_scaler
-        if not isinstance(selection, str):
-            raise TypeError(f"selection must be a str ('exact' or 'threshold'), got {describe(selection)}")
-        if selection not in ("exact", "threshold"):
-            raise ValueError(f"selection must be 'exact' or 'threshold', got {describe(selection)}")
-        self.selection: str = selection
-        self.momentum: float = check_number(momentum, "momentum", minimum=0.0, below=1.0)
-        self.exchange: str = check_exchange(exchange, "exchange")
-        self.overlap: bool = check_bool(overlap, "overlap")
         self._offload = Offloader()
-        self.threshold_fallbacks: int = 0
         self.iter: int = 0
         self.last_step: HookStats = HookStats()
         self.total: HookStats = HookStats()
-        self._step: HookStats = HookStats()
-        self._seen: set[tuple[Any, ...]] = set()
-        self._buckets: dict[tuple[Any, ...], BucketMemory] = {}
-        self._loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint not yet placed in a bucket
-        self._loaded_velocity: dict[str, torch.Tensor] = {}  # the same for velocities (momentum correction)
-        self._flags: list[torch.Tensor] = []  # per bucket of the running iteration (after warm-up): non-finite?
-        self._expect = 0  # how many flags the running iteration's buckets will append
-        self._commit_due = False
-        self._agreed = False
+        self._step: HookStats = HookStats()  # the running iteration's, so far
+        self._agreed = False  # the other ranks' configuration has been checked
         # Given the DDP model, its find_unused_parameters is known; else the first call looks for it (see _begin)
         self._registration_checked = isinstance(model, DistributedDataParallel)
-        self._skipped: torch.Tensor | None = None
-        self._skipped_before = 0
-        self._scale_now: torch.Tensor | None = None  # the loss scale of the running iteration
-        self._unit: torch.Tensor | float | None = None  # the loss scale the residuals are in (None: unscaled)
 
     def __repr__(self) -> str:
         tree = ", exchange='tree'" if self.exchange == "tree" else ""
         return (f"TopKHookState(density={self.density}, warmup_iters={self.warmup_iters}, "
                 f"reselect={self.reselect}, momentum={self.momentum}{tree}, iter={self.iter})")  # fmt: skip
 
+    # The configuration (frozen: the ranks compare it once), by its argument names.
+    density = property(lambda self: self.config.density)
+    warmup_iters = property(lambda self: self.config.warmup_iters)
+    reselect = property(lambda self: self.config.reselect)
+    selection = property(lambda self: self.config.selection)
+    momentum = property(lambda self: self.config.momentum)
+    exchange = property(lambda self: self.config.exchange)
+    overlap = property(lambda self: self.config.overlap)
+
     @property
     def residuals(self) -> dict[tuple[Any, ...], torch.Tensor]:
-        self._settle()
-        return {key: mem.residual for key, mem in self._buckets.items()}
+        return self._store.residuals()
 
     @property
     def skipped_iters(self) -> int:
-        self._settle()
-        return self._skipped_before + (0 if self._skipped is None else int(self._skipped))
+        return self._store.skipped_iters()
+
+    @property
+    def threshold_fallbacks(self) -> int:
+        return self._store.threshold_fallbacks
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -207,19 +217,17 @@ class TopKHookState:
         Raises:
             ValueError: residuals exist but the state was built without ``model=``.
         """
-        self._settle()
         out = {
             "format": FORMAT, "version": VERSION,
             "density": self.density, "warmup_iters": self.warmup_iters, "reselect": self.reselect,
             "momentum": self.momentum, "exchange": self.exchange, "iter": self.iter,
             "skipped_iters": self.skipped_iters,
             "last_step": self.last_step._asdict(), "total": self.total._asdict(),
-            "residuals": by_name(self._buckets.values(), "residual", self._loaded, self._names, self._unit),
+            "residuals": self._store.by_name("residual"),
             "layout": self._layout.names(self._names),
         }  # fmt: skip
         if self.momentum:
-            out["velocities"] = by_name(self._buckets.values(), "velocity", self._loaded_velocity, self._names,
-                                        self._unit)  # fmt: skip
+            out["velocities"] = self._store.by_name("velocity")
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -249,17 +257,17 @@ class TopKHookState:
         """
         saved = check_saved(state_dict, self._shapes, self.momentum)  # everything, before anything changes
         self.iter, self.last_step, self.total = saved.iter, saved.last_step, saved.total
-        self._skipped_before, self._skipped = saved.skipped_iters, None
-        self._buckets, self._flags, self._expect, self._seen, self._step = {}, [], 0, set(), HookStats()
-        self._commit_due, self._agreed, self._scale_now = False, False, None
-        self._unit = None if self._scaler is None else 1.0
-        self._loaded = {name: t.detach().clone() for name, t in saved.residuals.items()}
-        self._loaded_velocity = {name: t.detach().clone() for name, t in saved.velocities.items()}
+        self._step, self._agreed = HookStats(), False
+        self._store.load(saved.residuals, saved.velocities, saved.skipped_iters)
         pid_of = {name: pid for pid, name in self._names.items()}
         layout = saved.layout
         ids = None if layout is None else tuple(tuple(pid_of[n] for n in group) for group in layout)
-        self._saved_layout, self._regroup = layout, None if ids is None else Regroup(ids)
-        self._layout.last, self._layout.loaded, self._layout.running = ids, ids is not None, []
+        self._saved_layout = layout
+        self._regroup = None if ids is None else Regroup(ids, self._layout, self._end_regroup)
+        self._layout.load(ids)
+
+    def _end_regroup(self) -> None:
+        self._regroup = None
 
     # ------------------------------------------------------------------ the hook's steps
 
@@ -283,81 +291,44 @@ class TopKHookState:
                 "the loaded bucket layout": self._saved_layout,
             }, group, rank, world, buf.device)  # fmt: skip
             self._agreed = True
-        self._settle()
+        self._store.settle()
 
-    def _settle(self) -> None:
-        """Commit the finished iteration: each bucket's candidate residual, unless a value was non-finite."""
-        if not self._commit_due:
-            return
-        pending = [mem for mem in self._buckets.values() if mem.pending or mem.vpending]
-        flags, expected, scale = self._flags, self._expect, self._scale_now
-        self._commit_due, self._flags, self._expect, self._scale_now = False, [], 0, None
-        if not pending:
-            return
-        if len(flags) < expected:  # an exchange never finished: keep the old residuals
-            bad = torch.ones((), dtype=torch.bool, device=pending[0].residual.device)
+    def _plan(self, bucket: Any) -> Launch:
+        """Steps I and II for one bucket, on the calling thread; returns step III, ready to launch."""
+        # Step I: the group; the one-time checks; the previous iteration's memory committed (or not).
+        group, rank, world = resolve_group(self.process_group, "topk_hook")
+        buf = bucket.buffer()
+        self._begin(group, rank, world, buf)
+        # Step II: dense or compressed; the bucket's memory and byte counts; the rest goes to bucket.py.
+        store, n, vbytes = self._store, buf.numel(), buf.element_size()
+        k = self.config.bucket_k(n)
+        sent = wire_bytes(k, n, buf.dtype)
+        if self.iter < self.warmup_iters or sent >= n * vbytes:  # dense: warm-up, or k pairs no smaller
+            # After warm-up (or with a velocity to protect), a dense bucket still reports Inf/NaN.
+            check = self.iter >= self.warmup_iters or bool(self.momentum)
+            store.expect_flag(check)
+            key, mem = store.memory(bucket, buf) if self.momentum else (None, None)
+            self._record(bucket, HookStats(n * vbytes, n * vbytes, n * vbytes, n, n), key)
+            return partial(dense_bucket, store, mem, buf, check, group, world)
+        key, mem = store.memory(bucket, buf)
+        store.expect_flag()
+        if self.exchange == "tree":
+            stats = HookStats(*tree_wire_bytes(k, n, buf.dtype, world, rank), n * vbytes, k, n)
         else:
-            bad = torch.stack(flags).any()
-        commit(pending, bad)
-        self._skipped = bad.long() if self._skipped is None else self._skipped + bad
-        if scale is not None:
-            self._unit = scale if self._unit is None else torch.where(bad, self._unit, scale)
-
-    def _memory(self, bucket: Any, buf: torch.Tensor) -> tuple[tuple[Any, ...], BucketMemory]:
-        """The bucket's memory; a new one is assembled from the old buckets' and the loaded residuals."""
-        key = (tuple(id(p) for p in bucket.parameters()), buf.numel(), buf.dtype, buf.device)
-        mem = self._buckets.get(key)
-        if mem is None:
-            slots = bucket_slots(bucket, buf.numel())
-            residual = torch.zeros_like(buf)
-            velocity = torch.zeros_like(buf) if self.momentum else None
-            if slots is not None:
-                for field, target, loaded in (("residual", residual, self._loaded),
-                                              ("velocity", velocity, self._loaded_velocity)):  # fmt: skip
-                    if target is not None:
-                        assemble(target, field, slots, self._buckets.values(), self._names, loaded, self._unit)
-            mem = self._buckets[key] = BucketMemory(residual, slots, velocity)
-        return key, mem
-
-    def _rescale(self) -> torch.Tensor | None:
-        """The factor that brings the memory to the running iteration's loss scale (``None``: 1)."""
-        scale = None if self._scaler is None else getattr(self._scaler, "_scale", None)
-        if scale is None:
-            return None
-        if self._scale_now is None:
-            self._scale_now = scale.detach().clone()  # GradScaler.update changes _scale in place
-        return None if self._unit is None else self._scale_now / self._unit
-
-    def _velocity(self, mem: BucketMemory, buf: torch.Tensor, ratio: torch.Tensor | None) -> torch.Tensor:
-        """``mem.vscratch = momentum * velocity + buf``: the candidate velocity (momentum correction)."""
-        assert mem.velocity is not None and mem.vscratch is not None
-        mem.vpending = True
-        if ratio is None:
-            return torch.add(buf, mem.velocity, alpha=self.momentum, out=mem.vscratch)
-        return torch.addcmul(buf, mem.velocity, ratio * self.momentum, out=mem.vscratch)
-
-    def _accumulate(self, mem: BucketMemory, buf: torch.Tensor) -> torch.Tensor:
-        """``mem.scratch = buf (or the new velocity) + residual`` (brought to the current loss scale): the candidate."""
-        mem.pending = True
-        ratio = self._rescale()
-        new = buf if mem.velocity is None else self._velocity(mem, buf, ratio)
-        if ratio is not None:
-            return torch.addcmul(new, mem.residual, ratio, out=mem.scratch)
-        return torch.add(new, mem.residual, out=mem.scratch)
+            stats = HookStats(sent, sent * world, n * vbytes, k, n)
+        self._record(bucket, stats, key)
+        return partial(sparse_bucket, store, self.config, self.find_unused_parameters, mem, buf, k,
+                       (group, rank, world))  # fmt: skip
 
     def _record(self, bucket: Any, stats: HookStats, key: tuple[Any, ...] | None) -> None:
+        """Count the bucket; after the iteration's last one, close the iteration."""
         self._step = self._step + stats
-        if key is not None:
-            self._seen.add(key)
         self._layout.add(key[0] if key is not None else tuple(map(id, bucket.parameters())))
         if bucket.is_last():
             self._layout.end()
             self.last_step, self.total = self._step, self.total + self._step
             self._step = HookStats()
-            for stale in set(self._buckets) - self._seen:  # (none during a warm-up without momentum correction)
-                del self._buckets[stale]
-            self._seen = set()
-            self._commit_due = True
+            self._store.end_iteration()
             self.iter += 1
 
 
@@ -422,31 +393,10 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         >>> del model  # DDP holds the process group: release it first
         >>> dist.destroy_process_group()
     """
-    if state._regroup is not None and (deferred := state._regroup.arrive(state, bucket, topk_hook)) is not None:
+    regroup = state._regroup
+    if regroup is not None and (deferred := regroup.arrive(bucket, partial(topk_hook, state))) is not None:
         return deferred  # the first iteration after load_state_dict, buckets unlike the saved ones (resume.py)
-    group, rank, world = _resolve_group(state.process_group, "topk_hook")
-    buf = bucket.buffer()
-    state._begin(group, rank, world, buf)
-    n, vbytes = buf.numel(), buf.element_size()
-    k = k_from_density(state.density, n)
-    assert isinstance(k, int)  # a Python density gives a Python count
-    sent = _wire_bytes(k, n, buf.dtype)
-    if state.iter < state.warmup_iters or sent >= n * vbytes:
-        # After warm-up (or with a velocity to protect), a dense bucket still reports Inf/NaN.
-        check = state.iter >= state.warmup_iters or bool(state.momentum)
-        state._expect += check
-        key, mem = state._memory(bucket, buf) if state.momentum else (None, None)
-        state._record(bucket, HookStats(n * vbytes, n * vbytes, n * vbytes, n, n), key)
-        launch = partial(dense_bucket, state, mem, buf, check, group, world)
-    else:
-        key, mem = state._memory(bucket, buf)
-        state._expect += 1
-        if state.exchange == "tree":
-            stats = HookStats(*tree_wire_bytes(k, n, buf.dtype, world, rank), n * vbytes, k, n)
-        else:
-            stats = HookStats(sent, sent * world, n * vbytes, k, n)
-        state._record(bucket, stats, key)
-        launch = partial(sparse_bucket, state, mem, buf, k, (group, rank, world))
+    launch = state._plan(bucket)
     if state.overlap:
         return state._offload.run(launch, inline=bucket.is_last())
     return launch()

@@ -1,7 +1,7 @@
 """``topk_hook``'s ``exchange="tree"`` path: one bucket's pairs through gTop-k's tree, run synchronously.
 
 The rounds are those of ``distributed_topk(exchange="tree")``
-(:func:`functopk.distributed.tree._tree_reduce_`, one implementation for
+(:func:`functopk.distributed.tree.tree_reduce_`, one implementation for
 both). They run inside the hook call and the hook returns a future that is
 already complete, so the exchange does not overlap with the rest of the
 backward pass. Why not chain the rounds asynchronously: each round's send
@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from functopk.distributed.exchange import _local_topk
 from functopk.distributed.futures import failed
 from functopk.distributed.memory import mask_velocity
-from functopk.distributed.tree import _tree_reduce_
+from functopk.distributed.tree import tree_reduce_
+from functopk.distributed.wire import local_topk
 
 __all__: list[str] = []
 
@@ -38,7 +38,7 @@ def tree_bucket(
     k: int,
     select: Select | None,
     comm: tuple[dist.ProcessGroup, int, int],
-    flags: list[torch.Tensor],
+    flag: Callable[[torch.Tensor], None],
     velocity: torch.Tensor | None = None,
 ) -> torch.futures.Future[torch.Tensor]:
     """Exchange one bucket over the tree: a completed future of ``buf`` holding the mean over ranks.
@@ -51,10 +51,10 @@ def tree_bucket(
             sent (the others keep their ``acc`` value); ``None`` for all.
         k: Pairs each rank sends.
         select: ``select(flat, k) -> (idx, vals)``, the exact top ``k``
-            (``None``: :func:`functopk.distributed.exchange._local_topk`).
+            (``None``: :func:`functopk.distributed.wire.local_topk`).
         comm: ``(group, rank, world)``.
-        flags: The state's per-bucket non-finite flags; this bucket's (a 0-d
-            bool, the same on every rank) is appended once the rounds finish.
+        flag: Takes this bucket's non-finite flag (a 0-d bool, the same on
+            every rank) once the rounds finish.
         velocity: With momentum correction, the candidate velocity: cleared
             where this rank's residual was spent (sent and not put back).
 
@@ -62,21 +62,21 @@ def tree_bucket(
         A completed future of ``buf``, or one failed with a ``RuntimeError``
         naming functopk and the likely cause (a peer died or timed out) if a
         send or receive failed, which DDP raises from ``backward()``; then no
-        flag is appended, so the iteration's residuals are kept.
+        flag is given, so the iteration's residuals are kept.
     """
     group, rank, world = comm
     eligible = acc if keep is None else torch.where(keep, acc, 0)
-    idx, vals = (select or _local_topk)(eligible, k)
+    idx, vals = (select or local_topk)(eligible, k)
     eligible.index_fill_(0, idx, 0)
     try:
-        bad = _tree_reduce_(eligible, (idx, vals), buf.zero_(), group, rank, world, "the tree exchange of topk_hook")
+        bad = tree_reduce_(eligible, (idx, vals), buf.zero_(), group, rank, world, "the tree exchange of topk_hook")
     except RuntimeError as exc:
         return failed(exc)  # DDP raises it from backward() (see functopk.distributed.futures)
     if keep is not None:  # the put-back went into eligible: held-back coordinates keep their acc value
         torch.where(keep, eligible, acc, out=acc)
     if velocity is not None:
         mask_velocity(velocity, idx, acc, keep)
-    flags.append(bad)
+    flag(bad)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)
     return fut

@@ -58,6 +58,10 @@ class Layout:
         self.rebuilds = rebuilds  # does DDP rebuild its buckets after the process's first iteration?
         self.loaded = False  # the first iteration uses a layout loaded from a checkpoint
 
+    def load(self, last: tuple[Ids, ...] | None) -> None:
+        """A checkpoint's layout (``None``: unknown) is what the next iteration uses (see :class:`Regroup`)."""
+        self.last, self.loaded, self.running = last, last is not None, []
+
     def add(self, ids: Ids) -> None:
         self.running.append(ids)
 
@@ -121,7 +125,7 @@ class _Group:
         return self._last
 
 
-Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
+Hook = Callable[[Any], torch.futures.Future[torch.Tensor]]  # the hook bound to its state: bucket -> future
 
 
 class Regroup:
@@ -129,21 +133,27 @@ class Regroup:
 
     Args:
         groups: The saved layout (parameter ids per bucket, in order).
+        layout: The state's :class:`Layout`; marked as not loaded if the saved
+            buckets turn out not to hold the arriving parameters.
+        release: Called once this iteration needs no more regrouping (its owner then drops it), before the
+            hook runs on the saved buckets.
     """
 
-    def __init__(self, groups: tuple[Ids, ...]) -> None:
+    def __init__(self, groups: tuple[Ids, ...], layout: Layout, release: Callable[[], None]) -> None:
         self.groups = groups
+        self.layout = layout
+        self.release = release
         self.start: int | None = None  # index of the first bucket that differed from the saved one
         self.arrived: list[_Arrival] = []
 
-    def arrive(self, state: Any, bucket: Any, hook: Hook) -> torch.futures.Future[torch.Tensor] | None:
+    def arrive(self, bucket: Any, hook: Hook) -> torch.futures.Future[torch.Tensor] | None:
         """``None``: let the hook reduce ``bucket`` as usual; else the (deferred) future to return for it."""
         params = bucket.parameters()
         if self.start is None:
             i = bucket.index()
             if i < len(self.groups) and tuple(map(id, params)) == self.groups[i]:
                 if bucket.is_last():
-                    state._regroup = None
+                    self.release()
                 return None
             self.start = i
         buf = bucket.buffer()
@@ -151,14 +161,14 @@ class Regroup:
         self.arrived.append(_Arrival(buf, params, fut))
         if not bucket.is_last():
             return readable(fut)  # _fail may fail fut with set_exception: DDP must see an error, not a value
-        state._regroup = None
+        self.release()
         try:
-            return self._reduce(state, hook)
+            return self._reduce(hook)
         except BaseException as exc:
             self._fail(exc)
             raise
 
-    def _reduce(self, state: Any, hook: Hook) -> torch.futures.Future[torch.Tensor]:
+    def _reduce(self, hook: Hook) -> torch.futures.Future[torch.Tensor]:
         """Run the hook on the saved buckets (gathered from the arrived ones) and scatter the results back."""
         assert self.start is not None
         arrived, groups = self.arrived, self.groups[self.start :]
@@ -176,10 +186,10 @@ class Regroup:
             stand_ins = [_Group(torch.cat([pieces[pid][0] for pid in ids]), [pieces[pid][1] for pid in ids], False)
                          for ids in groups]  # fmt: skip
         else:  # not the saved parameters (another model?): reduce DDP's buckets as they are, only later
-            state._layout.loaded = False
+            self.layout.loaded = False
             stand_ins = [_Group(a.buf, a.params, False) for a in arrived]
         stand_ins[-1]._last = True
-        futs = [hook(state, g) for g in stand_ins]
+        futs = [hook(g) for g in stand_ins]
 
         def done(all_done: torch.futures.Future[Any]) -> torch.Tensor:
             try:

@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk._checks import check_bool, check_density, check_int, check_number, describe, listed
+from functopk._checks import check_bool, check_choice, check_density, check_int, check_number, describe, listed
+from functopk.distributed.config import EXCHANGES
 from functopk.distributed.names import check_names
 from functopk.distributed.resume import check_layout
 from functopk.distributed.stats import HookStats
@@ -28,7 +29,6 @@ VERSION = 2
 _REQUIRED = ("format", "version", "density", "warmup_iters", "reselect", "iter", "skipped_iters", "last_step",
              "total", "residuals")  # fmt: skip
 _OPTIONAL = ("momentum", "exchange", "velocities")
-_EXCHANGES = ("allgather", "tree")
 
 
 class Saved(NamedTuple):
@@ -92,16 +92,7 @@ def _check_config(state_dict: Mapping[str, Any]) -> None:
     check_bool(state_dict["reselect"], "state_dict['reselect']")
     if "momentum" in state_dict:
         check_number(state_dict["momentum"], "state_dict['momentum']", minimum=0.0, below=1.0)
-    check_exchange(state_dict.get("exchange", "allgather"), "state_dict['exchange']")
-
-
-def check_exchange(exchange: Any, name: str) -> str:
-    """``exchange`` if it is ``"allgather"`` or ``"tree"``, else ``TypeError``/``ValueError`` naming ``name``."""
-    if not isinstance(exchange, str):
-        raise TypeError(f"{name} must be a str ('allgather' or 'tree'), got {describe(exchange)}")
-    if exchange not in _EXCHANGES:
-        raise ValueError(f"{name} must be 'allgather' or 'tree', got {describe(exchange)}")
-    return exchange
+    check_choice(state_dict.get("exchange", "allgather"), "state_dict['exchange']", EXCHANGES)
 
 
 def _stats(saved: Any, key: str) -> HookStats:

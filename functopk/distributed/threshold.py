@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from functopk.distributed.exchange import _local_topk
+from functopk.distributed.wire import local_topk
 from functopk.sparse.config import DEFAULT_CONFIG
 from functopk.sparse.kernels.exact import _finish
 from functopk.sparse.kernels.scan import Abandoned, Scanner
@@ -93,7 +93,7 @@ def threshold_select(
             else:
                 idx, vals = _finish(cidx, cvals, k, threshold / slack, DEFAULT_CONFIG.band_min)
     if fell_back:
-        idx, vals = _local_topk(flat, k)
+        idx, vals = local_topk(flat, k)
     return idx, vals, _next_threshold(vals, slack), fell_back
 
 

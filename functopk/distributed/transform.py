@@ -1,19 +1,53 @@
-"""``distributed_topk``: data-parallel averaging with top-k exchange, as a gradient transformation."""
+"""``distributed_topk``: data-parallel averaging with top-k exchange, as a gradient transformation.
+
+**Re-selection.** With ``reselect=True`` the summed vector is cut back to its
+own top ``k`` (gTop-k, Shi et al. 2019, "A distributed synchronous SGD
+algorithm with global top-k sparsification for low bandwidth networks"), so
+the update is exactly ``k``-sparse across the group; each rank adds the values
+it sent at the coordinates dropped there back into its residual, so no
+gradient mass is lost. With ``exchange="allgather"`` the pairs still travel in
+one all-gather: ``k`` pairs sent and ``P k`` received per rank.
+
+**The tree.** ``exchange="tree"`` is gTop-k's communication as well (see
+:mod:`functopk.distributed.tree`): ``log2 P`` rounds of pairwise swaps, each
+re-selecting the top ``k`` of the pair's sum, so a rank sends and receives
+``log2(P) * k`` pairs (``P`` not a power of two: one extra round for the
+surplus ranks). It always re-selects (``reselect`` is not consulted) and keeps
+a slightly different set than the all-gather's exact top ``k`` of the sum: a
+coordinate dropped in an early round cannot come back with the mass of later
+ones. What a merge drops from a rank's own pairs goes back into that rank's
+residual, so no mass is lost either.
+
+**The residual** lives inside this transformation rather than in a wrapping
+``error_feedback``: what must be subtracted from ``acc`` is what *this rank
+sent* (and, with ``reselect``, what the group dropped), which only the
+exchange knows; the averaged update it emits is not that. It has the unit of
+the transform's input: gradients when it comes first in a chain (momentum
+after it then acts on the averaged update), parameter steps after
+``scale_by_learning_rate`` (EF-SGD's form).
+
+**Non-finite values.** NaN/Inf gradients rank as infinite magnitudes, are
+sent, and reach every rank's update; in such a step every rank keeps its
+residual as it was (``state.skipped`` counts these steps), so a step that is
+then skipped (e.g. by :func:`functopk.apply_if_finite` around the chain, which
+also keeps the old state) leaves no trace in the error-feedback memory.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from functopk._checks import check_bool, check_k_or_density, check_leaves, check_state, describe
+from functopk._checks import check_leaves, check_state, describe
 from functopk.base import GradientTransformation, Params, Updates
 from functopk.distributed.agree import check_agreement, layout_code
-from functopk.distributed.exchange import _check_group_arg, _nonfinite, _receive, _resolve_group, _send, _wire_bytes
-from functopk.distributed.tree import _tree_step, tree_wire_bytes
-from functopk.sparse.k import resolve_k
+from functopk.distributed.config import ExchangeConfig
+from functopk.distributed.tree import tree_step, tree_wire_bytes
+from functopk.distributed.wire import check_group_arg, nonfinite, receive, resolve_group, send, wire_bytes
 from functopk.tree.layout import FlatLayout
 
 __all__ = ["DistributedTopKState", "distributed_topk"]
@@ -119,51 +153,30 @@ def distributed_topk(
     bit-identical updates, so replicas stay identical. Typically first in a
     chain: ``chain(distributed_topk(density=0.01), sgd(lr, momentum=0.9))``.
 
-    With ``reselect=True`` the summed vector is cut back to its own top ``k``
-    (gTop-k, Shi et al. 2019, "A distributed synchronous SGD algorithm with
-    global top-k sparsification for low bandwidth networks"), so the update is
-    exactly ``k``-sparse across the group; each rank adds the values it sent at
-    the coordinates dropped there back into its residual, so no gradient mass
-    is lost. With ``exchange="allgather"`` the pairs still travel in one
-    all-gather: ``k`` pairs sent and ``P k`` received per rank.
+    With ``reselect=True`` the sum is cut back to its own top ``k`` (gTop-k,
+    Shi et al. 2019), so the update is exactly ``k``-sparse; what a rank sent
+    at the coordinates dropped there goes back into its residual, so no
+    gradient mass is lost. ``exchange="tree"`` is gTop-k's communication too:
+    ``log2 P`` rounds of pairwise swaps, each keeping the top ``k`` of the
+    pair's sum (``log2(P) * k`` pairs per rank, instead of the all-gather's
+    ``k`` sent and ``P k`` received); it always re-selects, and keeps a
+    slightly different set than the exact top ``k`` of the sum. NaN and Inf
+    are sent and reach every rank's update; in such a step every rank keeps
+    its residual (``state.skipped`` counts these steps). More, and the
+    residual's unit, in :mod:`functopk.distributed.transform`.
 
-    ``exchange="tree"`` is gTop-k's communication as well (see
-    :mod:`functopk.distributed.tree`): ``log2 P`` rounds of pairwise swaps,
-    each re-selecting the top ``k`` of the pair's sum, so a rank sends and
-    receives ``log2(P) * k`` pairs (``P`` not a power of two: one extra round
-    for the surplus ranks). It always re-selects (``reselect`` is not
-    consulted) and keeps a slightly different set than the all-gather's exact
-    top ``k`` of the sum: a coordinate dropped in an early round cannot come
-    back with the mass of later ones. What a merge drops from a rank's own
-    pairs goes back into that rank's residual, so no mass is lost either.
-
-    The residual lives inside this transformation rather than in a wrapping
-    ``error_feedback``: what must be subtracted from ``acc`` is what *this rank
-    sent* (and, with ``reselect``, what the group dropped), which only the
-    exchange knows; the averaged update it emits is not that.
-
-    Runs eagerly: the exchange is a ``torch.distributed`` collective, so a
-    ``torch.compile``-d step graph-breaks there. It has no host sync (but for a
-    one-time check, below), and the state keeps its shapes and dtypes from step
-    to step. NaN/Inf gradients rank as infinite magnitudes, are sent, and reach
-    every rank's update; in such a step every rank keeps its residual as it
-    was (``state.skipped`` counts these steps), so a step that is then skipped
-    (e.g. by :func:`functopk.apply_if_finite` around the chain, which also
-    keeps the old state) leaves no trace in the error-feedback memory.
-
-    The first update on each tree layout checks, in one small collective, that
-    every rank has the same tree layout (paths, shapes, dtypes), number of
-    coordinates, ``k`` and ``reselect``, and raises ``ValueError`` naming the
-    first field that differs (ranks would otherwise corrupt each other's
-    updates silently, or wait on each other until the timeout).
+    ``init`` checks, in one small collective when a process group is
+    initialised (every rank calls it alike), that every rank has the same tree
+    layout (paths, shapes, dtypes), number of coordinates, ``k``, ``reselect``
+    and ``exchange``, and raises ``ValueError`` naming the first field that
+    differs (ranks would otherwise corrupt each other's updates silently, or
+    wait on each other until the timeout). ``update`` has no host sync, and the
+    state keeps its shapes and dtypes from step to step. The exchange is a
+    collective, so a ``torch.compile``-d step graph-breaks there.
 
     ``k`` and ``density`` size the exchange buffers, so they are Python numbers,
     never tensors (with :func:`functopk.inject_hyperparams`, list them in
     ``static_args``).
-
-    The residual has the unit of the transform's input: gradients when it comes
-    first in a chain (momentum after it then acts on the averaged update),
-    parameter steps after ``scale_by_learning_rate`` (EF-SGD's form).
 
     Args:
         k: Coordinates each rank sends per step.
@@ -185,72 +198,77 @@ def distributed_topk(
         (tensor([ 0., -3.,  0.]), tensor([1., 0., 2.]), 8)
         >>> dist.destroy_process_group()
     """
-    k, density = check_k_or_density(k, density, allow_tensor=False)
-    _check_group_arg(group, "group")
-    check_bool(reselect, "reselect")
-    if not isinstance(exchange, str):
-        raise TypeError(f"exchange must be 'allgather' or 'tree', got {describe(exchange)}")
-    if exchange not in ("allgather", "tree"):
-        raise ValueError(f"exchange must be 'allgather' or 'tree', got {exchange!r}")
-    agreed: set[tuple[int, int]] = set()  # (group, layout) pairs already checked against the other ranks
+    config = ExchangeConfig(k=k, density=density, reselect=reselect, exchange=exchange)
+    check_group_arg(group, "group")
+    # Nothing mutable is captured: the frozen config and the group handle.
+    return GradientTransformation(partial(_init, config, group), partial(_update, config, group))
 
-    def init(params: Params) -> DistributedTopKState:
-        layout = _layout(params, "params")
-        _count(k, density, layout.numel)
-        device = layout.device
-        zero = torch.zeros((), dtype=torch.int64, device=device)
-        return DistributedTopKState(
-            residual=torch.zeros(layout.numel, dtype=layout.common_dtype, device=device),
-            count=zero,
-            bytes_sent=zero,
-            bytes_gathered=zero,
-            update_density=torch.zeros((), dtype=torch.float32, device=device),
-            skipped=zero,
+
+def _init(config: ExchangeConfig, group: dist.ProcessGroup | None, params: Params) -> DistributedTopKState:
+    """A zero residual over ``params``' flat layout; with a process group, the ranks' agreement checked."""
+    layout = _layout(params, "params")
+    k = config.k_for(layout.numel)
+    device, dtype = layout.device, layout.common_dtype
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        grp, rank, world = resolve_group(group, "distributed_topk")
+        check_agreement("distributed_topk", {
+            "the number of coordinates": layout.numel,
+            "the tree layout (paths, shapes, dtypes)": layout_code(layout.shapes, layout.dtypes, layout.treedef),
+            "the residual dtype": str(dtype), "k": k, "reselect": config.reselect, "exchange": config.exchange,
+        }, grp, rank, world, device)  # fmt: skip
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return DistributedTopKState(
+        residual=torch.zeros(layout.numel, dtype=dtype, device=device),
+        count=zero,
+        bytes_sent=zero,
+        bytes_gathered=zero,
+        update_density=torch.zeros((), dtype=torch.float32, device=device),
+        skipped=zero,
+    )
+
+
+def _update(
+    config: ExchangeConfig,
+    group: dist.ProcessGroup | None,
+    updates: Updates,
+    state: DistributedTopKState,
+    params: Params | None = None,
+) -> tuple[Updates, DistributedTopKState]:
+    """One step: error feedback, top-k exchange, mean over ranks (see :func:`distributed_topk`)."""
+    del params
+    # Step I: the updates' flat layout must be the state's; k and the group.
+    check_state(state, DistributedTopKState, "distributed_topk")
+    layout = _layout(updates, "updates")
+    res = state.residual
+    if layout.numel != res.numel() or layout.device != res.device:
+        raise ValueError(
+            f"updates have {layout.numel} coordinates on {layout.device}, but the state's residual has "
+            f"{res.numel()} on {res.device}; init the state from parameters shaped like the updates"
         )
-
-    def update(
-        updates: Updates, state: DistributedTopKState, params: Params | None = None
-    ) -> tuple[Updates, DistributedTopKState]:
-        del params
-        check_state(state, DistributedTopKState, "distributed_topk")
-        layout = _layout(updates, "updates")
-        res = state.residual
-        if layout.numel != res.numel() or layout.device != res.device:
-            raise ValueError(
-                f"updates have {layout.numel} coordinates on {layout.device}, but the state's residual has "
-                f"{res.numel()} on {res.device}; init the state from parameters shaped like the updates"
-            )
-        kk = _count(k, density, layout.numel)
-        grp, rank, world = _resolve_group(group, "distributed_topk")
-        signature = layout_code(layout.shapes, layout.dtypes, layout.treedef)
-        if (id(grp), signature) not in agreed:
-            check_agreement("distributed_topk", {
-                "the number of coordinates": layout.numel, "the tree layout (paths, shapes, dtypes)": signature,
-                "the residual dtype": str(res.dtype), "k": kk, "reselect": reselect, "exchange": exchange,
-            }, grp, rank, world, res.device)  # fmt: skip
-            agreed.add((id(grp), signature))
-        residual = layout.ravel(updates, dtype=res.dtype).add_(res)  # a fresh buffer: ours to change
-        if exchange == "tree":
-            mean, bad = _tree_step(residual, kk, grp, rank, world, "the tree exchange of distributed_topk")
-            sent, received = tree_wire_bytes(kk, layout.numel, res.dtype, world, rank)
-        else:
-            idx, vals, _, gathered = _send(residual, kk, grp, world, "the sparse all-gather of distributed_topk",
-                                           async_op=False)  # fmt: skip
-            mean = _receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, reselect)
-            bad = _nonfinite(gathered, world, kk, layout.numel, res.dtype)
-            sent = _wire_bytes(kk, layout.numel, res.dtype)
-            received = sent * world
-        new_state = DistributedTopKState(
-            residual=torch.where(bad, res, residual, out=residual),
-            count=state.count + 1,
-            bytes_sent=torch.full_like(state.bytes_sent, sent),
-            bytes_gathered=torch.full_like(state.bytes_gathered, received),
-            update_density=(torch.count_nonzero(mean) / layout.numel).to(torch.float32),
-            skipped=state.skipped + bad,
-        )
-        return layout.unravel(mean), new_state
-
-    return GradientTransformation(init, update)
+    k, n = config.k_for(layout.numel), layout.numel
+    grp, rank, world = resolve_group(group, "distributed_topk")
+    # Step II: acc = grads + residual (a fresh buffer: ours to change); send its top k, which leaves the
+    # candidate residual in it; receive every rank's pairs as the mean (and, with gTop-k, put back the dropped).
+    residual = layout.ravel(updates, dtype=res.dtype).add_(res)
+    if config.exchange == "tree":
+        mean, bad = tree_step(residual, k, grp, rank, world, "the tree exchange of distributed_topk")
+        sent, received = tree_wire_bytes(k, n, res.dtype, world, rank)
+    else:
+        idx, vals, _, gathered = send(residual, k, grp, world, "the sparse all-gather of distributed_topk",
+                                      async_op=False)  # fmt: skip
+        mean = receive(torch.zeros_like(res), gathered, (idx, vals), residual, world, config.reselect)
+        bad = nonfinite(gathered, world, k, n, res.dtype)
+        sent = wire_bytes(k, n, res.dtype)
+        received = sent * world
+    # Step III: the new state; where any rank sent a NaN or Inf, the residual stays as it was.
+    return layout.unravel(mean), DistributedTopKState(
+        residual=torch.where(bad, res, residual, out=residual),
+        count=state.count + 1,
+        bytes_sent=torch.full_like(state.bytes_sent, sent),
+        bytes_gathered=torch.full_like(state.bytes_gathered, received),
+        update_density=(torch.count_nonzero(mean) / n).to(torch.float32),
+        skipped=state.skipped + bad,
+    )
 
 
 def _check_residual(residual: torch.Tensor, layout: FlatLayout) -> None:
@@ -264,10 +282,3 @@ def _layout(tree: Params, name: str) -> FlatLayout:
     layout = FlatLayout.from_tree(tree)
     layout.device  # noqa: B018 - raises ValueError for leaves on several devices
     return layout
-
-
-def _count(k: int | None, density: float | None, numel: int) -> int:
-    """The pairs each rank sends for a tree of ``numel`` coordinates (a Python int: it sizes the buffers)."""
-    count = resolve_k(k, density, numel, name="the tree")
-    assert isinstance(count, int)  # k and density are Python numbers here
-    return count

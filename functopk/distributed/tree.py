@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from functopk.distributed.exchange import _comm_error, _index_dtype, _itemsize, _local_topk, _pack, _unpack
+from functopk.distributed.wire import comm_error, index_dtype, itemsize, local_topk, pack, unpack
 
 __all__ = ["tree_wire_bytes"]
 
@@ -48,7 +48,7 @@ def tree_wire_bytes(k: int, numel: int, value_dtype: torch.dtype, world: int, ra
         >>> tree_wire_bytes(10, 1000, torch.float32, 8, 0)  # 3 rounds of 10 (int32, fp32) pairs
         (240, 240)
     """
-    pair = k * (_itemsize(_index_dtype(numel)) + _itemsize(value_dtype))
+    pair = k * (itemsize(index_dtype(numel)) + itemsize(value_dtype))
     p2, rounds = _split(world)
     if rank >= p2:
         return pair, pair + k
@@ -91,7 +91,7 @@ def _swap(buf: torch.Tensor, peer: int, group: dist.ProcessGroup) -> torch.Tenso
 
 
 def _pairs(buf: torch.Tensor, k: int, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    idx, vals = _unpack(buf, 1, k, numel, dtype)[0]
+    idx, vals = unpack(buf, 1, k, numel, dtype)[0]
     return idx.to(torch.int64), vals
 
 
@@ -103,10 +103,10 @@ def _rounds(
     idx, vals = own
     p2, rounds = _split(world)
     extra, dtype = world - p2, vals.dtype
-    size = k * (_itemsize(_index_dtype(numel)) + _itemsize(dtype))  # one packed message of k pairs
+    size = k * (itemsize(index_dtype(numel)) + itemsize(dtype))  # one packed message of k pairs
     if rank >= p2:  # hand the pairs to rank - p2; get its result and this rank's survival mask back
         peer = dist.get_global_rank(group, rank - p2)
-        dist.send(_pack(idx, vals, k, numel), peer, group)
+        dist.send(pack(idx, vals, k, numel), peer, group)
         buf = torch.empty(size + k, dtype=torch.uint8, device=vals.device)
         dist.recv(buf, peer, group)
         return (*_pairs(buf[:size], k, numel, dtype), buf[size:].bool())
@@ -119,27 +119,27 @@ def _rounds(
         state = _merge(state, (*_pairs(buf, k, numel, dtype), torch.cat([~ones, ones], 1)), k)
     none = torch.zeros(k, cols, dtype=torch.bool, device=vals.device)
     for t in range(rounds):
-        got = _swap(_pack(state[0], state[1], k, numel), rank ^ (1 << t), group)
+        got = _swap(pack(state[0], state[1], k, numel), rank ^ (1 << t), group)
         state = _merge(state, (*_pairs(got, k, numel, dtype), none), k)
     if cols == 2:
-        dist.send(torch.cat([_pack(state[0], state[1], k, numel), state[2][:, 1].to(torch.uint8)]),
+        dist.send(torch.cat([pack(state[0], state[1], k, numel), state[2][:, 1].to(torch.uint8)]),
                   dist.get_global_rank(group, rank + p2), group)  # fmt: skip
     return state[0], state[1], state[2][:, 0]
 
 
-def _tree_step(acc: torch.Tensor, k: int, group: dist.ProcessGroup, rank: int, world: int, what: str):
+def tree_step(acc: torch.Tensor, k: int, group: dist.ProcessGroup, rank: int, world: int, what: str):
     """One ``distributed_topk`` exchange over the tree: ``(mean, nonfinite)``.
 
     ``acc`` (grads + residual, 1-d) is changed in place into the new
-    residual (see :func:`_tree_reduce_`); ``mean`` is a new tensor.
+    residual (see :func:`tree_reduce_`); ``mean`` is a new tensor.
     """
-    idx, vals = _local_topk(acc, k)
+    idx, vals = local_topk(acc, k)
     acc.index_fill_(0, idx, 0)
     mean = torch.zeros_like(acc)
-    return mean, _tree_reduce_(acc, (idx, vals), mean, group, rank, world, what)
+    return mean, tree_reduce_(acc, (idx, vals), mean, group, rank, world, what)
 
 
-def _tree_reduce_(
+def tree_reduce_(
     residual: torch.Tensor,
     sent: tuple[torch.Tensor, torch.Tensor],
     out: torch.Tensor,
@@ -156,14 +156,14 @@ def _tree_reduce_(
     ``out`` (zeroed, ``residual``'s size) receives the dense sum of the final
     ``k`` pairs divided by ``P``, bit-identical on every rank. ``nonfinite``
     (the same on every rank) says whether that sum holds a NaN or Inf. A
-    failed send or receive raises :func:`_comm_error` naming ``what``.
+    failed send or receive raises :func:`comm_error` naming ``what``.
     """
     idx, vals = sent
     numel = residual.numel()
     try:
         final_idx, sums, alive = _rounds((idx, vals), idx.numel(), numel, group, rank, world)
     except RuntimeError as exc:
-        raise _comm_error(what, group, exc) from exc
+        raise comm_error(what, group, exc) from exc
     survived = torch.zeros(numel, dtype=torch.bool, device=residual.device).index_put_((final_idx,), alive)
     residual.index_put_((idx,), torch.where(survived[idx], torch.zeros_like(vals), vals))
     out.index_put_((final_idx,), sums.div(world))

@@ -18,6 +18,7 @@ import torch
 
 from functopk._checks import (
     check_bool,
+    check_choice,
     check_hyperparam,
     check_int,
     check_leaves,
@@ -135,12 +136,7 @@ def newton_schulz(x: torch.Tensor, coefficients: tuple[Hyper, Hyper, Hyper], ste
 
 def _check_adjust(adjust_lr_fn: Any) -> Callable[[int, int], float]:
     """The learning-rate factor of one of torch's ``adjust_lr_fn`` options."""
-    if adjust_lr_fn is not None and not isinstance(adjust_lr_fn, str):
-        raise TypeError(f"adjust_lr_fn must be a str or None, got {describe(adjust_lr_fn)}")
-    if adjust_lr_fn not in _LR_RATIOS:
-        options = ", ".join(repr(k) for k in _LR_RATIOS)
-        raise ValueError(f"adjust_lr_fn must be one of {options}, got {adjust_lr_fn!r}")
-    return _LR_RATIOS[adjust_lr_fn]
+    return _LR_RATIOS[check_choice(adjust_lr_fn, "adjust_lr_fn", tuple(_LR_RATIOS))]
 
 
 class _Config(NamedTuple):

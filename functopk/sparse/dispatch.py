@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from functopk._checks import check_choice
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 from functopk.sparse.k import KLike, k_on_device, k_on_host
 from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
@@ -62,10 +63,8 @@ METHODS = ("exact", "torch", "approx", "gaussian")
 
 
 def check_method(method: Any) -> str:
-    """``method`` if it is one of :data:`METHODS`, else ``ValueError``."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return method
+    """``method`` if it is one of :data:`METHODS`, else ``TypeError`` (not a str) or ``ValueError``."""
+    return check_choice(method, "method", METHODS)
 
 
 def route(leaves: list[torch.Tensor]) -> str:

@@ -402,4 +402,4 @@ def test_docstring_examples_run_in_their_own_process():
         capture_output=True, text=True, cwd=root, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "9 passed" in proc.stdout, proc.stdout[-3000:]  # 7, functopk.distributed.tree and .threshold
+    assert "11 passed" in proc.stdout, proc.stdout[-3000:]  # 7, .tree, .threshold and .config (2)

@@ -7,6 +7,7 @@ function that records what it is given, so the bookkeeping is checked alone.
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ def _setup(saved_names):
     saved = tuple(tuple(id(params[n]) for n in group) for group in saved_names)
     state = SimpleNamespace(_layout=Layout(rebuilds=True), _regroup=None)
     state._layout.loaded = True
-    state._regroup = Regroup(saved)
+    state._regroup = Regroup(saved, state._layout, release=lambda: setattr(state, "_regroup", None))
     grads = {n: torch.arange(k, dtype=torch.float32) + 10 * i for i, (n, k) in enumerate(SIZES.items())}
     return params, state, grads
 
@@ -47,7 +48,7 @@ def _doubling_hook(seen):
 def _arrive_all(state, buckets, hook):
     futs = []
     for b in buckets:
-        fut = state._regroup.arrive(state, b, hook) if state._regroup is not None else None
+        fut = state._regroup.arrive(b, partial(hook, state)) if state._regroup is not None else None
         futs.append(hook(state, b) if fut is None else fut)
     return futs
 
@@ -58,10 +59,10 @@ def test_buckets_that_match_pass_and_the_rest_are_reduced_within_the_saved_ones(
     seen = []
     hook = _doubling_hook(seen)
     buckets = _buckets(params, grads, (("b", "a"), ("c",), ("d",)))
-    assert state._regroup.arrive(state, buckets[0], hook) is None  # as saved: the hook runs as usual
-    futs = [hook(state, buckets[0]), state._regroup.arrive(state, buckets[1], hook)]
+    assert state._regroup.arrive(buckets[0], partial(hook, state)) is None  # as saved: the hook runs as usual
+    futs = [hook(state, buckets[0]), state._regroup.arrive(buckets[1], partial(hook, state))]
     assert not futs[1].done() and [names for names, _, _ in seen] == [["b", "a"]]  # deferred
-    futs.append(state._regroup.arrive(state, buckets[2], hook))
+    futs.append(state._regroup.arrive(buckets[2], partial(hook, state)))
     assert state._regroup is None and futs[1].done()
     outs = [f.wait() for f in futs]
     assert [(names, last) for names, _, last in seen] == [(["b", "a"], False), (["d", "c"], True)]
@@ -93,9 +94,9 @@ def test_a_hook_that_raises_fails_the_deferred_futures_and_raises():
         raise ValueError("configured differently")
 
     buckets = _buckets(params, grads, (("a", "b"), ("c", "d")))
-    first = state._regroup.arrive(state, buckets[0], raising_hook)
+    first = state._regroup.arrive(buckets[0], partial(raising_hook, state))
     with pytest.raises(ValueError, match="configured differently"):
-        state._regroup.arrive(state, buckets[1], raising_hook)
+        state._regroup.arrive(buckets[1], partial(raising_hook, state))
     assert_fails_for_ddp(first, "ValueError: configured differently")
 
 

@@ -314,15 +314,15 @@ def test_find_unused_parameters_without_the_ddp_model_fails_at_the_first_backwar
 def test_reselect_puts_dropped_values_back_without_overwriting_a_held_back_residual():
     """gTop-k's put-back adds the dropped values: an index that named a held-back coordinate (an unused
     parameter's, sent as 0 because the bucket had fewer than k eligible values) keeps its residual."""
-    from functopk.distributed.exchange import _reselect
+    from functopk.distributed.wire import reselect_
 
     residual = torch.tensor([0.0, 5.0, 0.0, 0.0])  # coordinate 1 is held back with residual 5; 0 and 2 were sent
     idx, vals = torch.tensor([0, 1, 2]), torch.tensor([3.0, 0.0, -1.0])
     total = torch.tensor([3.0, 0.0, -1.0, 0.5])  # the mean over ranks: its top 2 are coordinates 0 and 2
-    total, residual = _reselect(total, idx, vals, residual, k=2)
+    total, residual = reselect_(total, idx, vals, residual, k=2)
     assert total.tolist() == [3.0, 0.0, -1.0, 0.0]
     assert residual.tolist() == [0.0, 5.0, 0.0, 0.0]
-    total, residual = _reselect(torch.tensor([3.0, 0.0, -1.0, 2.0]), idx, vals, torch.tensor([0.0, 5.0, 0.0, 0.0]), 2)
+    total, residual = reselect_(torch.tensor([3.0, 0.0, -1.0, 2.0]), idx, vals, torch.tensor([0.0, 5.0, 0.0, 0.0]), 2)
     assert total.tolist() == [3.0, 0.0, 0.0, 2.0] and residual.tolist() == [0.0, 5.0, -1.0, 0.0]  # -1 dropped, back
 
 

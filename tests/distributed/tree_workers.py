@@ -68,17 +68,17 @@ class _Counter:
 
 
 def _raw(rank: int, group, counter: _Counter, world: int) -> dict:
-    from functopk.distributed.tree import _tree_step
+    from functopk.distributed.tree import tree_step
 
     out = {}
     for case, (_, k, _) in TREE_CASES.items():
         acc = tree_acc(case, rank)
-        mean, bad = _tree_step(acc, k, group, rank, world, "test")
+        mean, bad = tree_step(acc, k, group, rank, world, "test")
         out[case] = {"mean": mean, "residual": acc, "bad": bool(bad), "bytes": counter.take()}
     acc = tree_acc("fp32", rank)
     if rank == world - 1:
         acc[3] = float("inf")
-    _, bad = _tree_step(acc, TREE_CASES["fp32"][1], group, rank, world, "test")
+    _, bad = tree_step(acc, TREE_CASES["fp32"][1], group, rank, world, "test")
     out["inf"] = bool(bad)
     counter.take()
     return out
