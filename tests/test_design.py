@@ -25,46 +25,15 @@ KNOWN_EXCEPTIONS: dict[str, set] = {
     "long_functions": {
         "functopk/base.py: leafwise",  # the one transformation helper, growing with what it checks
         "functopk/compress/dgc.py: momentum_correction",  # DGC's velocity, written as its own pair
-        "functopk/distributed/exchange.py: sparse_allreduce",  # checks, packing and the collective in one
-        "functopk/distributed/hook.py: topk_hook",  # the hook's bookkeeping around each bucket
-        "functopk/distributed/transform.py: distributed_topk",  # init and update closures in one factory
     },
     # modules over MAX_MODULE_LINES, as paths
     "long_modules": set(),
     # import cycles, as sorted tuples of the modules of one strongly connected component
-    "cycles": {
-        ("functopk.distributed.bucket", "functopk.distributed.hook"),  # bucket types and reads TopKHookState
-    },
+    "cycles": set(),
     # imports against the layer rule, as "importer -> imported"
     "layer_imports": set(),
     # underscore names imported across modules, as "importer: module.name"
     "underscore_imports": {
-        # the distributed package's shared wire helpers, private to exchange.py and tree.py
-        "functopk.distributed.agree: functopk.distributed.exchange._gather_or_fail",
-        "functopk.distributed.bucket: functopk.distributed.exchange._comm_error",
-        "functopk.distributed.bucket: functopk.distributed.exchange._nonfinite",
-        "functopk.distributed.bucket: functopk.distributed.exchange._receive",
-        "functopk.distributed.bucket: functopk.distributed.exchange._send",
-        "functopk.distributed.hook: functopk.distributed.exchange._check_group_arg",
-        "functopk.distributed.hook: functopk.distributed.exchange._resolve_group",
-        "functopk.distributed.hook: functopk.distributed.exchange._wire_bytes",
-        "functopk.distributed.hook_tree: functopk.distributed.exchange._local_topk",
-        "functopk.distributed.hook_tree: functopk.distributed.tree._tree_reduce_",
-        "functopk.distributed.threshold: functopk.distributed.exchange._local_topk",
-        "functopk.distributed.threshold: functopk.sparse.kernels.exact._finish",
-        "functopk.distributed.transform: functopk.distributed.exchange._check_group_arg",
-        "functopk.distributed.transform: functopk.distributed.exchange._nonfinite",
-        "functopk.distributed.transform: functopk.distributed.exchange._receive",
-        "functopk.distributed.transform: functopk.distributed.exchange._resolve_group",
-        "functopk.distributed.transform: functopk.distributed.exchange._send",
-        "functopk.distributed.transform: functopk.distributed.exchange._wire_bytes",
-        "functopk.distributed.transform: functopk.distributed.tree._tree_step",
-        "functopk.distributed.tree: functopk.distributed.exchange._comm_error",
-        "functopk.distributed.tree: functopk.distributed.exchange._index_dtype",
-        "functopk.distributed.tree: functopk.distributed.exchange._itemsize",
-        "functopk.distributed.tree: functopk.distributed.exchange._local_topk",
-        "functopk.distributed.tree: functopk.distributed.exchange._pack",
-        "functopk.distributed.tree: functopk.distributed.exchange._unpack",
         # an optimizer kernel shared between optimizer modules
         "functopk.optim.adam_variants: functopk.optim.adaptive._ema_sq",
         "functopk.optim.classic: functopk.optim.adaptive._ema_sq",
@@ -243,5 +212,5 @@ def test_the_checks_see_violations():
     assert strongly_connected({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [{"a", "b"}, {"c"}]
     long = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
     assert [(n, node.end_lineno) for n, node in functions(ast.parse(long))] == [("f", MAX_FUNCTION_LINES + 1)]
-    assert ("functopk.distributed.exchange", "_pack") in set(imports("functopk.distributed.tree"))
+    assert ("functopk.distributed.wire", "pack") in set(imports("functopk.distributed.tree"))
     assert "functopk/_checks.py" in [path for _, path in layout_table()]

@@ -29,7 +29,7 @@ Why step 2 is exact: if at least ``k`` coordinates have ``|x| > t``, the
 ``k``-th largest magnitude ``v_k`` is ``> t``, so every coordinate of the exact
 top ``k`` (``|x| >= v_k``) is a candidate. The candidates keep their flat order
 (ascending indices), and the exact kernel's last stage
-(:func:`functopk.sparse.kernels.exact._finish`) breaks ties by the lower
+(:func:`functopk.sparse.kernels.exact.top_k_of_candidates`) breaks ties by the lower
 index, so the candidates' top ``k`` is the bucket's top ``k``, tie for tie:
 the same indices and the same value bits as the exact mode.
 """
@@ -42,7 +42,7 @@ import torch
 
 from functopk.distributed.wire import local_topk
 from functopk.sparse.config import DEFAULT_CONFIG
-from functopk.sparse.kernels.exact import _finish
+from functopk.sparse.kernels.exact import top_k_of_candidates
 from functopk.sparse.kernels.scan import Abandoned, Scanner
 
 __all__: list[str] = []
@@ -91,7 +91,7 @@ def threshold_select(
             if cidx.numel() == k:
                 idx, vals = cidx, cvals
             else:
-                idx, vals = _finish(cidx, cvals, k, threshold / slack, DEFAULT_CONFIG.band_min)
+                idx, vals = top_k_of_candidates(cidx, cvals, k, threshold / slack, DEFAULT_CONFIG.band_min)
     if fell_back:
         idx, vals = local_topk(flat, k)
     return idx, vals, _next_threshold(vals, slack), fell_back

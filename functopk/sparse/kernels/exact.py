@@ -66,7 +66,7 @@ def _kth_largest(mags: torch.Tensor, k: int, t_hi: float | None, band_min: int) 
     return torch.kthvalue(mags, m - k + 1).values
 
 
-def _finish(idx: torch.Tensor, vals: torch.Tensor, k: int, t_hi: float | None, band_min: int):
+def top_k_of_candidates(idx: torch.Tensor, vals: torch.Tensor, k: int, t_hi: float | None, band_min: int):
     """The exact top ``k`` among ``m > k`` sorted candidates (ties: first in flat order)."""
     mags = magnitudes_(vals.clone())
     t = _kth_largest(mags, k, t_hi, band_min)
@@ -137,4 +137,4 @@ def select_exact(
         return select_static(flats, k, dtype)
     if idx.numel() == k:
         return idx, vals
-    return _finish(idx, vals, k, t_hi, config.band_min)
+    return top_k_of_candidates(idx, vals, k, t_hi, config.band_min)
