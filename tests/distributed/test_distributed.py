@@ -396,10 +396,21 @@ def test_docstring_examples_run_in_their_own_process():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-o", "addopts=", "--doctest-modules", "-q", "-p", "no:cacheprovider",
-         os.path.join(root, "functopk", "distributed")],
-        capture_output=True, text=True, cwd=root, timeout=300,
-    )  # fmt: skip
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-o", "addopts=", "--doctest-modules", "-q", "-p", "no:cacheprovider",
+             os.path.join(root, "functopk", "distributed")],
+            capture_output=True, text=True, cwd=root, timeout=300,
+        )  # fmt: skip
+
+    proc = run()
+    if proc.returncode < 0:
+        # Killed by a signal, not failed: gloo's native threads abort the process now and then after groups
+        # were destroyed (SIGABRT on a thread with no Python frame, seen in about 1 of 20 runs on a loaded
+        # 2-core machine, between examples that had passed). The examples run again, and must pass then.
+        progress = proc.stdout.splitlines()[0] if proc.stdout else ""
+        assert set(progress) <= {"."}, proc.stdout[-3000:] + proc.stderr[-3000:]  # no example failed before
+        proc = run()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "11 passed" in proc.stdout, proc.stdout[-3000:]  # 7, .tree, .threshold and .config (2)
