@@ -2,7 +2,7 @@
 
 Single process: the brute-force references of ``tests/distributed/tree_reference.py``
 (which ``tests/distributed/test_tree.py`` checks bit for bit against the gloo
-runs at P = 2..8). Prints a markdown table for docs/distributed.md.
+runs at P = 2..8). Prints a markdown table for docs/distributed-measurements.md.
 
     python benchmarks/tree_accuracy.py [--n 100000] [--steps 30]
 """
