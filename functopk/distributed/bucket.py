@@ -62,19 +62,26 @@ def sparse_bucket(
     """
     group, rank, world = comm
     n = buf.numel()
-    acc = store.accumulate(mem, buf)  # grads + residual: after send, this iteration's candidate residual
+    # Step I: error feedback. What was not sent before is added back (with momentum correction, through the
+    # velocity); `acc` becomes this iteration's candidate residual once the selected part is sent.
+    acc = store.accumulate(mem, buf)
     keep = used_mask(mem, buf) if hold_unused else None
     select = None if config.selection == "exact" else partial(_threshold_select, store, mem)
-    if config.exchange == "tree":
+    if config.exchange == "tree":  # Steps II and III through gTop-k's tree instead (hook_tree.py)
         return tree_bucket(buf, acc, keep, k, select, comm, store.add_flag, mem.vscratch)
     what = "the sparse all-gather of topk_hook"
-    # With unused parameters, select among parameters with a non-zero gradient only; the others keep their residual.
+    # Step II: select this rank's k largest |acc|, zero them in acc (the residual is what was not sent) and
+    # start the all-gather of (index, value) pairs. With unused parameters, select among parameters with a
+    # non-zero gradient only; the others keep their residual.
     eligible = acc if keep is None else torch.where(keep, acc, 0)
     idx, vals, work, gathered = send(eligible, k, group, world, what, async_op=True, select=select)
     if keep is not None:
         torch.where(keep, eligible, acc, out=acc)
 
     def finish() -> torch.Tensor:
+        # Step III, when the gather is done: a non-finite value on any rank marks the iteration (it is then
+        # skipped everywhere); the gathered pairs, averaged, become the bucket's gradient (with reselect, only
+        # the global top k of that mean, and this rank's values it dropped go back to the residual).
         store.add_flag(nonfinite(gathered, world, k, n, buf.dtype))
         out = receive(buf.zero_(), gathered, (idx, vals), acc, world, config.reselect)
         if mem.vscratch is not None:  # momentum factor masking: no velocity where the residual was spent
