@@ -6,13 +6,13 @@ import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
-from functopk._checks import check_density, check_k, check_k_or_density, check_state
-from functopk.base import EmptyState, GradientTransformation, Params, Updates, init_count, recorded
+from functopk._checks import check_density, check_k, check_k_or_density
+from functopk.base import EmptyState, GradientTransformation, leafwise, recorded
 from functopk.sparse import dispatch
-from functopk.sparse.api import KLike, resolve_k, sparse_leaves
+from functopk.sparse.api import KLike, resolve_k
+from functopk.sparse.kernels.base import SUPPORTED_DTYPES
 
 __all__ = ["TopKState", "topk"]
 
@@ -59,6 +59,10 @@ def topk(
     :mod:`functopk.sparse.api` (clamped; NaN keeps everything, or raises in the
     eager exact kernel).
 
+    ``params`` are not read; when given to ``update``, they must have the
+    updates' structure and shapes (``ValueError`` naming the leaf), as for every
+    compressor (:func:`~functopk.compress.randk` too), so a mismatch is caught.
+
     The output is always a dense tree. For a sparse update (``O(k)`` indices and
     values), call :func:`~functopk.topk_indices` and apply it with
     :func:`~functopk.apply_sparse_updates`.
@@ -89,21 +93,17 @@ def topk(
         dd = _scheduled(density, count, "density") if callable(density) else density
         return resolve_k(kk, dd, sum(x.numel() for x in leaves), name=name)
 
-    def init(params: Params) -> EmptyState | TopKState:
-        if params is not None and not scheduled:
-            count_of(sparse_leaves(params, "params")[0], None, "params")
-        return TopKState(count=init_count(params)) if scheduled else EmptyState()
+    def validate(leaves: list[torch.Tensor], treedef: Any, name: str) -> None:
+        if name == "params" and not scheduled:  # a constant k must fit the parameters (updates: checked below)
+            count_of(leaves, None, name)
 
     def update(
-        updates: Updates, state: EmptyState | TopKState, params: Params | None = None
-    ) -> tuple[Updates, EmptyState | TopKState]:
-        del params
-        leaves, treedef = sparse_leaves(updates, "updates")
-        if scheduled:
-            step = check_state(state, TopKState, "topk").count
-            kk, state = count_of(leaves, step, "updates"), TopKState(count=step + 1)
-        else:
-            kk, state = count_of(leaves, None, "updates"), check_state(state, EmptyState, "topk")
-        return optree.tree_unflatten(treedef, dispatch.select(leaves, kk, method).dense(leaves)), state
+        grads: list[torch.Tensor], state: Any, params: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], Any]:
+        kk = count_of(grads, state.count if scheduled else None, "updates")  # EmptyState.count is tuple.count
+        return dispatch.select(grads, kk, method).dense(grads), state
 
-    return GradientTransformation(init, update)
+    return leafwise(
+        "topk", update, state=TopKState if scheduled else EmptyState, counted=scheduled, check_params=True,
+        dtypes=SUPPORTED_DTYPES, same_device=True, validate=validate,
+    )
