@@ -361,7 +361,6 @@ class _LeafRules(NamedTuple):
     state: type
     tree_fields: tuple[str, ...]
     needs_params: bool
-    check_params: bool
     dtypes: Sequence[torch.dtype] | None
     same_device: bool
     validate: LeafCheckFn | None
@@ -422,7 +421,7 @@ def _leaf_init(rules: _LeafRules, init: Callable[[list[torch.Tensor]], Any] | No
 def _leaf_update(rules: _LeafRules, update: LeafUpdateFn) -> TransformUpdateFn:
     """``update`` of :func:`leafwise`: checks, the leaf maths, dtypes kept, trees rebuilt (every step's path)."""
     name, state_type, tree_fields, counted = rules.name, rules.state, rules.tree_fields, rules.counted
-    reads_params, checks_params = rules.needs_params, rules.check_params
+    needs_params = rules.needs_params
 
     def update_fn(updates: Updates, state: Any, params: Params | None = None) -> tuple[Updates, Any]:
         check_state(state, state_type, name)
@@ -433,7 +432,7 @@ def _leaf_update(rules: _LeafRules, update: LeafUpdateFn) -> TransformUpdateFn:
             if tree is not None:
                 lists[f] = _field_leaves(rules, f, grads, treedef, tree)
         p = None
-        if reads_params or (checks_params and params is not None):
+        if needs_params:
             p = flatten_like(require_params(params, name), treedef, "params", "updates")
             check_shapes(treedef, p, grads, name="params", expected_name="updates")
         out, new = update(grads, state._replace(**lists) if lists else state, p)
@@ -456,7 +455,6 @@ def leafwise(
     state: type = EmptyState,
     tree_fields: tuple[str, ...] = (),
     needs_params: bool = False,
-    check_params: bool = False,
     dtypes: Sequence[torch.dtype] | None = None,
     same_device: bool = False,
     validate: LeafCheckFn | None = None,
@@ -483,7 +481,8 @@ def leafwise(
         name: The transformation's name, for error messages.
         update: The leaf maths. Its ``state`` argument is the state with the
             ``tree_fields`` as lists of leaves; ``params`` is a list of leaves
-            when ``needs_params`` (or ``check_params`` and given), else ``None``.
+            when ``needs_params``, else ``None`` (and not checked: a transformation
+            that does not read the parameters ignores them).
             It returns the new state in the same form.
         init: Builds the state (a ``state``) from the parameters' leaves, with
             the ``tree_fields`` as lists. ``None``: the state is :class:`EmptyState`
@@ -492,8 +491,6 @@ def leafwise(
         tree_fields: The names of the state's fields that hold a tree shaped
             like the parameters (a field may be ``None``, e.g. an optional buffer).
         needs_params: ``update`` needs the parameters.
-        check_params: ``params``, when given, must match the updates even though
-            the maths does not read them (a compressor that callers pass them to).
         dtypes: The dtypes allowed for leaves (default: every real floating dtype).
         same_device: All leaves must be on one device (``ValueError``).
         validate: ``validate(leaves, treedef, name)`` raises on bad leaves of
@@ -514,7 +511,7 @@ def leafwise(
         {'w': tensor([-1.,  2.])}
     """
     rules = _LeafRules(
-        name, state, tuple(tree_fields), needs_params, check_params, dtypes, same_device, validate,
+        name, state, tuple(tree_fields), needs_params, dtypes, same_device, validate,
         dict(shapes or {}), counted,
     )
     return GradientTransformation(_leaf_init(rules, init), _leaf_update(rules, update))

@@ -198,8 +198,9 @@ def randk(
     the unscaled form with memory).
 
     NaN and Inf are not looked at: they pass where selected and are dropped
-    where not. When ``params`` are given to ``update``, every update leaf must
-    have its parameter's shape (``ValueError`` naming the leaf otherwise).
+    where not. ``params`` are neither needed nor read (nor checked) by
+    ``update``, as for :func:`functopk.topk`; at ``init`` they are checked,
+    when given, against ``k``.
 
     Args:
         k: Coordinates kept per step (an int).
@@ -235,5 +236,5 @@ def randk(
         return [torch.where(m, x * scale if unbiased else x, 0.0) for m, x in zip(mask, grads)], state
 
     return leafwise(
-        "randk", update, state=RandKState, counted=True, check_params=True, same_device=True, validate=validate
+        "randk", update, state=RandKState, counted=True, same_device=True, validate=validate
     )

@@ -59,9 +59,9 @@ def topk(
     :mod:`functopk.sparse.api` (clamped; NaN keeps everything, or raises in the
     eager exact kernel).
 
-    ``params`` are not read; when given to ``update``, they must have the
-    updates' structure and shapes (``ValueError`` naming the leaf), as for every
-    compressor (:func:`~functopk.compress.randk` too), so a mismatch is caught.
+    ``params`` are neither needed nor read (nor checked) by ``update``, as for
+    every transformation that maps the updates alone (``randk``, ``threshold``,
+    ``clip``, ...); at ``init`` they are checked, when given, against ``k``.
 
     The output is always a dense tree. For a sparse update (``O(k)`` indices and
     values), call :func:`~functopk.topk_indices` and apply it with
@@ -104,6 +104,6 @@ def topk(
         return dispatch.select(grads, kk, method).dense(grads), state
 
     return leafwise(
-        "topk", update, state=TopKState if scheduled else EmptyState, counted=scheduled, check_params=True,
-        dtypes=SUPPORTED_DTYPES, same_device=True, validate=validate,
+        "topk", update, state=TopKState if scheduled else EmptyState, counted=scheduled, dtypes=SUPPORTED_DTYPES,
+        same_device=True, validate=validate,
     )
