@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from functopk._checks import check_hyperparam, check_state
+from functopk._checks import check_hyperparam
 from functopk.base import (
     EmptyState,
     GradientTransformation,
@@ -22,6 +22,7 @@ from functopk.base import (
     init_count,
     leafwise,
     recorded,
+    wrapper,
 )
 from functopk.optim._shared import Leaves, check_count, step_or_skip
 from functopk.tree import foreach
@@ -155,23 +156,22 @@ def apply_if_finite(
         >>> updates["w"], int(state.total_notfinite)
         (tensor([0., 0.]), 1)
     """
-    check_transformation(inner, "inner")
+    check_transformation(inner, "inner")  # before the count's check, as the argument order says
     if max_consecutive_errors is not None:
         max_consecutive_errors = check_count(max_consecutive_errors, "max_consecutive_errors", minimum=0)
 
-    def init(params: Params) -> ApplyIfFiniteState:
+    def init(params: Params, inner_state: OptState) -> ApplyIfFiniteState:
         count = init_count(params)
         return ApplyIfFiniteState(
             notfinite_count=count,
             last_finite=torch.ones((), dtype=torch.bool, device=count.device),
             total_notfinite=count.clone(),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
         )
 
     def update(
         updates: Updates, state: ApplyIfFiniteState, params: Params | None = None
     ) -> tuple[Updates, ApplyIfFiniteState]:
-        check_state(state, ApplyIfFiniteState, "apply_if_finite")
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
         finite = all_finite(new_updates).to(state.notfinite_count.device)
         apply = finite
@@ -186,4 +186,4 @@ def apply_if_finite(
             inner_state=inner_state,
         )
 
-    return GradientTransformation(init, update)
+    return wrapper("apply_if_finite", inner, update, init=init, state=ApplyIfFiniteState)
