@@ -520,6 +520,7 @@ def leafwise(
 WrapperUpdateFn = Callable[[Updates, Any, "Params | None"], tuple[Updates, Any]]
 
 
+@recorded
 def wrapper(
     name: str,
     inner: GradientTransformation,
