@@ -17,16 +17,7 @@ import optree
 import torch
 
 from functopk._checks import check_leaves, check_shapes
-from functopk.base import (
-    GradientTransformation,
-    OptState,
-    Params,
-    Updates,
-    check_transformation,
-    init_count,
-    recorded,
-    wrapper,
-)
+from functopk.base import GradientTransformation, OptState, Params, Updates, init_count, recorded, wrapper
 from functopk.optim._shared import check_count, step_or_skip
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
@@ -85,7 +76,6 @@ def multi_steps(inner: GradientTransformation, every_k: int | torch.Tensor) -> G
         tensor([0.])
         tensor([-2.])
     """
-    check_transformation(inner, "inner")  # before every_k's check, as the argument order says
     every_k = check_count(every_k, "every_k", minimum=1)
 
     def init(params: Params, inner_state: OptState) -> MultiStepsState:

@@ -18,7 +18,6 @@ from functopk.base import (
     OptState,
     Params,
     Updates,
-    check_transformation,
     init_count,
     leafwise,
     recorded,
@@ -156,7 +155,6 @@ def apply_if_finite(
         >>> updates["w"], int(state.total_notfinite)
         (tensor([0., 0.]), 1)
     """
-    check_transformation(inner, "inner")  # before the count's check, as the argument order says
     if max_consecutive_errors is not None:
         max_consecutive_errors = check_count(max_consecutive_errors, "max_consecutive_errors", minimum=0)
 
