@@ -214,3 +214,17 @@ def test_wrapper_checks_inner_state_and_params_at_init():
         tx.update({"w": torch.ones(2)}, state.inner_state, params)
     with pytest.raises(ValueError, match="count_calls needs the parameters at init: they are counted"):
         count_calls(ft.identity(), needs_params="they are counted").init(None)
+
+
+def test_compressors_and_optimizers_are_written_with_leafwise_or_wrapper():
+    """docs/design.md's one idiom: no hand-written (init, update) pair outside the documented exceptions."""
+    import pathlib
+
+    root = pathlib.Path(ft.__file__).parent
+    exceptions = {"optim/_shared.py", "optim/inject.py"}  # build their inner transformation anew at each call
+    paths = [path for package in ("compress", "optim") for path in sorted((root / package).glob("*.py"))]
+    hand_written = [
+        name for name, path in ((p.relative_to(root).as_posix(), p) for p in paths)
+        if "GradientTransformation(init" in path.read_text() and name not in exceptions
+    ]
+    assert hand_written == []
