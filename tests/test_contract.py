@@ -155,7 +155,8 @@ def test_optimizers_compile_with_inductor(fresh_dynamo):
 
 STATELESS = {
     "scale", "scale_by_learning_rate", "scale_by_schedule", "clip", "clip_by_global_norm", "zero_nans",
-    "topk", "topk_density", "topk_schedule", "layerwise_topk", "threshold", "dgc_local_clipping", "compression_stats",
+    "topk", "topk_density", "topk_schedule", "layerwise_topk", "randk", "threshold", "dgc_local_clipping",
+    "compression_stats",
 }
 """Transformations that keep no per-leaf state and do not need the parameters: a map of the gradient alone."""
 

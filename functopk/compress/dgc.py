@@ -15,6 +15,9 @@ accuracy, by four techniques on top of top-k with a local residual:
 2. **Momentum factor masking**: at the coordinates just sent, zero both ``u``
    and ``v``. The residual was spent; the velocity there is stale (it pushed a
    delayed update once already) and would overshoot if kept.
+   With a sparsifier that sends everything and no masking, 1 is exactly
+   momentum SGD (``torch.optim.SGD``); with masking, the velocity restarts
+   every step (plain SGD).
 3. **Local gradient clipping** before the accumulation, with the threshold
    scaled by ``N**-0.5`` for ``N`` workers (each adds ``1/N`` of the gradient
    variance): :func:`dgc_local_clipping`.
@@ -46,7 +49,6 @@ from functopk._checks import (
     check_int,
     check_leaves,
     check_like,
-    check_state,
     is_zero,
     require_params,
 )
@@ -60,6 +62,7 @@ from functopk.base import (
     check_transformation,
     leafwise,
     recorded,
+    wrapper,
 )
 from functopk.combine import chain, masked
 from functopk.compress.feedback import ErrorFeedbackState, error_feedback
@@ -137,6 +140,14 @@ def _clear_sent(
     )
 
 
+def _check_min_size(params: Params, min_size: int) -> None:
+    """``ValueError`` when no leaf of ``params`` has ``min_size`` coordinates (nothing would be compressed)."""
+    leaves, _ = check_leaves(params, "params", floating=True)
+    if leaves and all(x.numel() < min_size for x in leaves):
+        raise ValueError(f"min_size={min_size} leaves no leaf to compress (the largest has "
+                         f"{max(x.numel() for x in leaves)} coordinates)")
+
+
 @recorded
 def momentum_correction(
     inner: GradientTransformation,
@@ -159,40 +170,27 @@ def momentum_correction(
     coordinates "sent" are those where ``inner``'s output is non-zero (a
     coordinate sent with value 0 carries nothing; NaN counts as sent). At every
     sent coordinate the residual, and with ``masking`` the velocity, are exactly
-    zero after the update; everywhere else they hold ``v`` and ``u``. Use a
-    sparsifier that copies the values it keeps (``topk``, ``layerwise_topk``,
-    ``threshold``, ``randk`` without ``unbiased``): the residual is zeroed, not
-    reduced by the sent value.
+    zero after the update; everywhere else they hold ``v`` and ``u`` (the pieces
+    that keep them: :class:`MomentumCorrectionState`).
 
-    It is composed of ``ft.trace(momentum, nesterov=nesterov)`` (``u`` and
-    ``delta``), ``ft.error_feedback(ft.masked(inner, large))`` (``v``, ``sent``)
-    and a step that clears ``v`` and ``u`` where ``sent != 0``; see
-    :class:`MomentumCorrectionState` for the state.
-
-    Leaves with fewer than ``min_size`` coordinates are not compressed: they get
-    plain momentum SGD (``delta`` is their output, as ``ft.trace`` computes it),
-    their residual stays zero, and ``inner`` sees ``None`` in their place (so a
-    global ``topk(density=d)`` then takes ``d`` of the compressed coordinates
-    only). This is how the DGC reference treats 1-d parameters. With
-    ``min_size=0`` (default) every leaf goes through ``inner``.
-
-    With ``inner`` sending everything and ``masking=False`` this is exactly
-    momentum SGD (``torch.optim.SGD``); with ``masking=True`` and everything
-    sent, the velocity restarts every step (plain SGD).
+    Leaves under ``min_size`` coordinates (the DGC reference's 1-d parameters)
+    get plain momentum SGD (``delta`` is their output), their residual stays
+    zero, and ``inner`` sees ``None`` in their place (so a global
+    ``topk(density=d)`` takes ``d`` of the compressed coordinates only).
 
     Args:
-        inner: The sparsifier, e.g. ``ft.topk(density=0.001)``.
+        inner: The sparsifier, e.g. ``ft.topk(density=0.001)``: one that copies the values it keeps
+            (``topk``, ``layerwise_topk``, ``threshold``, ``randk`` without ``unbiased``), since the
+            residual is zeroed where sent, not reduced by the sent value.
         momentum: The momentum coefficient ``m >= 0`` (a number or a 0-d tensor).
         nesterov: Nesterov momentum, as ``torch.optim.SGD(nesterov=True)``.
         masking: Zero the velocity at sent coordinates (momentum factor masking).
         min_size: Leaves with fewer coordinates stay dense with plain momentum.
 
     Raises:
-        ValueError: at ``init`` without parameters, or when ``min_size`` leaves
-            no leaf to compress; at ``update``, when a gradient leaf's shape or
-            the tree's structure differs from the state's (naming the leaf).
-        TypeError: a state from another transformation; a gradient leaf that
-            is not a floating-point tensor.
+        ValueError: ``init`` without parameters, or with no leaf of ``min_size`` coordinates; an
+            update whose structure or leaf shapes differ from the state's (naming the leaf).
+        TypeError: a state from another transformation; a gradient leaf that is not floating-point.
 
     Example:
         >>> import torch, functopk as ft
@@ -207,25 +205,18 @@ def momentum_correction(
     """
     check_transformation(inner, "inner")
     momentum = check_hyperparam(momentum, "momentum", minimum=0.0)
-    nesterov = check_bool(nesterov, "nesterov")
-    masking = check_bool(masking, "masking")
+    nesterov, masking = check_bool(nesterov, "nesterov"), check_bool(masking, "masking")
     min_size = check_int(min_size, "min_size", minimum=0)
-    velocity = trace(momentum, nesterov=nesterov)
+    velocity = trace(momentum, nesterov=nesterov)  # the wrapped transformation; memory holds the sparsifier
     memory = error_feedback(masked(inner, lambda tree: optree.tree_map(lambda x: x.numel() >= min_size, tree)))
 
-    def init(params: Params) -> MomentumCorrectionState:
-        if params is None:
-            raise ValueError("momentum_correction needs the parameters at init: they shape its buffers")
-        leaves, _ = check_leaves(params, "params", floating=True)
-        if leaves and all(x.numel() < min_size for x in leaves):
-            raise ValueError(f"min_size={min_size} leaves no leaf to compress (the largest has "
-                             f"{max(x.numel() for x in leaves)} coordinates)")
-        return MomentumCorrectionState(trace=velocity.init(params), feedback=memory.init(params))
+    def init(params: Params, trace_state: OptState) -> MomentumCorrectionState:
+        _check_min_size(params, min_size)
+        return MomentumCorrectionState(trace=trace_state, feedback=memory.init(params))
 
     def update(
         updates: Updates, state: MomentumCorrectionState, params: Params | None = None
     ) -> tuple[Updates, MomentumCorrectionState]:
-        check_state(state, MomentumCorrectionState, "momentum_correction")
         g, treedef = check_leaves(updates, "updates", floating=True)
         check_like(state.trace.trace, g, treedef, name="updates", expected_name="momentum_correction's velocity")
         if not g:
@@ -235,7 +226,8 @@ def momentum_correction(
         new = MomentumCorrectionState(trace=trace_state, feedback=feedback_state)
         return sent, _clear_sent(new, sent, [x.numel() >= min_size for x in g], masking)
 
-    return GradientTransformation(init, update)
+    state_type, needs = MomentumCorrectionState, "they shape its buffers"
+    return wrapper("momentum_correction", velocity, update, init=init, state=state_type, needs_params=needs)
 
 
 # --------------------------------------------------------------------------- local gradient clipping
@@ -331,20 +323,19 @@ def _local_weight_decay(
     """
     decay_trace = trace(momentum, nesterov=nesterov)
 
-    def init(params: Params) -> LocalWeightDecayState:
-        return LocalWeightDecayState(momentum=decay_trace.init(params))
-
     def update(
         updates: Updates, state: LocalWeightDecayState, params: Params | None = None
     ) -> tuple[Updates, LocalWeightDecayState]:
-        check_state(state, LocalWeightDecayState, "dgc's local weight decay")
         params = require_params(params, "dgc with weight_decay > 0")
         leaves, treedef = check_leaves(updates, "updates", floating=True)
         check_like(params, leaves, treedef, name="updates", expected_name="params")
         term, new = decay_trace.update(tree_scale(params, weight_decay), state.momentum)
         return tree_add(updates, term), LocalWeightDecayState(momentum=new)
 
-    return GradientTransformation(init, update)
+    return wrapper(
+        "dgc's local weight decay", decay_trace, update, init=lambda params, inner: LocalWeightDecayState(inner),
+        state=LocalWeightDecayState,
+    )
 
 
 # --------------------------------------------------------------------------- the alias

@@ -54,8 +54,8 @@ from typing import NamedTuple
 
 import optree
 
-from functopk._checks import check_leaves, check_like, check_shapes, check_state
-from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, recorded
+from functopk._checks import check_leaves, check_like, check_shapes
+from functopk.base import GradientTransformation, OptState, Params, Updates, recorded, wrapper
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
 from functopk.tree.maths import zeros_like as tree_zeros_like
@@ -113,17 +113,13 @@ def error_feedback(inner: GradientTransformation) -> GradientTransformation:
         >>> sent["w"], state.residual["w"]
         (tensor([0.0000, 0.0000, 2.5000]), tensor([0., 2., 0.]))
     """
-    check_transformation(inner, "inner")
 
-    def init(params: Params) -> ErrorFeedbackState:
-        if params is None:
-            raise ValueError("error_feedback needs the parameters at init: they give the residual its shapes")
-        return ErrorFeedbackState(residual=tree_zeros_like(params), inner_state=inner.init(params))
+    def init(params: Params, inner_state: OptState) -> ErrorFeedbackState:
+        return ErrorFeedbackState(residual=tree_zeros_like(params), inner_state=inner_state)
 
     def update(
         updates: Updates, state: ErrorFeedbackState, params: Params | None = None
     ) -> tuple[Updates, ErrorFeedbackState]:
-        check_state(state, ErrorFeedbackState, "error_feedback")
         leaves, treedef = check_leaves(updates, "updates", floating=True)
         residual = check_like(state.residual, leaves, treedef, name="updates",
                               expected_name="error_feedback's residual")
@@ -138,4 +134,7 @@ def error_feedback(inner: GradientTransformation) -> GradientTransformation:
         new_residual = foreach.keep_dtypes(foreach.sub(corrected, sent_leaves), residual)
         return sent, ErrorFeedbackState(optree.tree_unflatten(treedef, new_residual), inner_state)
 
-    return GradientTransformation(init, update)
+    return wrapper(
+        "error_feedback", inner, update, init=init, state=ErrorFeedbackState,
+        needs_params="they give the residual its shapes",
+    )

@@ -26,12 +26,10 @@ from functopk._checks import (
     check_int,
     check_k_or_density,
     check_leaves,
-    check_like,
     check_scalar_tensor,
-    check_state,
     one_device,
 )
-from functopk.base import GradientTransformation, Params, Updates, init_count, recorded
+from functopk.base import GradientTransformation, leafwise, recorded
 from functopk.sparse.k import resolve_k
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
@@ -119,13 +117,19 @@ def _flat_mask(layout: FlatLayout, k: int, seed: int, step: torch.Tensor | int, 
     return layout.split(torch.zeros(layout.numel, dtype=torch.bool, device=device).index_fill(0, chosen, True))
 
 
+def _check_numel(leaves: list[torch.Tensor], name: str) -> int:
+    """The number of coordinates of ``leaves``, at most ``2**32`` (``ValueError``)."""
+    numel = sum(x.numel() for x in leaves)
+    if numel >= _MAX_RANDK_NUMEL:
+        raise ValueError(f"randk hashes 32-bit flat indices; {name} has {numel} >= 2**32 coordinates")
+    return numel
+
+
 def _layout(tree: PyTree, name: str) -> tuple[list[torch.Tensor], FlatLayout, torch.device]:
     """The float leaves of ``tree``, its layout and its one device; at most ``2**32`` coordinates."""
     leaves, _ = check_leaves(tree, name, floating=True)
-    layout = FlatLayout.from_tree(tree)
-    if layout.numel >= _MAX_RANDK_NUMEL:
-        raise ValueError(f"randk hashes 32-bit flat indices; {name} has {layout.numel} >= 2**32 coordinates")
-    return leaves, layout, one_device(leaves, name)
+    _check_numel(leaves, name)
+    return leaves, FlatLayout.from_tree(tree), one_device(leaves, name)
 
 
 def randk_mask(tree: PyTree, k: int, *, seed: int, step: torch.Tensor | int) -> PyTree:
@@ -194,8 +198,9 @@ def randk(
     the unscaled form with memory).
 
     NaN and Inf are not looked at: they pass where selected and are dropped
-    where not. When ``params`` are given to ``update``, every update leaf must
-    have its parameter's shape (``ValueError`` naming the leaf otherwise).
+    where not. ``params`` are neither needed nor read (nor checked) by
+    ``update``, as for :func:`functopk.topk`; at ``init`` they are checked,
+    when given, against ``k``.
 
     Args:
         k: Coordinates kept per step (an int).
@@ -215,21 +220,21 @@ def randk(
     seed = _check_seed(seed)
     check_bool(unbiased, "unbiased")
 
-    def init(params: Params) -> RandKState:
-        if params is not None:
-            _, layout, _ = _layout(params, "params")
-            resolve_k(k, density, layout.numel, name="params")
-        return RandKState(count=init_count(params))
+    def validate(leaves: list[torch.Tensor], treedef: optree.PyTreeSpec, name: str) -> None:
+        numel = _check_numel(leaves, name)
+        if name == "params":  # k must fit the parameters; at update, resolve_k below checks it
+            resolve_k(k, density, numel, name=name)
 
-    def update(updates: Updates, state: RandKState, params: Params | None = None) -> tuple[Updates, RandKState]:
-        check_state(state, RandKState, "randk")
-        leaves, layout, device = _layout(updates, "updates")
-        if params is not None:
-            check_like(params, leaves, layout.treedef, name="updates", expected_name="params")
+    def update(grads: list[torch.Tensor], state: RandKState, params: list[torch.Tensor] | None) -> tuple[
+        list[torch.Tensor], RandKState
+    ]:
+        layout = FlatLayout.from_tree(grads)
+        device = grads[0].device if grads else torch.device("cpu")
         kk = cast(int, resolve_k(k, density, layout.numel))  # an int: k and density are numbers here
         mask = _flat_mask(layout, kk, seed, state.count.to(device), device)
         scale = layout.numel / kk
-        out = [torch.where(m, x * scale if unbiased else x, 0.0) for m, x in zip(mask, leaves)]
-        return optree.tree_unflatten(layout.treedef, out), RandKState(count=state.count + 1)
+        return [torch.where(m, x * scale if unbiased else x, 0.0) for m, x in zip(mask, grads)], state
 
-    return GradientTransformation(init, update)
+    return leafwise(
+        "randk", update, state=RandKState, counted=True, same_device=True, validate=validate
+    )

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from functopk._checks import check_int, check_leaves, check_like, check_state
-from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, recorded
+from functopk._checks import check_int, check_leaves, check_like
+from functopk.base import GradientTransformation, OptState, Params, Updates, recorded, wrapper
 from functopk.tree import foreach
 
 __all__ = ["CompressionStats", "CompressionStatsState", "compression_stats"]
@@ -111,22 +111,20 @@ def compression_stats(inner: GradientTransformation, *, index_bytes: int = 4) ->
         >>> stats.energy, stats.residual_norm     # 4 of 5 (norm) sent: 16/25 of the energy; 3 left
         (tensor(0.6400), tensor(3.))
     """
-    check_transformation(inner, "inner")
     index_bytes = check_int(index_bytes, "index_bytes", minimum=0)
 
-    def init(params: Params) -> CompressionStatsState:
+    def init(params: Params, inner_state: OptState) -> CompressionStatsState:
         leaves, _ = check_leaves(params, "params") if params is not None else ([], None)
         device = leaves[0].device if leaves else torch.device("cpu")
-        return CompressionStatsState(stats=_zero_stats(device), inner_state=inner.init(params))
+        return CompressionStatsState(stats=_zero_stats(device), inner_state=inner_state)
 
     def update(
         updates: Updates, state: CompressionStatsState, params: Params | None = None
     ) -> tuple[Updates, CompressionStatsState]:
-        check_state(state, CompressionStatsState, "compression_stats")
         inputs, treedef = check_leaves(updates, "updates", floating=True)
         out, inner_state = inner.update(updates, state.inner_state, params)
         outputs = check_like(out, inputs, treedef, name="the inner transformation's output", expected_name="its input")
         stats = _measure(inputs, outputs, index_bytes) if inputs else state.stats
         return out, CompressionStatsState(stats=stats, inner_state=inner_state)
 
-    return GradientTransformation(init, update)
+    return wrapper("compression_stats", inner, update, init=init, state=CompressionStatsState)

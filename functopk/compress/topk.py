@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
-from functopk._checks import check_k_or_density, check_state
-from functopk.base import EmptyState, GradientTransformation, Params, Updates, init_count, recorded
+from functopk._checks import check_k_or_density
+from functopk.base import EmptyState, GradientTransformation, leafwise, recorded
 from functopk.sparse import dispatch
-from functopk.sparse.api import sparse_leaves
-from functopk.sparse.k import k_at_step, resolve_k
+from functopk.sparse.k import KLike, k_at_step
+from functopk.sparse.kernels.base import SUPPORTED_DTYPES
 
 __all__ = ["TopKState", "topk"]
 
@@ -51,6 +50,10 @@ def topk(
     :mod:`functopk.sparse.api` (clamped; NaN keeps everything, or raises in the
     eager exact kernel).
 
+    ``params`` are neither needed nor read (nor checked) by ``update``, as for
+    every transformation that maps the updates alone (``randk``, ``threshold``,
+    ``clip``, ...); at ``init`` they are checked, when given, against ``k``.
+
     The output is always a dense tree. For a sparse update (``O(k)`` indices and
     values), call :func:`~functopk.topk_indices` and apply it with
     :func:`~functopk.apply_sparse_updates`.
@@ -76,22 +79,20 @@ def topk(
     method = dispatch.check_method(method)
     scheduled = callable(k) or callable(density)
 
-    def init(params: Params) -> EmptyState | TopKState:
-        if params is not None and not scheduled:
-            resolve_k(k, density, sum(x.numel() for x in sparse_leaves(params, "params")[0]), name="params")
-        return TopKState(count=init_count(params)) if scheduled else EmptyState()
+    def k_of(leaves: list[torch.Tensor], step: torch.Tensor | None, name: str) -> KLike:
+        return k_at_step(k, density, step, sum(x.numel() for x in leaves), name=name)
+
+    def validate(leaves: list[torch.Tensor], treedef: Any, name: str) -> None:
+        if name == "params" and not scheduled:  # a constant k must fit the parameters (updates: checked below)
+            k_of(leaves, None, name)
 
     def update(
-        updates: Updates, state: EmptyState | TopKState, params: Params | None = None
-    ) -> tuple[Updates, EmptyState | TopKState]:
-        del params
-        leaves, treedef = sparse_leaves(updates, "updates")
-        numel = sum(x.numel() for x in leaves)
-        if scheduled:
-            step = check_state(state, TopKState, "topk").count
-            kk, state = k_at_step(k, density, step, numel), TopKState(count=step + 1)
-        else:
-            kk, state = k_at_step(k, density, None, numel), check_state(state, EmptyState, "topk")
-        return optree.tree_unflatten(treedef, dispatch.select(leaves, kk, method).dense(leaves)), state
+        grads: list[torch.Tensor], state: Any, params: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], Any]:
+        kk = k_of(grads, state.count if scheduled else None, "updates")  # EmptyState.count is tuple.count
+        return dispatch.select(grads, kk, method).dense(grads), state
 
-    return GradientTransformation(init, update)
+    return leafwise(
+        "topk", update, state=TopKState if scheduled else EmptyState, counted=scheduled, dtypes=SUPPORTED_DTYPES,
+        same_device=True, validate=validate,
+    )

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import optree
 import torch
 
-from functopk._checks import check_leaves, check_shapes, check_state
-from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, init_count, recorded
+from functopk._checks import check_leaves, check_shapes
+from functopk.base import GradientTransformation, OptState, Params, Updates, init_count, recorded, wrapper
 from functopk.optim._shared import check_count, step_or_skip
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
@@ -76,22 +76,20 @@ def multi_steps(inner: GradientTransformation, every_k: int | torch.Tensor) -> G
         tensor([0.])
         tensor([-2.])
     """
-    check_transformation(inner, "inner")
     every_k = check_count(every_k, "every_k", minimum=1)
 
-    def init(params: Params) -> MultiStepsState:
+    def init(params: Params, inner_state: OptState) -> MultiStepsState:
         count = init_count(params)
         return MultiStepsState(
             mini_step=count,
             gradient_step=count.clone(),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
             acc_grads=tree_zeros_like(params),
         )
 
     def update(
         updates: Updates, state: MultiStepsState, params: Params | None = None
     ) -> tuple[Updates, MultiStepsState]:
-        check_state(state, MultiStepsState, "multi_steps")
         grads, treedef = check_leaves(updates, "updates", floating=True)
         acc = flatten_like(state.acc_grads, treedef, "updates", "multi_steps's accumulated gradients")
         check_shapes(treedef, grads, acc, name="updates", expected_name="multi_steps's accumulated gradients")
@@ -108,7 +106,7 @@ def multi_steps(inner: GradientTransformation, every_k: int | torch.Tensor) -> G
             acc_grads=optree.tree_unflatten(treedef, foreach.where_zero(~emit, acc)),
         )
 
-    return GradientTransformation(init, update)
+    return wrapper("multi_steps", inner, update, init=init, state=MultiStepsState)
 
 
 def _divisor(every_k: int | torch.Tensor) -> float | torch.Tensor:

@@ -18,30 +18,25 @@ so here).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
-import optree
 import torch
 
 from functopk._checks import (
     check_bool,
     check_hyperparam,
-    check_leaves,
     check_scalar_or_schedule,
-    check_shapes,
-    check_state,
     describe,
     group_scalar,
     is_zero,
-    path_str,
-    require_params,
 )
-from functopk.base import GradientTransformation, OptState, Params, ScalarOrSchedule, Updates, init_count, recorded
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
 from functopk.optim._shared import Hyper, Leaves
 from functopk.tree import foreach
-from functopk.tree.maths import PyTree, flatten_like
+from functopk.tree.maths import PyTree
 
 __all__ = ["TORCH_BUILDERS", "TORCH_STATE_NAMES", "AdafactorState", "adafactor"]
 
@@ -88,6 +83,11 @@ def _state_shapes(x: torch.Tensor) -> tuple[torch.Size, torch.Size, torch.Size]:
         shape = x.shape
         return shape[:-1] + (1,), shape[:-2] + (1, shape[-1]), _PLACEHOLDER
     return _PLACEHOLDER, _PLACEHOLDER, x.shape
+
+
+def _state_shape(k: int, x: torch.Tensor) -> torch.Size:
+    """The shape of state field ``_FIELDS[k]`` for a parameter like ``x``."""
+    return _state_shapes(x)[k]
 
 
 def _check_eps(eps: Any) -> tuple[Hyper | None, Hyper]:
@@ -199,43 +199,23 @@ def _step(
     return out, new_fields
 
 
-def _field_leaves(state: AdafactorState, k: int, grads: Leaves, treedef: optree.PyTreeSpec) -> Leaves:
-    """The leaves of state field ``k``, checked: the structure of the updates and the shapes torch's state has."""
-    field = _FIELDS[k]
-    leaves = flatten_like(getattr(state, field), treedef, f"{_NAME}'s state ({field})", "updates")
-    for path, leaf, g in zip(treedef.paths(), leaves, grads):
-        expected = _state_shapes(g)[k]
-        if not isinstance(leaf, torch.Tensor) or leaf.shape != expected:
-            got = describe(leaf)
-            raise ValueError(
-                f"{_NAME}'s state ({field}) leaf at {path_str(path)} is {got}, but an update of shape "
-                f"{tuple(g.shape)} needs shape {tuple(expected)} there"
-            )
-    return leaves
-
-
 def _transform(learning_rate: ScalarOrSchedule, cfg: _Config) -> GradientTransformation:
-    """The transformation for checked hyperparameters."""
+    """The transformation for checked hyperparameters: leafwise maths, torch's state shapes."""
 
-    def init(params: Params) -> AdafactorState:
-        leaves, treedef = check_leaves(params, "params", floating=True)
-        fields = [[x.new_zeros(_state_shapes(x)[k]) for x in leaves] for k in range(len(_FIELDS))]
-        trees = [optree.tree_unflatten(treedef, f) for f in fields]
-        return AdafactorState(init_count(params), *trees)
+    def init(params: Leaves) -> AdafactorState:
+        fields = [[x.new_zeros(_state_shapes(x)[k]) for x in params] for k in range(len(_FIELDS))]
+        return AdafactorState(init_count(params), *fields)
 
-    def update(updates: Updates, state: OptState, params: Params | None = None) -> tuple[Updates, AdafactorState]:
-        check_state(state, AdafactorState, _NAME)
-        grads, treedef = check_leaves(updates, "updates", floating=True)
-        p = flatten_like(require_params(params, _NAME), treedef, "params", "updates")
-        check_shapes(treedef, p, grads, name="params", expected_name="updates")
-        fields = [_field_leaves(state, k, grads, treedef) for k in range(len(_FIELDS))]
+    def update(grads: Leaves, state: AdafactorState, params: Leaves | None) -> tuple[Leaves, AdafactorState]:
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        out, new = _step(grads, p, fields, state.count, lr, cfg)
-        trees = [optree.tree_unflatten(treedef, foreach.keep_dtypes(n, o)) for n, o in zip(new, fields)]
-        out = foreach.keep_dtypes(out, grads)
-        return optree.tree_unflatten(treedef, out), AdafactorState(state.count + 1, *trees)
+        fields = [state.row_var, state.col_var, state.variance]
+        out, new = _step(grads, cast(Leaves, params), fields, state.count, lr, cfg)  # needs_params: a list
+        return out, AdafactorState(state.count + 1, *new)
 
-    return GradientTransformation(init, update)
+    return leafwise(
+        _NAME, update, init=init, state=AdafactorState, tree_fields=_FIELDS, needs_params=True,
+        shapes={f: functools.partial(_state_shape, k) for k, f in enumerate(_FIELDS)},
+    )
 
 
 @recorded

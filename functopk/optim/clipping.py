@@ -11,17 +11,17 @@ from typing import NamedTuple
 
 import torch
 
-from functopk._checks import check_hyperparam, check_state
+from functopk._checks import check_hyperparam
 from functopk.base import (
     EmptyState,
     GradientTransformation,
     OptState,
     Params,
     Updates,
-    check_transformation,
     init_count,
     leafwise,
     recorded,
+    wrapper,
 )
 from functopk.optim._shared import Leaves, check_count, step_or_skip
 from functopk.tree import foreach
@@ -155,23 +155,21 @@ def apply_if_finite(
         >>> updates["w"], int(state.total_notfinite)
         (tensor([0., 0.]), 1)
     """
-    check_transformation(inner, "inner")
     if max_consecutive_errors is not None:
         max_consecutive_errors = check_count(max_consecutive_errors, "max_consecutive_errors", minimum=0)
 
-    def init(params: Params) -> ApplyIfFiniteState:
+    def init(params: Params, inner_state: OptState) -> ApplyIfFiniteState:
         count = init_count(params)
         return ApplyIfFiniteState(
             notfinite_count=count,
             last_finite=torch.ones((), dtype=torch.bool, device=count.device),
             total_notfinite=count.clone(),
-            inner_state=inner.init(params),
+            inner_state=inner_state,
         )
 
     def update(
         updates: Updates, state: ApplyIfFiniteState, params: Params | None = None
     ) -> tuple[Updates, ApplyIfFiniteState]:
-        check_state(state, ApplyIfFiniteState, "apply_if_finite")
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
         finite = all_finite(new_updates).to(state.notfinite_count.device)
         apply = finite
@@ -186,4 +184,4 @@ def apply_if_finite(
             inner_state=inner_state,
         )
 
-    return GradientTransformation(init, update)
+    return wrapper("apply_if_finite", inner, update, init=init, state=ApplyIfFiniteState)

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from functopk._checks import (
@@ -21,23 +22,13 @@ from functopk._checks import (
     check_choice,
     check_hyperparam,
     check_int,
-    check_leaves,
     check_scalar_or_schedule,
     describe,
     group_scalar,
     is_zero,
     path_str,
 )
-from functopk.base import (
-    GradientTransformation,
-    OptState,
-    Params,
-    ScalarOrSchedule,
-    Updates,
-    init_count,
-    leafwise,
-    recorded,
-)
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
 from functopk.optim._shared import Hyper, Leaves
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
@@ -75,9 +66,8 @@ class MuonState(NamedTuple):
     momentum_buffer: PyTree
 
 
-def _check_matrices(tree: Any, name: str) -> None:
-    """``ValueError`` naming the first leaf of ``tree`` that is not 2-D (torch's Muon refuses them too)."""
-    leaves, treedef = check_leaves(tree, name, floating=True)
+def _check_matrices(leaves: Leaves, treedef: optree.PyTreeSpec, name: str) -> None:
+    """``ValueError`` naming the first leaf of the tree ``name`` that is not 2-D (torch's Muon refuses them too)."""
     for path, leaf in zip(treedef.paths(), leaves):
         if leaf.dim() != 2:
             raise ValueError(
@@ -162,7 +152,7 @@ def _shrink(lr: Hyper, weight_decay: Hyper) -> Hyper:
 
 
 def _transform(learning_rate: ScalarOrSchedule, cfg: _Config) -> GradientTransformation:
-    """The transformation for checked hyperparameters: leafwise maths, 2-D checks around it."""
+    """The transformation for checked hyperparameters: leafwise maths, 2-D leaves checked by its hook."""
     decays = not is_zero(cfg.weight_decay)
 
     def init_leaves(params: Leaves) -> MuonState:
@@ -181,20 +171,10 @@ def _transform(learning_rate: ScalarOrSchedule, cfg: _Config) -> GradientTransfo
             foreach.add_scaled_(out, foreach.for_leaves(_shrink(lr, cfg.weight_decay), grads), params)
         return out, MuonState(count=state.count + 1, momentum_buffer=buf)
 
-    inner = leafwise(
+    return leafwise(
         _NAME, update_leaves, init=init_leaves, state=MuonState, tree_fields=("momentum_buffer",),
-        needs_params=decays,
+        needs_params=decays, validate=_check_matrices,
     )
-
-    def init(params: Params) -> OptState:
-        _check_matrices(params, "params")
-        return inner.init(params)
-
-    def update(updates: Updates, state: OptState, params: Params | None = None) -> tuple[Updates, OptState]:
-        _check_matrices(updates, "updates")
-        return inner.update(updates, state, params)
-
-    return GradientTransformation(init, update)
 
 
 @recorded

@@ -182,6 +182,17 @@ def test_bad_schedule_output_and_state():
 
 
 
+@pytest.mark.parametrize("make", [lambda: ft.topk(2), lambda: ft.topk(lambda c: 2), lambda: ft.randk(2)],
+                         ids=["topk", "topk_scheduled", "randk"])
+def test_topk_and_randk_ignore_params_at_update_alike(make):
+    """One rule for both compressors: update neither needs nor reads params, so it does not check them."""
+    tx = make()
+    state = tx.init({"w": torch.zeros(3, 4)})
+    for params in ({"w": torch.zeros(3, 4)}, {"v": torch.zeros(1, 4)}, None):
+        out, _ = tx.update({"w": torch.ones(1, 4)}, state, params)
+        assert int((out["w"] != 0).sum()) == 2
+
+
 # --------------------------------------------------------------------------- compile
 
 
