@@ -13,7 +13,8 @@ Example:
 
 from functopk import compress, distributed, nn, optim, sparse, tree
 from functopk.adapter import ParamGroupOptimizer, from_torch, optimizer_class_from_torch, optimizer_from_torch
-from functopk.base import EmptyState, GradientTransformation, identity, leafwise, stateless
+from functopk.base import EmptyState, GradientTransformation, identity, stateless
+from functopk.build import leafwise
 from functopk.checkpoint import CheckpointError, load_state, save_state, state_from_dict, state_to_dict
 from functopk.combine import chain, masked, named_chain, partition
 from functopk.compress import (

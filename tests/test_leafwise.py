@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import functopk as ft
-from functopk.base import init_count, wrapper
+from functopk.base import init_count
+from functopk.build import wrapper
 from functopk.tree import foreach
 from tests.helpers import assert_tree_bitwise_equal, clone_tree
 

@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import group_scalar, is_zero
-from functopk.base import GradientTransformation, init_count, leafwise, recorded
+from functopk.base import GradientTransformation, init_count, recorded
+from functopk.build import leafwise
 from functopk.combine import chain
 from functopk.optim import adam_variants as _adam_variants
 from functopk.optim import alias

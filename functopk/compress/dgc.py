@@ -60,10 +60,9 @@ from functopk.base import (
     ScalarOrSchedule,
     Updates,
     check_transformation,
-    leafwise,
     recorded,
-    wrapper,
 )
+from functopk.build import leafwise, wrapper
 from functopk.combine import chain, masked
 from functopk.compress.feedback import ErrorFeedbackState, error_feedback
 from functopk.compress.layerwise import check_method, layerwise_topk

@@ -55,7 +55,8 @@ from typing import NamedTuple
 import optree
 
 from functopk._checks import check_leaves, check_like, check_shapes
-from functopk.base import GradientTransformation, OptState, Params, Updates, recorded, wrapper
+from functopk.base import GradientTransformation, OptState, Params, Updates, recorded
+from functopk.build import wrapper
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like
 from functopk.tree.maths import zeros_like as tree_zeros_like

@@ -12,7 +12,8 @@ from typing import Any, cast
 import torch
 
 from functopk._checks import check_int, check_k_or_density
-from functopk.base import EmptyState, GradientTransformation, leafwise, recorded
+from functopk.base import EmptyState, GradientTransformation, recorded
+from functopk.build import leafwise
 from functopk.sparse import dispatch
 from functopk.sparse.api import topk_sparsify
 from functopk.sparse.k import k_from_density

@@ -29,7 +29,8 @@ from functopk._checks import (
     check_scalar_tensor,
     one_device,
 )
-from functopk.base import GradientTransformation, leafwise, recorded
+from functopk.base import GradientTransformation, recorded
+from functopk.build import leafwise
 from functopk.sparse.k import resolve_k
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_int, check_leaves, check_like
-from functopk.base import GradientTransformation, OptState, Params, Updates, recorded, wrapper
+from functopk.base import GradientTransformation, OptState, Params, Updates, recorded
+from functopk.build import wrapper
 from functopk.tree import foreach
 
 __all__ = ["CompressionStats", "CompressionStatsState", "compression_stats"]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from functopk._checks import check_hyperparam
-from functopk.base import EmptyState, GradientTransformation, leafwise, recorded
+from functopk.base import EmptyState, GradientTransformation, recorded
+from functopk.build import leafwise
 
 __all__ = ["threshold"]
 

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_k_or_density
-from functopk.base import EmptyState, GradientTransformation, leafwise, recorded
+from functopk.base import EmptyState, GradientTransformation, recorded
+from functopk.build import leafwise
 from functopk.sparse import dispatch
 from functopk.sparse.k import KLike, k_at_step
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES

@@ -17,7 +17,8 @@ import optree
 import torch
 
 from functopk._checks import check_leaves, check_shapes
-from functopk.base import GradientTransformation, OptState, Params, Updates, init_count, recorded, wrapper
+from functopk.base import GradientTransformation, OptState, Params, Updates, init_count, recorded
+from functopk.build import wrapper
 from functopk.optim._shared import check_count, step_or_skip
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree, flatten_like

@@ -33,7 +33,8 @@ from functopk._checks import (
     group_scalar,
     is_zero,
 )
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
+from functopk.build import leafwise
 from functopk.optim._shared import Hyper, Leaves
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree

@@ -28,9 +28,10 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, group_scalar, is_zero
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
+from functopk.build import leafwise
 from functopk.optim._shared import Hyper, Leaves
-from functopk.optim.adaptive import _ema_sq, adam_config
+from functopk.optim.adaptive import adam_config, ema_sq
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
@@ -216,7 +217,7 @@ def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:
     def update(grads: Leaves, state: NadamState, params: Leaves | None) -> tuple[Leaves, NadamState]:
         g = _gradient(grads, params, cfg)
         m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
-        v = _ema_sq(state.nu, g, cfg.b2)
+        v = ema_sq(state.nu, g, cfg.b2)
         mu, mu_next, stored, product, bc2_sqrt = _nadam_schedule(cfg, momentum_decay, state)
         lr = _learning_rate(cfg, state.count)
         # torch: -lr * (1 - mu) / (1 - P) * g / d - lr * mu_next / (1 - P * mu_next) * m / d with
@@ -308,7 +309,7 @@ def radam(
     def update(grads: Leaves, state: RadamState, params: Leaves | None) -> tuple[Leaves, RadamState]:
         g = _gradient(grads, params, cfg)
         m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
-        v = _ema_sq(state.nu, g, cfg.b2)
+        v = ema_sq(state.nu, g, cfg.b2)
         lr = _learning_rate(cfg, state.count)
         adaptive, plain = _radam_coefficients(cfg, state.count, lr)
         denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)

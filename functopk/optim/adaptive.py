@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
+from functopk.build import leafwise
 from functopk.combine import MaskOrFn
 from functopk.optim._shared import Hyper, Leaves, selected, with_mask
 from functopk.tree import foreach
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-def _ema_sq(avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
+def ema_sq(avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
     """``decay * avg + (1 - decay) * grads**2``, as ``torch.optim`` computes it (``mul`` then ``addcmul``)."""
     new = foreach.mul(avg, decay)
     if isinstance(decay, torch.Tensor):  # the foreach ``value`` must be a Python number
@@ -121,7 +122,7 @@ def adam_config(
 def _adam_moments(grads: Leaves, state: ScaleByAdamState, cfg: AdamConfig) -> tuple[Leaves, Leaves, Leaves | None]:
     """The new ``mu`` (one ``lerp``), ``nu`` (``mul``, ``addcmul``) and, with ``amsgrad``, ``nu_max``."""
     mu = foreach.lerp(state.mu, grads, 1.0 - cfg.b1)
-    nu = _ema_sq(state.nu, grads, cfg.b2)
+    nu = ema_sq(state.nu, grads, cfg.b2)
     nu_max = None if state.nu_max is None else foreach.maximum(state.nu_max, nu)  # present iff cfg.amsgrad
     return mu, nu, nu_max
 
@@ -307,7 +308,7 @@ def scale_by_rms(
 
     def update(grads: Leaves, state: ScaleByRmsState, params: Leaves | None) -> tuple[Leaves, ScaleByRmsState]:
         _check_optional(state.mu, centered, "scale_by_rms", "mu", "centered")
-        nu = _ema_sq(state.nu, grads, decay)
+        nu = ema_sq(state.nu, grads, decay)
         mu = None if state.mu is None else foreach.lerp(state.mu, grads, 1.0 - decay)  # present iff centered
         square = nu if mu is None else foreach.addcmul(nu, mu, mu, value=-1.0)
         return foreach.div_into(grads, _root_plus_eps(square, eps, eps_in_sqrt)), ScaleByRmsState(nu=nu, mu=mu)

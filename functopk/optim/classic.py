@@ -26,9 +26,10 @@ from functopk._checks import (
     group_scalar,
     is_zero,
 )
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
+from functopk.build import leafwise
 from functopk.optim._shared import Hyper, Leaves
-from functopk.optim.adaptive import _ema_sq
+from functopk.optim.adaptive import ema_sq
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
@@ -138,10 +139,10 @@ def adadelta(
             grads = foreach.neg(grads)
         if decay and params is not None:
             grads = foreach.add_scaled(grads, weight_decay, params)
-        square_avg = _ema_sq(state.square_avg, grads, rho)
+        square_avg = ema_sq(state.square_avg, grads, rho)
         std = foreach.sqrt(foreach.add_scalar(square_avg, eps))
         delta = foreach.mul_list(foreach.div(foreach.sqrt(foreach.add_scalar(state.acc_delta, eps)), std), grads)
-        acc_delta = _ema_sq(state.acc_delta, delta, rho)
+        acc_delta = ema_sq(state.acc_delta, delta, rho)
         lr = _value_at(learning_rate, state.count)
         out = foreach.mul(delta, -lr)
         return out, AdadeltaState(count=state.count + 1, square_avg=square_avg, acc_delta=acc_delta)

@@ -12,17 +12,8 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_hyperparam
-from functopk.base import (
-    EmptyState,
-    GradientTransformation,
-    OptState,
-    Params,
-    Updates,
-    init_count,
-    leafwise,
-    recorded,
-    wrapper,
-)
+from functopk.base import EmptyState, GradientTransformation, OptState, Params, Updates, init_count, recorded
+from functopk.build import leafwise, wrapper
 from functopk.optim._shared import Leaves, check_count, step_or_skip
 from functopk.tree import foreach
 from functopk.tree.maths import all_finite

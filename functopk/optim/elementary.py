@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_bool, check_callable, check_hyperparam, check_scalar_or_schedule, is_zero
-from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, leafwise, recorded
+from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, recorded
+from functopk.build import leafwise
 from functopk.combine import MaskOrFn
 from functopk.optim._shared import Leaves, selected, with_mask
 from functopk.tree import foreach

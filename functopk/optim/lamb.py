@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from functopk._checks import check_hyperparam, check_scalar_or_schedule
-from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, leafwise, recorded
+from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, recorded
+from functopk.build import leafwise
 from functopk.combine import MaskOrFn, chain
 from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.adaptive import scale_by_adam

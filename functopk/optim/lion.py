@@ -16,7 +16,8 @@ from typing import NamedTuple
 import torch
 
 from functopk._checks import check_hyperparam, check_scalar_or_schedule
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
+from functopk.build import leafwise
 from functopk.combine import MaskOrFn, chain
 from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.elementary import add_decayed_weights, scale_by_learning_rate

@@ -28,7 +28,8 @@ from functopk._checks import (
     is_zero,
     path_str,
 )
-from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, leafwise, recorded
+from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
+from functopk.build import leafwise
 from functopk.optim._shared import Hyper, Leaves
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
