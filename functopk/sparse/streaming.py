@@ -4,18 +4,18 @@ A post-accumulate-grad hook on each parameter folds that parameter's gradient
 into a running top-k of (value, flat index) over the whole tree as soon as
 autograd finishes it, then frees the gradient (``p.grad = None``). At most one
 parameter's gradient is alive at a time (plus what autograd itself holds), and
-the stream keeps at most ``2k`` candidates between two folds, so peak gradient
-memory is the largest parameter's gradient plus ``O(k)``, not ``n``.
+the stream keeps at most ``3k`` candidates, so peak gradient memory is the
+largest parameter's gradient plus ``O(k)``, not ``n``.
 
-Why it is exact: a parameter's own top-``k`` (same order: larger magnitude
+Why it is exact: a parameter's own top ``k`` (same order: larger magnitude
 first, then lower flat index; NaN as ``+inf``) contains every coordinate of that
-parameter that belongs to the global top-``k``, so the top-``k`` of the running
-candidates and a new parameter's top-``k`` is the top-``k`` of everything folded
-so far. The running candidates are kept in ascending flat index; a parameter's
-indices form one contiguous range, so its candidates are inserted at one
-position (whatever order autograd finishes the parameters in) and the tie
-rule of the static kernel (lower position first) is the lower flat index.
-Every selection is done by the existing exact kernels.
+parameter that belongs to the global top ``k``, and so does the set of its
+coordinates at or above the ``k``-th magnitude of what was folded before; so
+the top ``k`` of those candidates and the running ones is the top ``k`` of
+everything folded so far. Candidates are put back in flat index order before
+each selection (whatever order autograd finishes the parameters in), so the
+tie rule of the static kernel (lower position first) is the lower flat index.
+Every selection is made by the existing exact kernels (:class:`RunningTopK`).
 
 What it does not do: error feedback (its residual would be ``n``-sized, the
 memory this saves), DDP (its hooks run on each rank's local gradient before
@@ -34,13 +34,14 @@ import torch
 from functopk._checks import check_k_or_density, check_leaves, one_device, path_str
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 from functopk.sparse.k import k_on_host, resolve_k
-from functopk.sparse.kernels.base import SUPPORTED_DTYPES, magnitudes_, nonzero_1d
+from functopk.sparse.kernels.base import INT_OF, SUPPORTED_DTYPES, magnitudes_, nonzero_1d
 from functopk.sparse.kernels.exact import select_exact
+from functopk.sparse.kernels.scan import scan_above
 from functopk.sparse.kernels.static import mask_static, select_static
 from functopk.sparse.updates import SparseUpdates
 from functopk.tree.maths import PyTree
 
-__all__ = ["StreamingTopK"]
+__all__ = ["RunningTopK", "StreamingTopK"]
 
 
 def _top_of(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +58,88 @@ def _promoted(dtypes: list[torch.dtype]) -> torch.dtype:
     for other in dtypes[1:]:
         dtype = torch.promote_types(dtype, other)
     return dtype
+
+
+class RunningTopK:
+    """The top ``k`` of the coordinates folded so far: ``O(k)`` candidates in flat index order, and a floor.
+
+    Each :meth:`add` keeps a leaf's own top ``k`` as pending candidates; once
+    there are ``k`` pending (or as soon as the first ``k`` exist), one exact
+    selection merges them into the running top ``k``. From then on the
+    ``k``-th magnitude bounds what can still enter: a later coordinate needs
+    ``|x| >= `` it (equal ones may win a tie by a lower index), so a leaf is
+    scanned for those (:func:`~functopk.sparse.kernels.scan.scan_above`)
+    instead of being selected from in full. Holds at most ``3k`` candidates.
+
+    Example:
+        >>> import torch
+        >>> run = RunningTopK(2, torch.float32, 5)
+        >>> run.add(torch.tensor([3.0, -1.0]), 3)
+        >>> run.add(torch.tensor([0.5, -4.0, 3.0]), 0)
+        >>> run.top(2)
+        (tensor([1, 2]), tensor([-4.,  3.]))
+    """
+
+    def __init__(
+        self,
+        k: int,
+        dtype: torch.dtype,
+        numel: int,
+        config: KernelConfig = DEFAULT_CONFIG,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.k, self.dtype, self.config = k, dtype, config
+        self.fraction = k / numel  # the expected share of a leaf above the floor: it picks the scan strategy
+        self.idx = torch.empty(0, dtype=torch.int64, device=device)  # the running top k (once merged), ascending
+        self.vals = torch.empty(0, dtype=dtype, device=device)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # leaves' candidates not merged yet
+        self.pending_count = 0
+        self.floor: float | None = None  # the largest value below the k-th magnitude, once k are merged
+
+    def add(self, flat: torch.Tensor, offset: int) -> None:
+        """Fold in the 1-d gradient ``flat`` of the leaf whose flat indices start at ``offset``."""
+        if self.floor is not None:  # only coordinates at or above the k-th magnitude can still enter
+            if flat.device.type == "cpu":
+                idx, vals = scan_above([flat], self.floor, self.dtype, self.fraction, self.config)
+            else:
+                idx = (~(flat.to(self.dtype).abs() <= self.floor)).nonzero().view(-1)
+                vals = flat.index_select(0, idx).to(self.dtype)
+            idx, vals = _top_of(idx, vals, self.k)
+        elif flat.numel() <= self.k:  # the whole leaf is a candidate
+            idx, vals = torch.arange(flat.numel(), device=flat.device), flat.to(self.dtype)
+        elif flat.device.type == "cpu":
+            idx, vals = select_exact([flat], self.k, self.dtype, self.config)
+        else:
+            idx, vals = select_static([flat], self.k, self.dtype)
+        self.pending.append((idx + offset, vals))
+        self.pending_count += idx.numel()
+        if self.pending_count >= self.k or (self.floor is None and self.idx.numel() + self.pending_count >= self.k):
+            self.merge()
+
+    def merge(self) -> None:
+        """Select the top ``k`` of the running and the pending candidates; raise the floor."""
+        if not self.pending:
+            return
+        idx = torch.cat([self.idx, *(i for i, _ in self.pending)])
+        vals = torch.cat([self.vals, *(v for _, v in self.pending)])
+        order = torch.argsort(idx)  # leaves finish in any order: back to flat order, where ties go to the lower
+        self.idx, self.vals = _top_of(idx.index_select(0, order), vals.index_select(0, order), self.k)
+        self.pending, self.pending_count = [], 0
+        if self.idx.numel() == self.k:
+            kth = magnitudes_(self.vals.clone()).min()
+            if kth > 0:  # one representable value below it (inf: the largest finite value)
+                self.floor = (kth.view(INT_OF[self.dtype]) - 1).view(self.dtype).item()
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top ``k <= self.k`` of everything added: ascending flat indices and values."""
+        self.merge()
+        return _top_of(self.idx, self.vals, k)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the candidates held (running and pending)."""
+        tensors = [self.idx, self.vals, *(t for pair in self.pending for t in pair)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class StreamingTopK:
@@ -162,7 +245,6 @@ class StreamingTopK:
         resolve_k(self._k, self._density, self._numel, name="params")  # k above n, or no coordinates at all
         self._dtype = _promoted([x.dtype for x in leaves])
         self._paused = False
-        self._open = False
         self._clear()
         self._handles = [
             x.register_post_accumulate_grad_hook(self._hook(i)) for i, x in enumerate(leaves) if x.requires_grad
@@ -187,24 +269,20 @@ class StreamingTopK:
 
     def _clear(self) -> None:
         """An empty step: no candidates, nothing folded."""
-        device = self._leaves[0].device if self._leaves else torch.device("cpu")
-        self._idx = torch.empty(0, dtype=torch.int64, device=device)  # ascending, in the flat order of params
-        self._vals = torch.empty(0, dtype=self._dtype if self._leaves else torch.float32, device=device)
+        self._run: RunningTopK | None = None
         self._folded: dict[int, torch.dtype] = {}  # leaf position -> its gradient's dtype
-        self._k_run = 0
-        self._open = False
 
     def _start(self) -> None:
         """Open a step: the running ``k`` is the one for all of ``params``, at least the final one."""
         self._clear()
-        self._k_run = k_on_host(resolve_k(self._k, self._density, self._numel, name="params"), self._numel)
-        self._open = True
+        k = k_on_host(resolve_k(self._k, self._density, self._numel, name="params"), self._numel)
+        self._run = RunningTopK(k, self._dtype, self._numel, self._config, self._leaves[0].device)
 
     def _hook(self, i: int) -> Any:
         def hook(param: torch.Tensor) -> None:
             if self._paused or param.grad is None:
                 return
-            if not self._open:
+            if self._run is None:
                 self._start()
             elif i in self._folded:
                 self._clear()
@@ -223,24 +301,13 @@ class StreamingTopK:
         )
 
     def _fold(self, i: int, grad: torch.Tensor) -> None:
-        """Merge the top ``k`` of leaf ``i``'s gradient into the running candidates."""
+        """Fold leaf ``i``'s gradient into the running top ``k`` (the step is open)."""
         if grad.layout != torch.strided:
             raise TypeError(f"the gradient of {self._paths[i]} is {grad.layout}; StreamingTopK needs dense gradients")
+        assert self._run is not None
         self._folded[i] = grad.dtype
-        m = grad.numel()
-        if m == 0:
-            return
-        flat = grad.detach().reshape(-1)
-        if m <= self._k_run:  # the whole leaf is a candidate
-            local, vals = torch.arange(m, device=flat.device), flat.to(self._dtype)
-        elif flat.device.type == "cpu":
-            local, vals = select_exact([flat], self._k_run, self._dtype, self._config)
-        else:
-            local, vals = select_static([flat], self._k_run, self._dtype)
-        at = int(torch.searchsorted(self._idx, self._offsets[i]))  # the leaf's indices are one range
-        idx = torch.cat([self._idx[:at], local + self._offsets[i], self._idx[at:]])
-        vals = torch.cat([self._vals[:at], vals, self._vals[at:]])
-        self._idx, self._vals = _top_of(idx, vals, self._k_run)
+        if grad.numel():
+            self._run.add(grad.detach().reshape(-1), self._offsets[i])
 
     def result(self) -> SparseUpdates:
         """End the step: the selection as ``ft.topk_indices`` gives it on the step's dense gradients.
@@ -265,7 +332,7 @@ class StreamingTopK:
                 if i in self._folded and x.grad is not None:
                     raise self._twice(i)
                 if x.grad is not None:
-                    if not self._open:
+                    if self._run is None:
                         self._start()
                     self._fold(i, x.grad)
                     x.grad = None
@@ -282,7 +349,8 @@ class StreamingTopK:
         sizes = tuple(self._sizes[i] for i in present)
         n = sum(sizes)
         k = k_on_host(resolve_k(self._k, self._density, n, name="the gradients"), n)
-        idx, vals = _top_of(self._idx, self._vals, k)
+        assert self._run is not None  # opened by the first fold (k above was resolved: something was folded)
+        idx, vals = self._run.top(k)
         if n < self._numel and idx.numel():  # shift each index by the leaves without a gradient before it
             starts = [self._offsets[i] for i in present]
             shifts = [start - sum(sizes[:j]) for j, start in enumerate(starts)]
@@ -341,7 +409,7 @@ class StreamingTopK:
             >>> ft.sparse.StreamingTopK([torch.ones(4, requires_grad=True)], k=2).nbytes
             0
         """
-        return self._idx.numel() * self._idx.element_size() + self._vals.numel() * self._vals.element_size()
+        return 0 if self._run is None else self._run.nbytes
 
     def remove(self) -> None:
         """Remove the hooks: later backward passes leave ``.grad`` as autograd writes it.
