@@ -12,10 +12,10 @@ first, then lower flat index; NaN as ``+inf``) contains every coordinate of that
 parameter that belongs to the global top ``k``, and so does the set of its
 coordinates at or above the ``k``-th magnitude of what was folded before; so
 the top ``k`` of those candidates and the running ones is the top ``k`` of
-everything folded so far. Candidates are put back in flat index order before
-each selection (whatever order autograd finishes the parameters in), so the
-tie rule of the static kernel (lower position first) is the lower flat index.
-Every selection is made by the existing exact kernels (:class:`RunningTopK`).
+everything folded so far. Candidates carry their flat indices, so the order
+in which autograd finishes the parameters does not matter: ties at the
+``k``-th magnitude go to the lower flat index (:class:`RunningTopK`). A
+parameter is selected from by the existing exact kernels.
 
 What it does not do: error feedback (its residual would be ``n``-sized, the
 memory this saves), DDP (its hooks run on each rank's local gradient before
@@ -37,7 +37,7 @@ from functopk.sparse.k import k_on_host, resolve_k
 from functopk.sparse.kernels.base import INT_OF, SUPPORTED_DTYPES, magnitudes_, nonzero_1d
 from functopk.sparse.kernels.exact import select_exact
 from functopk.sparse.kernels.scan import scan_above
-from functopk.sparse.kernels.static import mask_static, select_static
+from functopk.sparse.kernels.static import select_static
 from functopk.sparse.updates import SparseUpdates
 from functopk.tree.maths import PyTree
 
@@ -45,10 +45,21 @@ __all__ = ["RunningTopK", "StreamingTopK"]
 
 
 def _top_of(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact top ``k`` of candidates in ascending flat index (ties: lower index); as they are if ``<= k``."""
+    """The exact top ``k`` of candidates in any order (ties: lower flat index); as they are if ``<= k``.
+
+    The order is not restored: only the ties at the ``k``-th magnitude are
+    sorted by index (usually a handful), so a merge costs a selection, not a sort.
+    """
     if idx.numel() <= k:
         return idx, vals
-    keep = nonzero_1d(mask_static(magnitudes_(vals.clone()), k), k / idx.numel())
+    mags = magnitudes_(vals.clone())
+    kth = torch.kthvalue(mags, mags.numel() - k + 1).values
+    above = nonzero_1d(mags > kth, k / mags.numel())
+    ties = nonzero_1d(mags == kth)
+    room = k - above.numel()
+    if ties.numel() > room:  # the ties with the lowest flat indices
+        ties = ties.index_select(0, torch.sort(idx.index_select(0, ties)).indices[:room])
+    keep = torch.cat([above, ties])
     return idx.index_select(0, keep), vals.index_select(0, keep)
 
 
@@ -61,7 +72,7 @@ def _promoted(dtypes: list[torch.dtype]) -> torch.dtype:
 
 
 class RunningTopK:
-    """The top ``k`` of the coordinates folded so far: ``O(k)`` candidates in flat index order, and a floor.
+    """The top ``k`` of the coordinates folded so far: ``O(k)`` candidates, and a floor.
 
     Each :meth:`add` keeps a leaf's own top ``k`` as pending candidates; once
     there are ``k`` pending (or as soon as the first ``k`` exist), one exact
@@ -89,7 +100,8 @@ class RunningTopK:
         device: torch.device | str = "cpu",
     ) -> None:
         self.k, self.dtype, self.config = k, dtype, config
-        self.fraction = k / numel  # the expected share of a leaf above the floor: it picks the scan strategy
+        self.density = k / numel
+        self.fraction = self.density  # the share of the last leaf scanned above the floor: picks the scan strategy
         self.idx = torch.empty(0, dtype=torch.int64, device=device)  # the running top k (once merged), ascending
         self.vals = torch.empty(0, dtype=dtype, device=device)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # leaves' candidates not merged yet
@@ -101,6 +113,7 @@ class RunningTopK:
         if self.floor is not None:  # only coordinates at or above the k-th magnitude can still enter
             if flat.device.type == "cpu":
                 idx, vals = scan_above([flat], self.floor, self.dtype, self.fraction, self.config)
+                self.fraction = max(self.density, idx.numel() / flat.numel())
             else:
                 idx = (~(flat.to(self.dtype).abs() <= self.floor)).nonzero().view(-1)
                 vals = flat.index_select(0, idx).to(self.dtype)
@@ -122,8 +135,7 @@ class RunningTopK:
             return
         idx = torch.cat([self.idx, *(i for i, _ in self.pending)])
         vals = torch.cat([self.vals, *(v for _, v in self.pending)])
-        order = torch.argsort(idx)  # leaves finish in any order: back to flat order, where ties go to the lower
-        self.idx, self.vals = _top_of(idx.index_select(0, order), vals.index_select(0, order), self.k)
+        self.idx, self.vals = _top_of(idx, vals, self.k)
         self.pending, self.pending_count = [], 0
         if self.idx.numel() == self.k:
             kth = magnitudes_(self.vals.clone()).min()
@@ -133,7 +145,9 @@ class RunningTopK:
     def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The top ``k <= self.k`` of everything added: ascending flat indices and values."""
         self.merge()
-        return _top_of(self.idx, self.vals, k)
+        idx, vals = _top_of(self.idx, self.vals, k)
+        order = torch.argsort(idx)  # leaves finish in any order: back to flat order, once
+        return idx.index_select(0, order), vals.index_select(0, order)
 
     @property
     def nbytes(self) -> int:
