@@ -102,7 +102,7 @@ class RunningTopK:
         self.k, self.dtype, self.config = k, dtype, config
         self.density = k / numel
         self.fraction = self.density  # the share of the last leaf scanned above the floor: picks the scan strategy
-        self.idx = torch.empty(0, dtype=torch.int64, device=device)  # the running top k (once merged), ascending
+        self.idx = torch.empty(0, dtype=torch.int64, device=device)  # the running top k, in no particular order
         self.vals = torch.empty(0, dtype=dtype, device=device)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # leaves' candidates not merged yet
         self.pending_count = 0
@@ -236,7 +236,7 @@ class StreamingTopK:
         >>> sparse = stream.result()
         >>> sparse.indices.shape, sparse.numel
         (torch.Size([2]), 8)
-        >>> _ = ft.apply_sparse_updates_(params, sparse, -0.1)
+        >>> _ = ft.apply_sparse_updates_(stream.selected_from, sparse, -0.1)
         >>> stream.remove()
     """
 
