@@ -205,9 +205,11 @@ class StreamingTopK:
     * **Error feedback** is not done: its residual is one ``n``-sized buffer
       per parameter, the memory this saves; use ``ft.error_feedback`` on dense
       gradients for it.
-    * **DDP** (with or without ``no_sync``) is not supported: the hooks run on
-      each rank's local gradient, before DDP averages it, and DDP then finds
-      ``.grad`` freed. For data-parallel top-k use ``ft.distributed.topk_hook``.
+    * **DDP** is not supported: the hooks run on each rank's local gradient,
+      before DDP averages it, and DDP then writes the averaged gradients back
+      into ``.grad``, so :meth:`result` raises ``RuntimeError``. Under
+      ``no_sync`` nothing is averaged and the stream selects from the rank's own
+      gradient, as without DDP. For data-parallel top-k use ``ft.distributed.topk_hook``.
     * A tensor ``k`` or ``density`` is read on the host when a step's first
       gradient arrives and again in :meth:`result`.
     * :meth:`remove` (or leaving a ``with StreamingTopK(...)`` block) removes the hooks.
@@ -309,9 +311,10 @@ class StreamingTopK:
     def _twice(self, i: int) -> RuntimeError:
         """The error of a gradient that arrives for a leaf already folded in this step."""
         return RuntimeError(
-            f"StreamingTopK: a second gradient of {self._paths[i]} before result() (a second backward?); it was "
-            "already folded into this step's selection, which is now discarded: call result() after each "
-            "backward, or run the earlier micro-batches under `with stream.paused():`"
+            f"StreamingTopK: a second gradient of {self._paths[i]} before result() (a second backward, or DDP "
+            "writing its averaged gradients back: DDP is not supported); it was already folded into this step's "
+            "selection, which is now discarded: call result() after each backward, or run the earlier "
+            "micro-batches under `with stream.paused():`"
         )
 
     def _fold(self, i: int, grad: torch.Tensor) -> None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import optree
 import pytest
@@ -243,6 +247,47 @@ def test_values_take_the_dtype_of_the_gradients_that_arrived():
     stream = StreamingTopK({"h": h, "wide": wide}, k=1)
     h.backward(torch.tensor([0.5, -3.0], dtype=torch.float16))
     assert_same_sparse(stream.result(), ft.topk_indices({"h": h.detach(), "wide": None}, 1))
+
+
+DDP_RUN = """
+import sys, torch, torch.distributed as dist, functopk as ft
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+params = dict(model.named_parameters())
+x = torch.randn(5, 4)
+model(x).sum().backward()                  # the local gradients, without DDP and without a stream
+local = ft.topk_indices({name: p.grad for name, p in params.items()}, 3)
+model.zero_grad(set_to_none=True)
+stream = ft.sparse.StreamingTopK(params, k=3)
+with ddp.no_sync():
+    ddp(x).sum().backward()
+assert all(p.grad is None for p in params.values())
+sparse = stream.result()
+assert torch.equal(sparse.indices, local.indices) and torch.equal(sparse.values, local.values)
+ddp(x).sum().backward()                    # synchronised: DDP writes the averaged gradients back
+assert all(p.grad is not None for p in params.values())
+try:
+    stream.result()
+except RuntimeError as error:
+    assert "DDP is not supported" in str(error), error
+    print("refused")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_ddp_is_refused_at_result_and_no_sync_selects_the_local_gradient(tmp_path):
+    """In a fresh process (no process group in the pytest process): one gloo rank."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    script = tmp_path / "ddp_run.py"
+    script.write_text(textwrap.dedent(DDP_RUN))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("refused")
 
 
 # --------------------------------------------------------------------------- bad input
