@@ -76,6 +76,18 @@ def test_faq_examples_run():
     assert namespace["changed"] == namespace["k"] == 1000
 
 
+def test_sparse_training_examples_run():
+    """docs/sparse_training.md's blocks run in order: k coordinates move per step, the accumulated step frees .grad."""
+    text = (ROOT / "docs" / "sparse_training.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/sparse_training.md", "exec"), namespace)
+    assert namespace["moved"] == namespace["k"] == 20
+    assert namespace["sparse"].indices.numel() == 20
+
+
 def test_readme_example_moves_exactly_k_coordinates_every_step():
     """The README's example, run eagerly (the compile decorator is the one line left out: it is slow here)."""
     import torch

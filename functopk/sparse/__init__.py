@@ -10,6 +10,8 @@
   returning a :class:`~functopk.sparse.selection.Selection` (``Indices``,
   ``Mask``, ``Threshold``, ``HostThreshold`` of :mod:`~functopk.sparse.selection`,
   or ``ExactOp`` of :mod:`~functopk.sparse.ops`);
+* :mod:`~functopk.sparse.streaming`: :class:`StreamingTopK`, the same exact
+  selection made while backward runs, each gradient freed once folded;
 * :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
 * :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
 * :mod:`~functopk.sparse.config`: :class:`KernelConfig`, their tuning constants.
@@ -21,12 +23,14 @@ from functopk.sparse.api import gaussian_threshold, topk_indices, topk_mask, top
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.dispatch import SlowPathWarning
 from functopk.sparse.k import k_from_density, resolve_k
+from functopk.sparse.streaming import StreamingTopK
 from functopk.sparse.updates import SparseUpdates, apply_sparse_updates, apply_sparse_updates_
 
 __all__ = [
     "KernelConfig",
     "SlowPathWarning",
     "SparseUpdates",
+    "StreamingTopK",
     "apply_sparse_updates",
     "apply_sparse_updates_",
     "gaussian_threshold",
