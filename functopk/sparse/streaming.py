@@ -26,6 +26,7 @@ DDP averages it), ``GradScaler.unscale_`` (it cannot see freed gradients);
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +35,7 @@ import torch
 from functopk._checks import check_k_or_density, check_leaves, one_device, path_str
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 from functopk.sparse.k import k_on_host, resolve_k
-from functopk.sparse.kernels.base import INT_OF, SUPPORTED_DTYPES, magnitudes_, nonzero_1d
+from functopk.sparse.kernels.base import INT_OF, SUPPORTED_DTYPES, common_dtype, magnitudes_, nonzero_1d
 from functopk.sparse.kernels.exact import select_exact
 from functopk.sparse.kernels.scan import scan_above
 from functopk.sparse.kernels.static import select_static
@@ -61,14 +62,6 @@ def _top_of(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[torch.Tensor
         ties = ties.index_select(0, torch.sort(idx.index_select(0, ties)).indices[:room])
     keep = torch.cat([above, ties])
     return idx.index_select(0, keep), vals.index_select(0, keep)
-
-
-def _promoted(dtypes: list[torch.dtype]) -> torch.dtype:
-    """The promoted dtype of ``dtypes`` (as :func:`~functopk.sparse.kernels.base.common_dtype` of leaves)."""
-    dtype = dtypes[0]
-    for other in dtypes[1:]:
-        dtype = torch.promote_types(dtype, other)
-    return dtype
 
 
 class RunningTopK:
@@ -259,7 +252,7 @@ class StreamingTopK:
         self._offsets = [sum(self._sizes[:i]) for i in range(len(leaves))]  # in the flat order of params
         self._numel = sum(self._sizes)
         resolve_k(self._k, self._density, self._numel, name="params")  # k above n, or no coordinates at all
-        self._dtype = _promoted([x.dtype for x in leaves])
+        self._dtype = common_dtype(leaves)
         self._paused = False
         self._clear()
         self._handles = [
@@ -373,7 +366,8 @@ class StreamingTopK:
             shifts = [start - sum(sizes[:j]) for j, start in enumerate(starts)]
             leaf = torch.searchsorted(torch.tensor(starts, device=idx.device), idx, right=True) - 1
             idx = idx - torch.tensor(shifts, device=idx.device)[leaf]
-        return SparseUpdates(idx, vals.to(_promoted([self._folded[i] for i in present])), n, sizes)
+        dtype = functools.reduce(torch.promote_types, [self._folded[i] for i in present])  # of what arrived
+        return SparseUpdates(idx, vals.to(dtype), n, sizes)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[StreamingTopK]:
