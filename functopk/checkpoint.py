@@ -107,6 +107,11 @@ def _leaf_digest(path: str, value: Any) -> str:
     if x.layout != torch.strided:
         x = x.to_dense()
     x = x.resolve_conj().resolve_neg().cpu().contiguous()
+    if type(x) is not torch.Tensor:  # a subclass: a DTensor's own shard, else the plain tensor it wraps
+        x = x.to_local() if hasattr(x, "to_local") else x.as_subclass(torch.Tensor)
+        x = x.cpu().contiguous()
+    if x.numel() and not x.data_ptr():  # never read from a tensor without storage (a wrapper subclass)
+        raise TypeError(f"cannot digest the leaf {path}: a {type(value).__name__} without its own storage")
     if x.numel():
         # the bytes in place, without numpy (not a dependency); x stays alive while they are read
         h.update((ctypes.c_char * (x.numel() * x.element_size())).from_address(x.data_ptr()))

@@ -259,3 +259,14 @@ def test_torch_optimizer_state_dict_carries_the_digest():
     leaves[path] = leaves[path] * 2
     with pytest.raises(CheckpointError, match="contents of 1 leaves differ"):
         opt.load_state_dict(saved)
+
+
+def test_a_tensor_subclass_leaf_digests_as_its_plain_tensor():
+    """A subclass leaf (as a DTensor is) is digested through the plain tensor it holds: the same bytes."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    plain = {"w": torch.arange(6.0).reshape(2, 3)}
+    tagged = {"w": plain["w"].clone().as_subclass(Tagged)}
+    assert ft.state_to_dict(tagged)["digest"] == ft.state_to_dict(plain)["digest"]
