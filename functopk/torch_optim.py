@@ -20,6 +20,7 @@ import optree
 import torch
 
 from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
+from functopk.adapter.checkpoint import check_group_sizes
 from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
 from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.recut import LastStepParams, make_tree, param_names, remap, same_ptree, saved_names
@@ -426,9 +427,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             isinstance(s, dict) and isinstance(s.get("params"), list) for s in saved_groups
         ):
             raise CheckpointError("state_dict['param_groups'] must be a list of dicts, each with a list 'params'")
-        saved, own = [len(s["params"]) for s in saved_groups], [len(g["params"]) for g in self.param_groups]
-        if saved != own:
-            raise ValueError(f"loaded state dict has param groups of sizes {saved}, this optimizer has {own}")
+        check_group_sizes(saved_groups, self.param_groups)
         for i, s in enumerate(saved_groups):
             if "lr" not in s:
                 raise ValueError(f"param group {i} lacks 'lr', which every TorchOptimizer group keeps")

@@ -34,7 +34,10 @@ import torch
 from functopk._checks import describe, listed
 from functopk.adapter import per_param
 
-__all__ = ["Expected", "expected_entries", "filled_group", "loaded_entry", "share_equal_scalars_", "unshared"]
+__all__ = [
+    "Expected", "check_group_sizes", "expected_entries", "filled_group", "loaded_entry", "share_equal_scalars_",
+    "unshared",
+]  # fmt: skip
 
 
 def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
@@ -51,6 +54,17 @@ def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]
         }
         for key, entries in state.items()
     }
+
+
+def check_group_sizes(saved: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """A checkpoint's param groups must list as many parameters, group by group, as the optimizer's.
+
+    Raises:
+        ValueError: they differ in number or size.
+    """
+    sizes, own = [len(s["params"]) for s in saved], [len(g["params"]) for g in groups]
+    if sizes != own:
+        raise ValueError(f"loaded state dict has param groups of sizes {sizes}, this optimizer has {own}")
 
 
 def filled_group(

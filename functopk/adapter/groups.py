@@ -421,13 +421,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         groups = [
             checkpoint.filled_group(self.optimizer_class, i, s, keys) for i, s in enumerate(state_dict["param_groups"])
         ]
-        if len(groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(groups, self.param_groups)
-        ):
-            raise ValueError(
-                f"loaded state dict has param groups of sizes {[len(s['params']) for s in groups]}, this "
-                f"optimizer has {[len(g['params']) for g in self.param_groups]}"
-            )
+        checkpoint.check_group_sizes(groups, self.param_groups)
         expected = self._expected(groups)
         owner = {key: p for s, g in zip(groups, self.param_groups) for key, p in zip(s["params"], g["params"])}
         loaded = {}
