@@ -161,7 +161,12 @@ class StreamingTopK:
     ft.tree.map(lambda p: p.grad, params)``: the flat order of ``params``
     (not the order in which autograd finishes them), ties to the lower flat
     index, NaN ranked as ``+inf`` with ``±inf``, values in the promoted dtype,
-    exactly ``k`` coordinates. Peak gradient memory is the largest parameter's
+    exactly ``k`` coordinates. One exception to "bit for bit": the candidates are
+    held in the promoted dtype of all of ``params``, so when a parameter of a wider
+    dtype than every gradient that arrived has no gradient, a NaN value passes
+    through that wider dtype and its payload bits may differ from a direct
+    conversion (it is NaN either way, at the same index; finite and infinite
+    values are exact). Peak gradient memory is the largest parameter's
     gradient plus ``O(k)``, instead of every gradient at once.
 
     A training step::
