@@ -20,7 +20,7 @@ from functopk.base import Params
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
 
-__all__ = ["SparseUpdates", "apply_sparse_updates", "apply_sparse_updates_"]
+__all__ = ["SparseUpdates", "apply_sparse_updates", "apply_sparse_updates_", "check_update_of"]
 
 
 class SparseUpdates(NamedTuple):
@@ -79,7 +79,7 @@ class SparseUpdates(NamedTuple):
             >>> ft.SparseUpdates(torch.tensor([2]), torch.tensor([5.0]), 3).to_dense({"w": torch.ones(3)})
             {'w': tensor([0., 0., 5.])}
         """
-        leaves, treedef = _checked(self, like, "like")
+        leaves, treedef = check_update_of(self, like, "like")
         return optree.tree_unflatten(treedef, _scatter(leaves, self.indices, self.values, base=False))
 
 
@@ -109,7 +109,7 @@ def _check_indices(idx: torch.Tensor, numel: int) -> None:
         raise ValueError(f"sparse.indices must lie in [0, {numel}) (the coordinates of the tree)")
 
 
-def _checked(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
+def check_update_of(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
     """The leaves of ``tree`` after checking the whole contract between ``sparse`` and it (nothing written yet)."""
     if not isinstance(sparse, SparseUpdates):
         raise TypeError(f"sparse must be a functopk.SparseUpdates, got {type(sparse).__name__}")
@@ -259,7 +259,7 @@ def apply_sparse_updates(params: Params, sparse: SparseUpdates, scale: float | t
         {'w': tensor([1., 2., 1.]), 'b': tensor([-0.5000])}
     """
     vals = _scaled(sparse, scale) if isinstance(sparse, SparseUpdates) else None
-    leaves, treedef = _checked(sparse, params, "params")
+    leaves, treedef = check_update_of(sparse, params, "params")
     return optree.tree_unflatten(treedef, _scatter(leaves, sparse.indices, vals, base=True))
 
 
@@ -290,7 +290,7 @@ def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | 
         tensor([ 1., -1.,  1.])
     """
     vals = _scaled(sparse, scale) if isinstance(sparse, SparseUpdates) else None
-    leaves, treedef = _checked(sparse, params, "params")
+    leaves, treedef = check_update_of(sparse, params, "params")
     idx = sparse.indices
     bounds = FlatLayout.from_tree(leaves).bounds(idx, name="sparse.indices")
     touched = [i for i, (_, lo, hi) in enumerate(bounds) if hi > lo]
