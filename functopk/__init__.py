@@ -12,7 +12,13 @@ Example:
 """
 
 from functopk import compress, distributed, nn, optim, sparse, tree
-from functopk.adapter import ParamGroupOptimizer, from_torch, optimizer_class_from_torch, optimizer_from_torch
+from functopk.adapter import (
+    ParamGroupOptimizer,
+    from_torch,
+    optimizer_class_from_torch,
+    optimizer_from_torch,
+    sparse_optimizer_from_torch,
+)
 from functopk.base import EmptyState, GradientTransformation, identity, stateless
 from functopk.build import leafwise
 from functopk.checkpoint import CheckpointError, load_state, save_state, state_from_dict, state_to_dict
@@ -152,6 +158,7 @@ __all__ = [
     "scale_by_trust_ratio",
     "sgd",
     "sparse",
+    "sparse_optimizer_from_torch",
     "state_from_dict",
     "state_to_dict",
     "stateless",

@@ -33,7 +33,7 @@ from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.registry import spec_for
 from functopk.base import GradientTransformation
 
-__all__ = ["TorchNamedMeta", "optimizer_class_from_torch", "optimizer_from_torch"]
+__all__ = ["TorchNamedMeta", "optimizer_class_from_torch", "optimizer_from_torch", "shadows"]
 
 _CLASS_ATTRIBUTES = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__"})
 
@@ -79,14 +79,17 @@ def _not_functopk(owner: type, name: str) -> Callable[..., Any]:
     return method
 
 
-def _shadows(optimizer_class: type[torch.optim.Optimizer]) -> dict[str, Any]:
-    """For each attribute the torch class and its torch bases define: ParamGroupOptimizer's resolution of it."""
+def shadows(optimizer_class: type[torch.optim.Optimizer], base: type = ParamGroupOptimizer) -> dict[str, Any]:
+    """For each attribute the torch class and its torch bases define: ``base``'s resolution of it.
+
+    The namespace of a class ``(optimizer_class, base)`` in which none of the torch class's own code runs.
+    """
     out: dict[str, Any] = {}
     for owner in optimizer_class.__mro__[: optimizer_class.__mro__.index(torch.optim.Optimizer)]:
         for name in vars(owner):
             if name in out or name in _CLASS_ATTRIBUTES:
                 continue
-            ours = next((vars(k)[name] for k in ParamGroupOptimizer.__mro__ if name in vars(k)), None)
+            ours = next((vars(k)[name] for k in base.__mro__ if name in vars(k)), None)
             out[name] = ours if ours is not None else _not_functopk(owner, name)
     return out
 
@@ -128,7 +131,7 @@ def optimizer_class_from_torch(
 
         name = optimizer_class.__name__
         namespace = {
-            **_shadows(optimizer_class),
+            **shadows(optimizer_class),
             "__init__": __init__,
             "__module__": __name__,
             "__qualname__": name,

@@ -14,6 +14,8 @@
   selection made while backward runs, each gradient freed once folded;
 * :mod:`~functopk.sparse.optimizer`: :func:`sparse_optimizer`, a coordinate-wise
   optimizer on ``k`` coordinates with state of size ``k``;
+* ``sparse_optimizer_from_torch``: its ``torch.optim`` form (:mod:`functopk.adapter.sparse_state`,
+  in the interop layer, hence imported when first used);
 * :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
 * :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
 * :mod:`~functopk.sparse.config`: :class:`KernelConfig`, their tuning constants.
@@ -42,7 +44,17 @@ __all__ = [
     "k_from_density",
     "resolve_k",
     "sparse_optimizer",
+    "sparse_optimizer_from_torch",
     "topk_indices",
     "topk_mask",
     "topk_sparsify",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # the torch.optim form lives in the interop layer, which imports this package: imported on first use
+    if name == "sparse_optimizer_from_torch":
+        from functopk.adapter.sparse_state import sparse_optimizer_from_torch
+
+        return sparse_optimizer_from_torch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
