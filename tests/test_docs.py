@@ -77,15 +77,23 @@ def test_faq_examples_run():
 
 
 def test_sparse_training_examples_run():
-    """docs/sparse_training.md's blocks run in order: k coordinates move per step, the accumulated step frees .grad."""
+    """docs/sparse_training.md's blocks run in order: k coordinates move per step, the accumulated step frees .grad,
+    the sparse-state loop trains 20 coordinates with 16 bytes of state each."""
+    import torch
+
     text = (ROOT / "docs" / "sparse_training.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, "docs/sparse_training.md", "exec"), namespace)
     assert namespace["moved"] == namespace["k"] == 20
     assert namespace["sparse"].indices.numel() == 20
+    state, updates = namespace["state"], namespace["updates"]
+    assert torch.equal(updates.indices, state.indices.long()) and updates.indices.numel() == 20
+    assert int(state.count) == 12 and int(state.inner.count.min()) == 12 - 10  # joined at the last refresh, step 10
+    tensors = [state.indices, *namespace["ft"].tree.leaves(state.inner)]
+    assert sum(t.numel() * t.element_size() for t in tensors) == 16 * 20
 
 
 def test_readme_example_moves_exactly_k_coordinates_every_step():

@@ -83,6 +83,14 @@ class SparseOptState(NamedTuple):
             such as the step count, one per coordinate).
         score: With ``score="accumulated"``, ``sum |g|`` since the last refresh, a tree
             like the parameters; ``None`` otherwise.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> state = ft.sparse.sparse_optimizer(ft.sgd(0.1, momentum=0.9), k=2).init({"w": torch.zeros(5)})
+        >>> state.indices
+        tensor([0, 1], dtype=torch.int32)
+        >>> state.inner[0]
+        TraceState(trace=[tensor([0., 0.])], count=tensor([0, 0], dtype=torch.int32))
     """
 
     count: torch.Tensor  # type: ignore[assignment]
@@ -97,6 +105,14 @@ class SparseOptimizer(NamedTuple):
     ``init(params) -> SparseOptState`` and
     ``update(grads, state, params, *, refresh) -> (SparseUpdates, SparseOptState)``;
     apply the updates with :func:`functopk.apply_sparse_updates` (or ``_`` in place).
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> opt = ft.sparse.sparse_optimizer(ft.sgd(1.0), k=1)
+        >>> params = {"w": torch.zeros(3)}
+        >>> updates, _ = opt.update({"w": torch.tensor([1.0, -2.0, 0.5])}, opt.init(params), params, refresh=True)
+        >>> updates
+        SparseUpdates(indices=tensor([1]), values=tensor([2.]), numel=3)
     """
 
     init: Callable[[PyTree], SparseOptState]

@@ -20,7 +20,13 @@ from functopk.base import Params
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
 
-__all__ = ["SparseUpdates", "apply_sparse_updates", "apply_sparse_updates_", "check_update_of"]
+__all__ = [
+    "SparseUpdates",
+    "apply_sparse_updates",
+    "apply_sparse_updates_",
+    "check_ascending_indices",
+    "check_update_of",
+]
 
 
 class SparseUpdates(NamedTuple):
@@ -98,15 +104,15 @@ def _check_sizes(sizes: tuple[int, ...], leaves: list[torch.Tensor], treedef: op
             )
 
 
-def _check_indices(idx: torch.Tensor, numel: int) -> None:
+def check_ascending_indices(idx: torch.Tensor, numel: int, name: str = "sparse.indices") -> None:
     """Strictly ascending (so distinct) and in ``[0, numel)``: a few values read on the host; skipped when compiling."""
     if torch.compiler.is_compiling() or idx.numel() == 0:
         return
     ascending, lowest, highest = torch.stack([(idx[1:] > idx[:-1]).all().long(), idx[0], idx[-1]]).tolist()
     if not ascending:
-        raise ValueError("sparse.indices must be strictly ascending, so distinct (as functopk produces them)")
+        raise ValueError(f"{name} must be strictly ascending, so distinct (as functopk produces them)")
     if lowest < 0 or highest >= numel:
-        raise ValueError(f"sparse.indices must lie in [0, {numel}) (the coordinates of the tree)")
+        raise ValueError(f"{name} must lie in [0, {numel}) (the coordinates of the tree)")
 
 
 def check_update_of(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
@@ -136,7 +142,7 @@ def check_update_of(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Te
                 f"sparse.{field} is on {device} but {name} is on {leaves[0].device}; move the update "
                 f"(sparse._replace(indices=..., values=...)) to the tree's device"
             )
-    _check_indices(sparse.indices, numel)
+    check_ascending_indices(sparse.indices, numel)
     return leaves, treedef
 
 

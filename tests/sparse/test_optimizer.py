@@ -160,6 +160,29 @@ def test_the_stream_selection_gives_the_dense_result():
             params = {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def test_a_stream_gathering_at_the_set_between_refreshes_gives_the_dense_result():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).double()
+    live = dict(model.named_parameters())
+    opt = sparse_optimizer(ft.adamw(0.1, weight_decay=0.1), k=5)
+    params = {name: p.detach().clone() for name, p in live.items()}
+    dense_state = stream_state = opt.init(params)
+    with ft.sparse.StreamingTopK(live, k=5) as stream:
+        for step in range(5):
+            refresh = step % 2 == 0
+            if not refresh:
+                stream.gather(stream_state.indices)
+            loss = model(torch.randn(3, 4, dtype=torch.float64)).square().sum()
+            grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()), retain_graph=True)))
+            loss.backward()  # folded (refresh) or gathered at the set, and freed
+            assert all(p.grad is None for p in live.values())
+            u_dense, dense_state = opt.update(grads, dense_state, params, refresh=refresh)
+            u_stream, stream_state = opt.update(stream.result(), stream_state, params, refresh=refresh)
+            assert torch.equal(u_dense.indices, u_stream.indices) and torch.equal(u_dense.values, u_stream.values)
+            params = ft.apply_sparse_updates_(live, u_stream)
+            params = {name: p.detach().clone() for name, p in live.items()}
+
+
 def test_state_round_trips_through_a_checkpoint_and_resumes_bitwise():
     params, grads = problem()
     opt = sparse_optimizer(ft.adamw(0.05, weight_decay=0.1), k=4, score="accumulated")
