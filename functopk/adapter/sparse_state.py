@@ -1,4 +1,4 @@
-"""``ft.sparse_optimizer_from_torch``: a ``torch.optim`` optimizer that trains ``k`` coordinates, with state of size ``k``.
+"""``ft.sparse_optimizer_from_torch``: a ``torch.optim`` optimizer training ``k`` coordinates, with state of size ``k``.
 
 The adapter form of :func:`functopk.sparse.sparse_optimizer`. A
 :class:`~functopk.sparse.StreamingTopK` over all the optimizer's parameters
@@ -23,7 +23,6 @@ names of its own group.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -181,7 +180,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         """The step's gradient at ``k`` coordinates over all parameters; ``None`` when no backward ran."""
         stream = self._stream
         assert stream is not None
-        if stream.nbytes == 0 and all(p.grad is None for p in self._params):
+        if not stream.started and all(p.grad is None for p in self._params):
             return None
         sparse = stream.result()
         return over_all(sparse, [x is not None for x in stream.selected_from], self._sizes)
@@ -225,15 +224,26 @@ class SparseStateOptimizer(torch.optim.Optimizer):
             inner = per_param.join([self._entries(opt, layout)], layout)
             update, new = opt.update(grads, self._sparse._replace(inner=inner), self._params, refresh=refresh)
             # each coordinate keeps its own group's update and state
-            values = update.values if values is None or member is None else torch.where(member, update.values, values)
+            if values is None or member is None:
+                values = update.values
+            else:
+                values = torch.where(member, update.values, values)
             for name, value in per_param.split(new.inner, layout)[0].items():
-                keep = name not in named or member is None
-                named[name] = value if keep else torch.where(member, value, named[name])
+                if name in named and member is not None:
+                    value = torch.where(member, value, named[name])
+                named[name] = value
         assert values is not None and update is not None
         apply_sparse_updates_(self._params, update._replace(values=values))
         self._sparse = new._replace(inner=named)
         self._steps += 1
+        self._arm()
         return loss
+
+    def _arm(self) -> None:
+        """Between refreshes, make the next backward gather the gradient at the coordinate set."""
+        assert self._stream is not None
+        if self._steps % self.refresh_every:
+            self._stream.gather(self._sparse.indices)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -282,15 +292,23 @@ class SparseStateOptimizer(torch.optim.Optimizer):
             checkpoint.filled_group(self.optimizer_class, i, s, keys) for i, s in enumerate(state_dict["param_groups"])
         ]
         checkpoint.check_group_sizes(groups, self.param_groups)
+        accepted = inspect.signature(self.optimizer_class.__init__).parameters
         for i, group in enumerate(groups):
-            try:
+            try:  # torch's constructor checks (a negative lr), then functopk's build
+                torch_hyperparams(self.optimizer_class, {k: group[k] for k in self.defaults if k in accepted})
                 self._optimizer(group)
             except (KeyError, TypeError, ValueError) as err:
-                raise ValueError(f"param group {i} does not make a torch.optim.{self.optimizer_class.__name__}: {err!r}")
+                raise ValueError(
+                    f"param group {i} does not make a torch.optim.{self.optimizer_class.__name__}: {err!r}"
+                ) from err
         loaded = self._loaded_state(state_dict["state"], self._init_state(groups))
         super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         self._sparse = loaded
+        assert self._stream is not None
+        self._stream.remove()  # a fresh stream: one armed to gather for the old schedule would be wrong now
+        self._stream = StreamingTopK(self._params, k=self.k)
         self._steps = int(loaded.count)  # once, on load: the refresh schedule goes on from the saved step
+        self._arm()
 
     def _loaded_state(self, saved: Any, like: SparseOptState) -> SparseOptState:
         """``saved`` (a state dict's ``"state"``) as this optimizer's state, checked against ``like``."""
@@ -323,7 +341,9 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         return SparseOptState(saved["count"].to(self._device), idx, inner, None)
 
 
-@functools.cache
+_CLASSES: dict[type[torch.optim.Optimizer], type[SparseStateOptimizer]] = {}
+
+
 def sparse_optimizer_class(optimizer_class: type[torch.optim.Optimizer]) -> type[SparseStateOptimizer]:
     """The class of :func:`sparse_optimizer_from_torch`'s optimizers: named as, and subclassing, ``optimizer_class``.
 
@@ -331,6 +351,8 @@ def sparse_optimizer_class(optimizer_class: type[torch.optim.Optimizer]) -> type
     (:func:`functopk.adapter.classes.shadows`).
     """
     spec_for(optimizer_class)
+    if optimizer_class in _CLASSES:
+        return _CLASSES[optimizer_class]
 
     def __init__(self: SparseStateOptimizer, params: Iterable[Any], **kwargs: Any) -> None:
         SparseStateOptimizer.__init__(self, optimizer_class, params, **kwargs)
@@ -343,7 +365,8 @@ def sparse_optimizer_class(optimizer_class: type[torch.optim.Optimizer]) -> type
         "__qualname__": name,
         "__doc__": f"``torch.optim.{name}`` on k coordinates (see :func:`sparse_optimizer_from_torch`).",
     }
-    return type(name, (optimizer_class, SparseStateOptimizer), namespace)
+    cls = _CLASSES[optimizer_class] = type(name, (optimizer_class, SparseStateOptimizer), namespace)
+    return cls
 
 
 def sparse_optimizer_from_torch(
@@ -355,7 +378,7 @@ def sparse_optimizer_from_torch(
     refresh_every: int = 1,
     **defaults: Any,
 ) -> SparseStateOptimizer:
-    """``optimizer_class(params, **defaults)`` training only ``k`` coordinates of all ``params``, with state of size ``k``.
+    """``optimizer_class(params, **defaults)`` training only ``k`` coordinates of ``params``, with state of size ``k``.
 
     The adapter form of :func:`functopk.sparse.sparse_optimizer`, for loops,
     LR schedulers and trainers written for ``torch.optim``. Every ``refresh_every``
@@ -419,5 +442,5 @@ def sparse_optimizer_from_torch(
         >>> sorted(opt.state_dict()["state"]["inner"]), opt.state_dict()["state"]["indices"].shape
         (['exp_avg', 'exp_avg_sq', 'step'], torch.Size([3]))
     """
-    cls = sparse_optimizer_class(optimizer_class)
+    cls: Any = sparse_optimizer_class(optimizer_class)
     return cls(params, k=k, density=density, refresh_every=refresh_every, **defaults)

@@ -378,6 +378,24 @@ class StreamingTopK:
         return self._selected_from
 
     @property
+    def started(self) -> bool:
+        """Whether this step's backward has folded a gradient (since the last :meth:`result`).
+
+        For an optimizer that must tell a step with gradients from one without
+        (``.grad`` is ``None`` either way).
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> w = torch.ones(2, requires_grad=True)
+            >>> stream = ft.sparse.StreamingTopK([w], k=1)
+            >>> before = stream.started
+            >>> w.sum().backward()
+            >>> before, stream.started
+            (False, True)
+        """
+        return self._is_open()
+
+    @property
     def nbytes(self) -> int:
         """Bytes the running selection holds now (its indices and values): ``O(k)``.
 

@@ -1,0 +1,274 @@
+"""sparse_optimizer_from_torch: torch.optim on k coordinates, against the functional form and torch.optim."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import functopk as ft
+from functopk.sparse.optimizer import sparse_optimizer
+from tests.helpers import bits
+
+CASES = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+]
+STEPS = 6
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+
+
+def data(steps: int = STEPS):
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(5, 3, generator=gen, dtype=torch.float64), torch.randn(5, 2, generator=gen, dtype=torch.float64))
+        for _ in range(steps)
+    ]
+
+
+def loss_of(net, x, y):
+    return torch.nn.functional.mse_loss(net(x), y)
+
+
+def flat(net) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def train(opt, net, batches):
+    for x, y in batches:
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+
+
+def functional(cls, kwargs, k, refresh_every, batches):
+    """The functional form on the same model, with dense gradients."""
+    net = model()
+    params = list(net.parameters())
+    opt = sparse_optimizer(ft.from_torch(cls, **kwargs), k=k)
+    state = opt.init(params)
+    for step, (x, y) in enumerate(batches):
+        grads = torch.autograd.grad(loss_of(net, x, y), params)
+        updates, state = opt.update(list(grads), state, params, refresh=step % refresh_every == 0)
+        ft.apply_sparse_updates_(params, updates)
+    return flat(net)
+
+
+@pytest.mark.parametrize("refresh_every", [1, 3])
+@pytest.mark.parametrize("cls, kwargs", CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_equals_the_functional_sparse_optimizer_step_by_step(cls, kwargs, refresh_every):
+    net = model()
+    opt = ft.sparse_optimizer_from_torch(cls, net.parameters(), k=5, refresh_every=refresh_every, **kwargs)
+    assert isinstance(opt, cls) and type(opt).__name__ == cls.__name__
+    train(opt, net, data())
+    assert torch.equal(bits(flat(net)), bits(functional(cls, kwargs, 5, refresh_every, data())))
+    assert int(opt.state_dict()["state"]["count"]) == STEPS
+
+
+def reference(groups, grads, k, refresh_every):
+    """One torch optimizer per coordinate with its group's hyperparameters, made when it joins the set."""
+    values = torch.cat([p.reshape(-1) for ps, _ in groups for p in ps]).clone()
+    owner = [i for i, (ps, _) in enumerate(groups) for p in ps for _ in range(p.numel())]
+    members, live = list(range(k)), {}
+    for step, g in enumerate(grads):
+        if step % refresh_every == 0:
+            members = sorted(torch.topk(g.abs(), k).indices.tolist())  # continuous random values: no ties
+        for c in members:
+            if c not in live:
+                p = torch.nn.Parameter(values[c].reshape(1).clone())
+                live[c] = (p, torch.optim.AdamW([p], **groups[owner[c]][1], foreach=True))
+        live = {c: live[c] for c in members}  # dropped coordinates lose their state
+        for c in members:
+            p, opt = live[c]
+            p.grad = g[c : c + 1].clone()
+            opt.step()
+            values[c] = p.detach()[0]
+    return values
+
+
+def test_param_groups_each_with_its_own_hyperparameters():
+    gen = torch.Generator().manual_seed(2)
+    w, b = (torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in [(3, 4), (5,)])
+    hyper = [{"lr": 0.05, "weight_decay": 0.2}, {"lr": 0.01, "weight_decay": 0.0}]
+    steps = 7
+    coefficients = [torch.randn(17, generator=gen, dtype=torch.float64) for _ in range(steps)]
+    start = [w.detach().clone(), b.detach().clone()]
+    opt = ft.sparse_optimizer_from_torch(
+        torch.optim.AdamW, [{"params": [w], **hyper[0]}, {"params": [b], **hyper[1]}], k=6, refresh_every=3
+    )
+    for c in coefficients:  # loss linear in the parameters: the gradient at each step is c
+        (torch.cat([w.reshape(-1), b]) * c).sum().backward()
+        opt.step()
+    groups = [([start[0]], hyper[0]), ([start[1]], hyper[1])]
+    expected = reference(groups, coefficients, 6, 3)
+    torch.testing.assert_close(torch.cat([w.detach().reshape(-1), b.detach()]), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_lr_scheduler_changes_the_learning_rate_at_the_next_step():
+    net, batches = model(), data()
+    opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, net.parameters(), k=5, refresh_every=2, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for x, y in batches:
+        loss_of(net, x, y).backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5**STEPS
+    # the functional form with a 0-d tensor learning rate changed in place between steps
+    ref = model()
+    params = list(ref.parameters())
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    tx = sparse_optimizer(ft.from_torch(torch.optim.AdamW, lr=lr), k=5)
+    state = tx.init(params)
+    for step, (x, y) in enumerate(batches):
+        grads = torch.autograd.grad(loss_of(ref, x, y), params)
+        updates, state = tx.update(list(grads), state, params, refresh=step % 2 == 0)
+        ft.apply_sparse_updates_(params, updates)
+        lr.fill_(0.1 * 0.5 ** (step + 1))
+    torch.testing.assert_close(flat(net), flat(ref), rtol=1e-12, atol=1e-12)
+    unscheduled = model()
+    train(
+        ft.sparse_optimizer_from_torch(torch.optim.AdamW, unscheduled.parameters(), k=5, lr=0.1), unscheduled, batches
+    )
+    assert not torch.allclose(flat(unscheduled), flat(net))
+
+
+def test_state_dict_round_trip_and_bitwise_resume():
+    batches = data(7)
+    straight = model()
+    train(
+        ft.sparse_optimizer_from_torch(torch.optim.AdamW, straight.parameters(), k=5, refresh_every=3),
+        straight,
+        batches,
+    )
+
+    first = model()
+    opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, first.parameters(), k=5, refresh_every=3)
+    train(opt, first, batches[:4])  # the next step (4) gathers at the set chosen at step 3
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert sorted(saved["opt"]["state"]) == ["count", "indices", "inner"]
+    assert sorted(saved["opt"]["state"]["inner"]) == ["exp_avg", "exp_avg_sq", "step"]
+
+    resumed = model(seed=5)  # other weights, other state: everything comes from the checkpoint
+    resumed.load_state_dict(saved["model"])
+    again = ft.sparse_optimizer_from_torch(torch.optim.AdamW, resumed.parameters(), k=5, refresh_every=3)
+    again.load_state_dict(saved["opt"])
+    for key in ("count", "indices"):
+        assert torch.equal(again.state_dict()["state"][key], opt.state_dict()["state"][key])
+    train(again, resumed, batches[4:])
+    assert torch.equal(bits(flat(resumed)), bits(flat(straight)))
+
+
+def test_load_state_dict_checks_everything_before_changing_anything():
+    net = model()
+    opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, net.parameters(), k=5, refresh_every=2, lr=0.01)
+    train(opt, net, data(1))
+    good = opt.state_dict()
+    before = {key: value.clone() for key, value in good["state"]["inner"].items()}
+
+    def changed(**state):
+        return {**good, "state": {**good["state"], **state}}
+
+    other_k = ft.sparse_optimizer_from_torch(torch.optim.AdamW, model().parameters(), k=4).state_dict()
+    sgd = ft.sparse_optimizer_from_torch(torch.optim.SGD, model().parameters(), k=5, lr=0.1, momentum=0.9)
+    bad = [
+        (other_k, ValueError, "k=5"),
+        (sgd.state_dict(), ValueError, "param group 0 lacks"),
+        (changed(inner={**good["state"]["inner"], "exp_avg": torch.zeros(5)}), ValueError, "inner.exp_avg is"),
+        (changed(inner={"exp_avg": torch.zeros(5)}), ValueError, "must hold"),
+        (changed(indices=good["state"]["indices"].flip(0)), ValueError, "ascending"),
+        (changed(count="3"), TypeError, "count must be a tensor"),
+        ({**good, "param_groups": good["param_groups"] * 2}, ValueError, "sizes"),
+        ({**good, "param_groups": [{**good["param_groups"][0], "lr": -1.0}]}, ValueError, "param group 0"),
+        ([], TypeError, "must be a dict"),
+    ]
+    for state_dict, error, match in bad:
+        with pytest.raises(error, match=match):
+            opt.load_state_dict(state_dict)
+    assert opt.param_groups[0]["lr"] == 0.01 and int(opt.state_dict()["state"]["count"]) == 1
+    for key, value in opt.state_dict()["state"]["inner"].items():
+        assert torch.equal(value, before[key])
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.Adafactor, ps, k=2), ValueError, "not coordinate-wise"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.LBFGS, ps, k=2), ValueError, "no functopk form"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SparseAdam, ps, k=2), ValueError, "no functopk form"),
+        (lambda ps: ft.sparse_optimizer_from_torch(ft.adamw, ps, k=2), TypeError, "optimizer_class"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, lr=-1.0), ValueError, "learning rate"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, bad=1), TypeError, "bad"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, refresh_every=0), ValueError, "refresh"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, refresh_every=1.5), TypeError, "refresh"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=99), ValueError, "k"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, density=0.5), ValueError, "exactly one"),
+        (
+            lambda ps: ft.sparse_optimizer_from_torch(torch.optim.Adam, ps, k=2, capturable=True),
+            NotImplementedError,
+            "capturable",
+        ),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps + ps, k=2), ValueError, "twice"),
+    ],
+)
+def test_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call(list(torch.nn.Linear(3, 2).parameters()))
+
+
+def test_add_param_group_after_construction_is_refused():
+    opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, torch.nn.Linear(3, 2).parameters(), k=2, lr=0.1)
+    with pytest.raises(NotImplementedError, match="add_param_group after construction"):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    assert len(opt.param_groups) == 1
+
+
+def test_gradients_are_freed_and_the_state_is_16_bytes_per_coordinate_for_adamw():
+    net = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 5))
+    k = 10
+    opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, net.parameters(), k=k, refresh_every=2)
+    for _ in range(3):  # a refresh, a gather, a refresh
+        net(torch.randn(4, 30)).square().sum().backward()
+        assert all(p.grad is None for p in net.parameters())
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()["state"]
+    tensors = [state["count"], state["indices"], *state["inner"].values()]
+    assert sum(t.numel() * t.element_size() for t in tensors) == 16 * k + 8  # + the 8-byte step count
+
+
+def test_a_step_without_backward_changes_nothing():
+    net = model()
+    opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, net.parameters(), k=3, lr=0.1, momentum=0.9)
+    train(opt, net, data(1))
+    before, count = flat(net).clone(), opt.state_dict()["state"]["count"].clone()
+    assert opt.step() is None and opt.step(lambda: 1.5) == 1.5  # a closure without backward
+    assert torch.equal(flat(net), before) and torch.equal(opt.state_dict()["state"]["count"], count)
+
+
+def test_parameters_without_a_gradient_are_not_selected_and_the_indices_cover_all():
+    net = model()
+    unused = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    params = [unused, *net.parameters()]
+    opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, params, k=4, lr=0.1, refresh_every=2)
+    ref_net = model()
+    ref_params = [torch.ones(4, dtype=torch.float64), *ref_net.parameters()]
+    tx = sparse_optimizer(ft.from_torch(torch.optim.SGD, lr=0.1), k=4)
+    state = tx.init(ref_params)
+    for step, (x, y) in enumerate(data(3)):
+        loss_of(net, x, y).backward()
+        opt.step()
+        grads = [torch.zeros(4, dtype=torch.float64), *torch.autograd.grad(loss_of(ref_net, x, y), ref_params[1:])]
+        updates, state = tx.update(grads, state, ref_params, refresh=step % 2 == 0)
+        ft.apply_sparse_updates_(ref_params, updates)
+    assert torch.equal(unused.detach(), torch.ones(4, dtype=torch.float64))
+    assert torch.equal(opt.state_dict()["state"]["indices"], state.indices)
+    assert torch.equal(bits(flat(net)), bits(flat(ref_net)))
