@@ -1,4 +1,5 @@
-"""``ft.TorchOptimizer.from_torch`` in PyTorch Lightning, transformers' Trainer and Accelerate (examples/*_topk.py).
+"""``ft.TorchOptimizer.from_torch`` in PyTorch Lightning, transformers' Trainer and Accelerate (examples/*_topk.py),
+and ``ft.sparse_optimizer_from_torch`` in transformers' Trainer (examples/gpt2_sparse_finetune.py).
 
 Each example runs once, in its own process (the frameworks keep global state:
 Accelerate's ``AcceleratorState``, Lightning's seeding, logging levels), and
@@ -152,6 +153,20 @@ def test_accelerate_lr_is_the_real_lr(accelerate_result):
     expected, opt = scheduled_lrs(schedule, total, lr)
     assert lrs == expected
     assert accelerate_result["final_lr"] == opt.param_groups[0]["lr"]
+
+
+# -- sparse fine-tuning of a GPT-2 config: Trainer with sparse_optimizer_from_torch, and a plain loop -----------
+
+
+@pytest.mark.slow
+def test_gpt2_sparse_finetune_example_checks_pass(tmp_path_factory):
+    """Trainer(optimizers=(opt, None)): gradients freed, <= k coordinates per step, 16 bytes per coordinate,
+    the loss falls, resume_from_checkpoint between two refreshes is bitwise; the plain loop's loss falls."""
+    result = run_example("gpt2_sparse_finetune.py", tmp_path_factory, "--steps", "16")
+    assert failed(result) == [], result["stdout"]
+    assert result["returncode"] == 0
+    assert any("resumed" in name for name in result["checks"]) and len(result["checks"]) == 6
+    assert len(result["losses"]) == len(result["plain_losses"]) == 16
 
 
 # -- what the frameworks' resume paths need from ParamGroupOptimizer -----------------------------------

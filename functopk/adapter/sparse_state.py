@@ -23,6 +23,7 @@ names of its own group.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -245,6 +246,25 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         if self._steps % self.refresh_every:
             self._stream.gather(self._sparse.indices)
 
+    def paused(self) -> contextlib.AbstractContextManager[Any]:
+        """A block whose backward passes keep their gradients in ``.grad``: gradient accumulation.
+
+        Run every micro-batch but the last under it; the last backward folds the
+        accumulated gradients (:meth:`functopk.sparse.StreamingTopK.paused`).
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> w = torch.zeros(3, requires_grad=True)
+            >>> opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, [w], k=1, lr=1.0)
+            >>> with opt.paused():
+            ...     (w * torch.tensor([1.0, 2.0, 0.0])).sum().backward()   # micro-batch 1: kept in w.grad
+            >>> (w * torch.tensor([0.0, 2.0, 1.0])).sum().backward()       # the last one: folded and freed
+            >>> opt.step(); w
+            tensor([ 0., -4.,  0.], requires_grad=True)
+        """
+        assert self._stream is not None
+        return self._stream.paused()
+
     # ------------------------------------------------------------------ checkpoints
 
     def __getstate__(self) -> dict[str, Any]:
@@ -400,10 +420,13 @@ def sparse_optimizer_from_torch(
 
     * a step with no backward since the last one does nothing (as torch
       without gradients); a second backward before ``step()`` raises
-      ``RuntimeError`` out of ``backward`` (use ``with opt.paused():`` for
-      gradient accumulation... see :class:`~functopk.sparse.StreamingTopK`);
-      ``zero_grad()`` clears ``.grad`` (already ``None``) but not a backward
-      already folded;
+      ``RuntimeError`` out of ``backward``: for gradient accumulation run
+      every micro-batch but the last under ``with opt.paused():``;
+      ``zero_grad()`` clears ``.grad`` (already ``None``) but does not undo a
+      backward already folded (call it before the backward, or after ``step()``);
+    * a parameter without a gradient in a step between refreshes counts as a
+      zero gradient at its coordinates of the set (they still step, with their
+      momentum and weight decay), where ``torch.optim`` skips the parameter;
     * gradient clipping and ``GradScaler.unscale_`` see no gradients (they are
       freed): with the HF Trainer set ``max_grad_norm=0``;
     * ``state_dict()["state"]`` is the sparse state (``count``, ``indices``,

@@ -71,7 +71,7 @@ def test_equals_the_functional_sparse_optimizer_step_by_step(cls, kwargs, refres
     assert int(opt.state_dict()["state"]["count"]) == STEPS
 
 
-def reference(groups, grads, k, refresh_every):
+def reference(cls, groups, grads, k, refresh_every):
     """One torch optimizer per coordinate with its group's hyperparameters, made when it joins the set."""
     values = torch.cat([p.reshape(-1) for ps, _ in groups for p in ps]).clone()
     owner = [i for i, (ps, _) in enumerate(groups) for p in ps for _ in range(p.numel())]
@@ -82,7 +82,7 @@ def reference(groups, grads, k, refresh_every):
         for c in members:
             if c not in live:
                 p = torch.nn.Parameter(values[c].reshape(1).clone())
-                live[c] = (p, torch.optim.AdamW([p], **groups[owner[c]][1], foreach=True))
+                live[c] = (p, cls([p], **groups[owner[c]][1], foreach=True))
         live = {c: live[c] for c in members}  # dropped coordinates lose their state
         for c in members:
             p, opt = live[c]
@@ -92,22 +92,41 @@ def reference(groups, grads, k, refresh_every):
     return values
 
 
-def test_param_groups_each_with_its_own_hyperparameters():
+GROUP_CASES = [
+    (torch.optim.AdamW, [{"lr": 0.05, "weight_decay": 0.2}, {"lr": 0.01, "weight_decay": 0.0}]),
+    # the groups' states differ in structure (weight decay is one more piece of the chain)
+    (
+        torch.optim.SGD,
+        [{"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, {"lr": 0.1, "momentum": 0.5, "weight_decay": 0.3}],
+    ),
+]
+
+
+@pytest.mark.parametrize("cls, hyper", GROUP_CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_param_groups_each_with_its_own_hyperparameters(cls, hyper):
     gen = torch.Generator().manual_seed(2)
     w, b = (torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in [(3, 4), (5,)])
-    hyper = [{"lr": 0.05, "weight_decay": 0.2}, {"lr": 0.01, "weight_decay": 0.0}]
     steps = 7
     coefficients = [torch.randn(17, generator=gen, dtype=torch.float64) for _ in range(steps)]
     start = [w.detach().clone(), b.detach().clone()]
     opt = ft.sparse_optimizer_from_torch(
-        torch.optim.AdamW, [{"params": [w], **hyper[0]}, {"params": [b], **hyper[1]}], k=6, refresh_every=3
+        cls, [{"params": [w], **hyper[0]}, {"params": [b], **hyper[1]}], k=6, refresh_every=3
     )
     for c in coefficients:  # loss linear in the parameters: the gradient at each step is c
         (torch.cat([w.reshape(-1), b]) * c).sum().backward()
         opt.step()
-    groups = [([start[0]], hyper[0]), ([start[1]], hyper[1])]
-    expected = reference(groups, coefficients, 6, 3)
+    expected = reference(cls, [([start[0]], hyper[0]), ([start[1]], hyper[1])], coefficients, 6, 3)
     torch.testing.assert_close(torch.cat([w.detach().reshape(-1), b.detach()]), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_hyperparameter_that_changes_the_state_takes_effect_at_the_next_step():
+    net = model()
+    opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, net.parameters(), k=4, lr=0.1)
+    train(opt, net, data(1))
+    assert opt.state_dict()["state"]["inner"] == {}  # plain SGD keeps nothing
+    opt.param_groups[0]["momentum"] = 0.9
+    train(opt, net, data(2)[1:])
+    assert sorted(opt.state_dict()["state"]["inner"]) == ["count", "momentum_buffer"]
 
 
 def test_a_step_lr_scheduler_changes_the_learning_rate_at_the_next_step():
