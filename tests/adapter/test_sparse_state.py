@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -291,3 +292,14 @@ def test_parameters_without_a_gradient_are_not_selected_and_the_indices_cover_al
     assert torch.equal(unused.detach(), torch.ones(4, dtype=torch.float64))
     assert torch.equal(opt.state_dict()["state"]["indices"], state.indices)
     assert torch.equal(bits(flat(net)), bits(flat(ref_net)))
+
+
+def test_a_round_trip_before_the_first_step_changes_nothing_and_copies_are_refused():
+    """Accelerate's AcceleratedOptimizer loads the optimizer's own state dict when it wraps it."""
+    net = model()
+    opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, net.parameters(), k=5, refresh_every=3)
+    opt.load_state_dict(opt.state_dict())
+    train(opt, net, data())
+    assert torch.equal(bits(flat(net)), bits(functional(torch.optim.AdamW, {}, 5, 3, data())))
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt)
