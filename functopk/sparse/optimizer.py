@@ -266,8 +266,8 @@ def _from_sparse(
     """From the gradient at given coordinates (a :class:`StreamingTopK`'s selection, or its gather)."""
     if score == "accumulated":
         raise ValueError(
-            'score="accumulated" needs the dense gradients (it adds |g| at every coordinate); a SparseUpdates '
-            "holds only k of them"
+            'score="accumulated" sums |g| over dense gradients, and a SparseUpdates holds only k of them: with a '
+            'stream, let the stream sum them (StreamingTopK(..., score="accumulated")) and keep score="gradient" here'
         )
     leaves, _ = check_update_of(grads, params, "params")
     k = state.indices.numel()

@@ -18,14 +18,18 @@ from functopk.sparse.kernels.static import select_static
 __all__ = ["RunningTopK"]
 
 
-def _top_of(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+Candidates = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # flat indices, values, payload
+
+
+def _top_of(idx: torch.Tensor, vals: torch.Tensor, k: int, payload: torch.Tensor | None = None) -> Candidates:
     """The exact top ``k`` of candidates in any order (ties: lower flat index); as they are if ``<= k``.
 
     The order is not restored: only the ties at the ``k``-th magnitude are
     sorted by index (usually a handful), so a merge costs a selection, not a sort.
+    ``payload`` (values carried along, ranked by ``vals``) is cut the same way.
     """
     if idx.numel() <= k:
-        return idx, vals
+        return idx, vals, payload
     mags = magnitudes_(vals.clone())
     kth = torch.kthvalue(mags, mags.numel() - k + 1).values
     above = nonzero_1d(mags > kth, k / mags.numel())
@@ -34,7 +38,15 @@ def _top_of(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[torch.Tensor
     if ties.numel() > room:  # the ties with the lowest flat indices
         ties = ties.index_select(0, torch.sort(idx.index_select(0, ties)).indices[:room])
     keep = torch.cat([above, ties])
-    return idx.index_select(0, keep), vals.index_select(0, keep)
+    return idx.index_select(0, keep), vals.index_select(0, keep), _take(payload, keep)
+
+
+def _take(payload: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor | None:
+    return None if payload is None else payload.index_select(0, positions)
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat(parts)  # type: ignore[arg-type]
 
 
 class RunningTopK:
@@ -54,7 +66,11 @@ class RunningTopK:
         >>> run.add(torch.tensor([3.0, -1.0]), 3)
         >>> run.add(torch.tensor([0.5, -4.0, 3.0]), 0)
         >>> run.top(2)
-        (tensor([1, 2]), tensor([-4.,  3.]))
+        (tensor([1, 2]), tensor([-4.,  3.]), None)
+
+    With ``payload=True``, each :meth:`add` also takes a tensor of values to carry
+    along (ranked by the added values, not by themselves), and :meth:`top` returns
+    them third: how a stream ranks by an accumulated score but returns gradients.
     """
 
     def __init__(
@@ -64,18 +80,20 @@ class RunningTopK:
         numel: int,
         config: KernelConfig = DEFAULT_CONFIG,
         device: torch.device | str = "cpu",
+        payload: torch.dtype | None = None,
     ) -> None:
         self.k, self.dtype, self.config = k, dtype, config
         self.density = k / numel
         self.fraction = self.density  # the share of the last leaf scanned above the floor: picks the scan strategy
         self.idx = torch.empty(0, dtype=torch.int64, device=device)  # the running top k, in no particular order
         self.vals = torch.empty(0, dtype=dtype, device=device)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # leaves' candidates not merged yet
+        self.pay = None if payload is None else torch.empty(0, dtype=payload, device=device)  # carried along
+        self.pending: list[Candidates] = []  # leaves' candidates not merged yet
         self.pending_count = 0
         self.floor: float | None = None  # the largest value below the k-th magnitude, once k are merged
 
-    def add(self, flat: torch.Tensor, offset: int) -> None:
-        """Fold in the 1-d gradient ``flat`` of the leaf whose flat indices start at ``offset``."""
+    def add(self, flat: torch.Tensor, offset: int, payload: torch.Tensor | None = None) -> None:
+        """Fold in the 1-d gradient ``flat`` of the leaf whose flat indices start at ``offset`` (and its payload)."""
         if self.floor is not None:  # only coordinates at or above the k-th magnitude can still enter
             if flat.device.type == "cpu":
                 idx, vals = scan_above([flat], self.floor, self.dtype, self.fraction, self.config)
@@ -83,14 +101,16 @@ class RunningTopK:
             else:
                 idx = (~(flat.to(self.dtype).abs() <= self.floor)).nonzero().view(-1)
                 vals = flat.index_select(0, idx).to(self.dtype)
-            idx, vals = _top_of(idx, vals, self.k)
+            idx, vals, pay = _top_of(idx, vals, self.k, _take(payload, idx))
         elif flat.numel() <= self.k:  # the whole leaf is a candidate
-            idx, vals = torch.arange(flat.numel(), device=flat.device), flat.to(self.dtype)
-        elif flat.device.type == "cpu":
-            idx, vals = select_exact([flat], self.k, self.dtype, self.config)
+            idx, vals, pay = torch.arange(flat.numel(), device=flat.device), flat.to(self.dtype), payload
         else:
-            idx, vals = select_static([flat], self.k, self.dtype)
-        self.pending.append((idx + offset, vals))
+            if flat.device.type == "cpu":
+                idx, vals = select_exact([flat], self.k, self.dtype, self.config)
+            else:
+                idx, vals = select_static([flat], self.k, self.dtype)
+            pay = _take(payload, idx)
+        self.pending.append((idx + offset, vals, pay))
         self.pending_count += idx.numel()
         if self.pending_count >= self.k or (self.floor is None and self.idx.numel() + self.pending_count >= self.k):
             self.merge()
@@ -99,24 +119,25 @@ class RunningTopK:
         """Select the top ``k`` of the running and the pending candidates; raise the floor."""
         if not self.pending:
             return
-        idx = torch.cat([self.idx, *(i for i, _ in self.pending)])
-        vals = torch.cat([self.vals, *(v for _, v in self.pending)])
-        self.idx, self.vals = _top_of(idx, vals, self.k)
+        idx = torch.cat([self.idx, *(c[0] for c in self.pending)])
+        vals = torch.cat([self.vals, *(c[1] for c in self.pending)])
+        pay = _cat([self.pay, *(c[2] for c in self.pending)])
+        self.idx, self.vals, self.pay = _top_of(idx, vals, self.k, pay)
         self.pending, self.pending_count = [], 0
         if self.idx.numel() == self.k:
             kth = magnitudes_(self.vals.clone()).min()
             if kth > 0:  # one representable value below it (inf: the largest finite value)
                 self.floor = (kth.view(INT_OF[self.dtype]) - 1).view(self.dtype).item()
 
-    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top ``k <= self.k`` of everything added: ascending flat indices and values."""
+    def top(self, k: int) -> Candidates:
+        """The top ``k <= self.k`` of everything added: ascending flat indices, values (and payload or ``None``)."""
         self.merge()
-        idx, vals = _top_of(self.idx, self.vals, k)
+        idx, vals, pay = _top_of(self.idx, self.vals, k, self.pay)
         order = torch.argsort(idx)  # leaves finish in any order: back to flat order, once
-        return idx.index_select(0, order), vals.index_select(0, order)
+        return idx.index_select(0, order), vals.index_select(0, order), _take(pay, order)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the candidates held (running and pending)."""
-        tensors = [self.idx, self.vals, *(t for pair in self.pending for t in pair)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [self.idx, self.vals, self.pay, *(t for c in self.pending for t in c)]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from functopk._checks import check_k_or_density, check_leaves, describe, one_device, path_str
+from functopk._checks import check_choice, check_k_or_density, check_leaves, describe, one_device, path_str
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 from functopk.sparse.k import k_on_host, resolve_k
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES, common_dtype
@@ -112,6 +112,13 @@ class StreamingTopK:
             each a leaf of the autograd graph, each listed once.
         k: How many coordinates to keep (an int or a 0-d tensor; give exactly one of ``k`` and ``density``).
         density: The fraction of coordinates to keep, in ``(0, 1]`` (a number or a 0-d float tensor).
+        score: ``"gradient"``: a step selects the top ``k`` of its gradient. ``"accumulated"``:
+            of ``|g|`` summed over the steps since the last selecting step, this one
+            included (steps after :meth:`gather` add to the sum), as
+            :func:`~functopk.sparse.sparse_optimizer`'s ``score="accumulated"`` refresh
+            ranks them; the values returned are still the gradient's. The sum is one
+            tensor per parameter (``n`` numbers); a parameter without a gradient in
+            the selecting step is not ranked, and every sum restarts at zero after it.
         config: The exact kernel's tuning constants (tests, benchmarks); ``None``: the defaults.
 
     Raises:
@@ -136,9 +143,16 @@ class StreamingTopK:
     """
 
     def __init__(
-        self, params: PyTree, k: Any = None, *, density: Any = None, config: KernelConfig | None = None
+        self,
+        params: PyTree,
+        k: Any = None,
+        *,
+        density: Any = None,
+        score: str = "gradient",
+        config: KernelConfig | None = None,
     ) -> None:
         self._k, self._density = check_k_or_density(k, density)
+        self._accumulate = check_choice(score, "score", ("gradient", "accumulated")) == "accumulated"
         if config is not None and not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
         self._config = DEFAULT_CONFIG if config is None else config
@@ -155,6 +169,10 @@ class StreamingTopK:
         self._dtype = common_dtype(leaves)
         self._paused = False
         self._gathering: tuple[torch.Tensor, list[tuple[int, int, int]]] | None = None
+        # score="accumulated": sum |g| per coordinate since the last selecting step (n-sized, one per leaf)
+        self._scores = (
+            [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in leaves] if self._accumulate else None
+        )
         self._clear()
         self._handles = [
             x.register_post_accumulate_grad_hook(self._hook(i)) for i, x in enumerate(leaves) if x.requires_grad
@@ -193,7 +211,8 @@ class StreamingTopK:
             self._values = torch.zeros(self._gathering[0].shape, dtype=self._dtype, device=self._gathering[0].device)
             return
         k = k_on_host(resolve_k(self._k, self._density, self._numel, name="params"), self._numel)
-        self._run = RunningTopK(k, self._dtype, self._numel, self._config, self._leaves[0].device)
+        payload = self._dtype if self._accumulate else None  # rank by the score, carry the gradient
+        self._run = RunningTopK(k, self._dtype, self._numel, self._config, self._leaves[0].device, payload)
 
     def _hook(self, i: int) -> Any:
         def hook(param: torch.Tensor) -> None:
@@ -223,14 +242,20 @@ class StreamingTopK:
         if grad.layout != torch.strided:
             raise TypeError(f"the gradient of {self._paths[i]} is {grad.layout}; StreamingTopK needs dense gradients")
         self._folded[i] = grad.dtype
+        flat = grad.detach().reshape(-1)
+        if self._scores is not None:
+            score = self._scores[i].view(-1).add_(flat.abs())
         if self._values is not None and self._gathering is not None:
             idx, bounds = self._gathering
             off, lo, hi = bounds[i]
             if hi > lo:
-                self._values[lo:hi] = grad.detach().reshape(-1).index_select(0, idx[lo:hi] - off).to(self._dtype)
+                self._values[lo:hi] = flat.index_select(0, idx[lo:hi] - off).to(self._dtype)
         elif grad.numel():
             assert self._run is not None
-            self._run.add(grad.detach().reshape(-1), self._offsets[i])
+            if self._scores is None:
+                self._run.add(flat, self._offsets[i])
+            else:
+                self._run.add(score, self._offsets[i], payload=flat.to(self._dtype))
 
     def result(self) -> SparseUpdates:
         """End the step: the selection as ``ft.topk_indices`` gives it on the step's dense gradients.
@@ -326,7 +351,12 @@ class StreamingTopK:
         n = sum(sizes)
         k = k_on_host(resolve_k(self._k, self._density, n, name="the gradients"), n)
         assert self._run is not None  # opened by the first fold (k above was resolved: something was folded)
-        idx, vals = self._run.top(k)
+        idx, vals, grads = self._run.top(k)
+        if self._scores is not None:  # ranked by the accumulated score: the values are the gradient's; a new sum
+            assert grads is not None
+            vals = grads
+            for x in self._scores:
+                x.zero_()
         if n < self._numel and idx.numel():  # shift each index by the leaves without a gradient before it
             starts = [self._offsets[i] for i in present]
             shifts = [start - sum(sizes[:j]) for j, start in enumerate(starts)]

@@ -183,6 +183,31 @@ def test_a_stream_gathering_at_the_set_between_refreshes_gives_the_dense_result(
             params = {name: p.detach().clone() for name, p in live.items()}
 
 
+def test_a_stream_summing_the_scores_selects_as_the_accumulated_dense_refresh():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).double()
+    live = dict(model.named_parameters())
+    dense_opt = sparse_optimizer(ft.adam(0.1), k=5, score="accumulated")
+    stream_opt = sparse_optimizer(ft.adam(0.1), k=5)
+    params = {name: p.detach().clone() for name, p in live.items()}
+    dense_state, stream_state = dense_opt.init(params), stream_opt.init(params)
+    with ft.sparse.StreamingTopK(live, k=5, score="accumulated") as stream:
+        for step in range(7):
+            refresh = step % 3 == 0
+            if not refresh:
+                stream.gather(stream_state.indices)
+            loss = model(torch.randn(3, 4, dtype=torch.float64)).square().sum()
+            grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()), retain_graph=True)))
+            loss.backward()
+            u_dense, dense_state = dense_opt.update(grads, dense_state, params, refresh=refresh)
+            u_stream, stream_state = stream_opt.update(stream.result(), stream_state, params, refresh=refresh)
+            assert torch.equal(u_dense.indices, u_stream.indices) and torch.equal(u_dense.values, u_stream.values)
+            ft.apply_sparse_updates_(live, u_stream)
+            params = {name: p.detach().clone() for name, p in live.items()}
+    with pytest.raises(ValueError, match='StreamingTopK\\(..., score="accumulated"\\)'):
+        dense_opt.update(ft.topk_indices(grads, 5), dense_state, params, refresh=True)
+
+
 def test_state_round_trips_through_a_checkpoint_and_resumes_bitwise():
     params, grads = problem()
     opt = sparse_optimizer(ft.adamw(0.05, weight_decay=0.1), k=4, score="accumulated")
