@@ -21,7 +21,10 @@ next step:
   have the expected shape. ``torch.optim.SGD`` keeps no step count: a loaded
   ``momentum_buffer`` means the parameter has stepped (torch's rule), so
   functopk's count of it starts at 1;
-* :func:`share_equal_scalars_`: after loading, equal counts become one tensor again.
+* :func:`share_equal_scalars_`: after loading, equal counts become one tensor again;
+* :func:`loaded_sparse_state`, :func:`loaded_scores`: the state of a
+  :func:`~functopk.sparse_optimizer_from_torch` optimizer (its ``k`` coordinates'
+  indices and named state vectors, and a stream's sums of ``|g|``).
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ import torch
 
 from functopk._checks import describe, listed
 from functopk.adapter import per_param
+from functopk.sparse.optimizer import SparseOptState
 
 __all__ = [
-    "Expected", "check_group_sizes", "expected_entries", "filled_group", "loaded_entry", "share_equal_scalars_",
-    "unshared",
+    "Expected", "check_group_sizes", "expected_entries", "filled_group", "loaded_entry", "loaded_scores",
+    "loaded_sparse_state", "share_equal_scalars_", "unshared",
 ]  # fmt: skip
 
 
@@ -138,7 +142,8 @@ def expected_entries(
             if main:
                 buffers[p] = [n for n in e if n not in shared]
                 counts[p] = [
-                    n for n in shared
+                    n
+                    for n in shared
                     if n not in keys and isinstance(e[n], torch.Tensor) and not e[n].is_floating_point()
                 ]
     return {p: Expected(like[p], keys, buffers.get(p, []), counts.get(p, [])) for p in like}
@@ -201,3 +206,62 @@ def share_equal_scalars_(
                 if name in shared and isinstance(value, torch.Tensor) and value.dim() == 0:
                     key = (name, value.dtype, value.device, value.tolist())
                     entries[name] = pool.setdefault(key, value)
+
+
+def loaded_sparse_state(saved: Any, like: SparseOptState, keys: list[str], n: int, owner: str) -> SparseOptState:
+    """A sparse optimizer's saved ``"state"``, checked against ``like`` (its state for the loaded param groups).
+
+    Raises:
+        TypeError: a value is not a tensor.
+        ValueError: other keys or names than ``like``'s, another shape or dtype (another ``k``), indices not
+            ascending in ``[0, n)``, or a negative count.
+    """
+    if not isinstance(saved, dict) or set(saved) != set(keys):
+        got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"state_dict['state'] must have the keys {keys}, got {got}")
+    if not isinstance(saved["inner"], dict) or set(saved["inner"]) != set(like.inner):
+        got = sorted(saved["inner"]) if isinstance(saved["inner"], dict) else type(saved["inner"]).__name__
+        raise ValueError(
+            f"state_dict['state']['inner'] must hold {sorted(like.inner)} (the state of {owner}), got {got}"
+        )
+    pairs = {"count": (saved["count"], like.count), "indices": (saved["indices"], like.indices)}
+    pairs.update({f"inner.{name}": (saved["inner"][name], like.inner[name]) for name in like.inner})
+    for name, (value, want) in pairs.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict['state'] {name} must be a tensor, got {type(value).__name__}")
+        if value.shape != want.shape or value.dtype != want.dtype:
+            raise ValueError(
+                f"state_dict['state'] {name} is {value.dtype} of shape {tuple(value.shape)}; this optimizer "
+                f"(k={like.indices.numel()}) keeps {want.dtype} of shape {tuple(want.shape)}"
+            )
+    device = like.indices.device
+    idx = saved["indices"].to(device)
+    if idx.numel() and not (bool((idx[1:] > idx[:-1]).all()) and int(idx[0]) >= 0 and int(idx[-1]) < n):
+        raise ValueError(f"state_dict['state'] indices must be ascending flat indices in [0, {n})")
+    if int(saved["count"]) < 0:
+        raise ValueError(f"state_dict['state'] count must be >= 0, got {int(saved['count'])}")
+    inner = {name: value.to(device) for name, value in saved["inner"].items()}
+    return SparseOptState(saved["count"].to(device), idx, inner, None)
+
+
+def loaded_scores(saved: Any, live: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Saved sums of ``|g|``, checked against a stream's ``live`` ones (``None``: it keeps none, nothing loaded).
+
+    Raises:
+        ValueError: not one tensor per parameter, of its shape and dtype.
+    """
+    if live is None:
+        return []
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+        got = f"{len(saved)} entries" if isinstance(saved, (list, tuple)) else type(saved).__name__
+        raise ValueError(
+            f"state_dict['state'] score must be a list of {len(live)} tensors (one per parameter), got {got}"
+        )
+    for i, (x, want) in enumerate(zip(saved, live)):
+        if not isinstance(x, torch.Tensor) or x.shape != want.shape or x.dtype != want.dtype:
+            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"state_dict['state'] score[{i}] is {got}; parameter {i} needs {want.dtype} of shape "
+                f"{tuple(want.shape)}"
+            )
+    return list(saved)

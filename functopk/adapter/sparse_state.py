@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from functopk._checks import (
+    check_choice,
     check_distinct_params,
     check_int,
     check_k_or_density,
@@ -47,6 +48,7 @@ from functopk.adapter.registry import (
 )
 from functopk.sparse.k import k_on_host, resolve_k
 from functopk.sparse.optimizer import (
+    SCORES,
     TORCH_COORDINATEWISE,
     SparseOptimizer,
     SparseOptState,
@@ -81,6 +83,23 @@ class SparseStateOptimizer(torch.optim.Optimizer):
     """``optimizer_class`` on ``k`` coordinates of all its parameters, with state of size ``k``.
 
     Made by :func:`functopk.sparse_optimizer_from_torch`; see there.
+
+    What differs from ``torch.optim``:
+
+    * a step with no backward since the last one does nothing (as torch
+      without gradients); a second backward before ``step()`` raises
+      ``RuntimeError`` out of ``backward``: for gradient accumulation run
+      every micro-batch but the last under ``with opt.paused():``;
+      ``zero_grad()`` clears ``.grad`` (already ``None``) but does not undo a
+      backward already folded (call it before the backward, or after ``step()``);
+    * a parameter without a gradient in a step between refreshes counts as a
+      zero gradient at its coordinates of the set (they still step, with their
+      momentum and weight decay), where ``torch.optim`` skips the parameter;
+    * gradient clipping and ``GradScaler.unscale_`` see no gradients (they are
+      freed): with the HF Trainer set ``max_grad_norm=0``;
+    * ``state_dict()["state"]`` is the sparse state (``count``, ``indices``,
+      ``inner``), not one entry per parameter; the optimizer does not pickle;
+      ``add_param_group`` after construction raises ``NotImplementedError``.
     """
 
     def __init__(
@@ -91,6 +110,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         k: Any = None,
         density: Any = None,
         refresh_every: int = 1,
+        score: str = "gradient",
         **defaults: Any,
     ) -> None:
         spec = spec_for(optimizer_class)  # TypeError / ValueError for a class functopk does not cover
@@ -103,6 +123,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         k, density = check_k_or_density(k, density, allow_tensor=False)
         self.optimizer_class, self._spec = optimizer_class, spec
         self.refresh_every = check_int(refresh_every, "refresh_every", minimum=1)
+        self.score = check_choice(score, "score", SCORES)
         self._stream: StreamingTopK | None = None  # set once the groups are: add_param_group refuses after that
         super().__init__(params, torch_hyperparams(optimizer_class, defaults))
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -110,7 +131,8 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         self._sizes = [p.numel() for p in self._params]
         n = sum(self._sizes)
         self.k = k_on_host(resolve_k(k, density, n, name="params"), n)
-        self._stream = StreamingTopK(self._params, k=self.k)  # checks: float leaves, listed once, autograd leaves
+        # checks: float leaves, listed once, autograd leaves; with score="accumulated" it keeps the n-sized sum
+        self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
         self._steps = 0  # step() calls that stepped: refresh when a multiple of refresh_every (no host read)
         self._sparse = self._init_state(self.param_groups)
 
@@ -283,10 +305,15 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         coordinates, one ``k``-vector per name (torch's names: ``exp_avg``,
         ``step``, ...; step counts per coordinate). Tensors are the optimizer's
         own (as ``torch.optim`` returns them): save or copy them before the next step.
+        With ``score="accumulated"``, ``"score"`` also holds the sums of ``|g|``
+        since the last refresh, one tensor per parameter (``n`` numbers).
         """
         saved = super().state_dict()  # its "state" is empty: nothing lives in self.state
-        s = self._sparse
-        return {**saved, "state": {"count": s.count, "indices": s.indices, "inner": dict(s.inner)}}
+        s, stream = self._sparse, self._stream
+        state: dict[str, Any] = {"count": s.count, "indices": s.indices, "inner": dict(s.inner)}
+        if stream is not None and stream.scores is not None:  # the n-sized sum of |g| since the last refresh
+            state["score"] = list(stream.scores)
+        return {**saved, "state": state}
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -321,44 +348,21 @@ class SparseStateOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"param group {i} does not make a torch.optim.{self.optimizer_class.__name__}: {err!r}"
                 ) from err
-        loaded = self._loaded_state(state_dict["state"], self._init_state(groups))
+        keys = ["count", "indices", "inner"] + (["score"] if self.score == "accumulated" else [])
+        owner = f"torch.optim.{self.optimizer_class.__name__} for these param groups (score={self.score!r})"
+        like = self._init_state(groups)
+        loaded = checkpoint.loaded_sparse_state(state_dict["state"], like, keys, sum(self._sizes), owner)
+        assert self._stream is not None
+        scores = checkpoint.loaded_scores(state_dict["state"].get("score"), self._stream.scores)
         super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         self._sparse = loaded
         assert self._stream is not None
         self._stream.remove()  # a fresh stream: one armed to gather for the old schedule would be wrong now
-        self._stream = StreamingTopK(self._params, k=self.k)
+        self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
+        for live, saved in zip(self._stream.scores or [], scores):
+            live.copy_(saved)
         self._steps = int(loaded.count)  # once, on load: the refresh schedule goes on from the saved step
         self._arm()
-
-    def _loaded_state(self, saved: Any, like: SparseOptState) -> SparseOptState:
-        """``saved`` (a state dict's ``"state"``) as this optimizer's state, checked against ``like``."""
-        if not isinstance(saved, dict) or set(saved) != {"count", "indices", "inner"}:
-            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-            raise ValueError(f"state_dict['state'] must have the keys 'count', 'indices' and 'inner', got {got}")
-        if not isinstance(saved["inner"], dict) or set(saved["inner"]) != set(like.inner):
-            got = sorted(saved["inner"]) if isinstance(saved["inner"], dict) else type(saved["inner"]).__name__
-            raise ValueError(
-                f"state_dict['state']['inner'] must hold {sorted(like.inner)} (the state of "
-                f"torch.optim.{self.optimizer_class.__name__} for these param groups), got {got}"
-            )
-        pairs = {"count": (saved["count"], like.count), "indices": (saved["indices"], like.indices)}
-        pairs.update({f"inner.{name}": (saved["inner"][name], like.inner[name]) for name in like.inner})
-        for name, (value, want) in pairs.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"state_dict['state'] {name} must be a tensor, got {type(value).__name__}")
-            if value.shape != want.shape or value.dtype != want.dtype:
-                raise ValueError(
-                    f"state_dict['state'] {name} is {value.dtype} of shape {tuple(value.shape)}; this optimizer "
-                    f"(k={self.k}) keeps {want.dtype} of shape {tuple(want.shape)}"
-                )
-        idx = saved["indices"].to(self._device)
-        n = sum(self._sizes)
-        if idx.numel() and not (bool((idx[1:] > idx[:-1]).all()) and int(idx[0]) >= 0 and int(idx[-1]) < n):
-            raise ValueError(f"state_dict['state'] indices must be ascending flat indices in [0, {n})")
-        if int(saved["count"]) < 0:
-            raise ValueError(f"state_dict['state'] count must be >= 0, got {int(saved['count'])}")
-        inner = {name: value.to(self._device) for name, value in saved["inner"].items()}
-        return SparseOptState(saved["count"].to(self._device), idx, inner, None)
 
 
 _CLASSES: dict[type[torch.optim.Optimizer], type[SparseStateOptimizer]] = {}
@@ -396,6 +400,7 @@ def sparse_optimizer_from_torch(
     k: Any = None,
     density: Any = None,
     refresh_every: int = 1,
+    score: str = "gradient",
     **defaults: Any,
 ) -> SparseStateOptimizer:
     """``optimizer_class(params, **defaults)`` training only ``k`` coordinates of ``params``, with state of size ``k``.
@@ -403,7 +408,8 @@ def sparse_optimizer_from_torch(
     The adapter form of :func:`functopk.sparse.sparse_optimizer`, for loops,
     LR schedulers and trainers written for ``torch.optim``. Every ``refresh_every``
     steps (``M``; steps ``0, M, 2M, ...``) the coordinate set becomes the exact
-    global top-``k`` of ``|g|`` over all parameters of all groups; on the steps
+    global top-``k`` of ``|g|`` over all parameters of all groups (or of ``|g|`` summed since
+    the last refresh: ``score="accumulated"``); on the steps
     between, the gradient is gathered at that set. Only those ``k``
     coordinates are updated, with ``optimizer_class``'s maths
     (:func:`functopk.from_torch`) and each coordinate's own param group's
@@ -416,22 +422,7 @@ def sparse_optimizer_from_torch(
     ``p.grad`` is ``None``, and the state is ``k`` indices plus one value per
     coordinate and buffer (16 bytes per coordinate for AdamW in float32).
 
-    What differs from ``torch.optim``:
-
-    * a step with no backward since the last one does nothing (as torch
-      without gradients); a second backward before ``step()`` raises
-      ``RuntimeError`` out of ``backward``: for gradient accumulation run
-      every micro-batch but the last under ``with opt.paused():``;
-      ``zero_grad()`` clears ``.grad`` (already ``None``) but does not undo a
-      backward already folded (call it before the backward, or after ``step()``);
-    * a parameter without a gradient in a step between refreshes counts as a
-      zero gradient at its coordinates of the set (they still step, with their
-      momentum and weight decay), where ``torch.optim`` skips the parameter;
-    * gradient clipping and ``GradScaler.unscale_`` see no gradients (they are
-      freed): with the HF Trainer set ``max_grad_norm=0``;
-    * ``state_dict()["state"]`` is the sparse state (``count``, ``indices``,
-      ``inner``), not one entry per parameter; the optimizer does not pickle;
-      ``add_param_group`` after construction raises ``NotImplementedError``.
+    What differs from ``torch.optim`` is listed in :class:`SparseStateOptimizer`.
 
     Args:
         optimizer_class: A coordinate-wise ``torch.optim`` class: ``SGD``, ``Adam``, ``AdamW``,
@@ -441,6 +432,9 @@ def sparse_optimizer_from_torch(
         k: How many coordinates to train (an int; give exactly one of ``k`` and ``density``).
         density: The fraction of the coordinates to train, in ``(0, 1]``.
         refresh_every: ``M``: choose the coordinate set again every ``M`` steps (1: every step).
+        score: What a refresh ranks: ``"gradient"`` (``|g|`` of the refresh step) or
+            ``"accumulated"`` (``|g|`` summed over the steps since the last refresh, this one
+            included: one more ``n``-sized tensor, kept by the stream and saved in the state dict).
         **defaults: ``optimizer_class``'s keyword arguments (torch's defaults and checks).
 
     Raises:
@@ -466,4 +460,4 @@ def sparse_optimizer_from_torch(
         (['exp_avg', 'exp_avg_sq', 'step'], torch.Size([3]))
     """
     cls: Any = sparse_optimizer_class(optimizer_class)
-    return cls(params, k=k, density=density, refresh_every=refresh_every, **defaults)
+    return cls(params, k=k, density=density, refresh_every=refresh_every, score=score, **defaults)

@@ -408,6 +408,27 @@ class StreamingTopK:
         return self._selected_from
 
     @property
+    def scores(self) -> list[torch.Tensor] | None:
+        """With ``score="accumulated"``, the sums of ``|g|`` since the last selecting step; else ``None``.
+
+        One tensor per leaf of ``params`` (in flat order, shaped like it), the
+        stream's own: an optimizer's checkpoint saves them and restores them in
+        place (``copy_``), so that a run resumed between two refreshes ranks
+        what the uninterrupted run ranks.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> w = torch.zeros(3, requires_grad=True)
+            >>> stream = ft.sparse.StreamingTopK([w], k=1, score="accumulated")
+            >>> stream.gather(torch.tensor([0]))
+            >>> (w * torch.tensor([1.0, -2.0, 0.5])).sum().backward()
+            >>> _ = stream.result()
+            >>> stream.scores
+            [tensor([1.0000, 2.0000, 0.5000])]
+        """
+        return self._scores
+
+    @property
     def started(self) -> bool:
         """Whether this step's backward has folded a gradient (since the last :meth:`result`).
 

@@ -48,11 +48,11 @@ def train(opt, net, batches):
         opt.step()
 
 
-def functional(cls, kwargs, k, refresh_every, batches):
+def functional(cls, kwargs, k, refresh_every, batches, score="gradient"):
     """The functional form on the same model, with dense gradients."""
     net = model()
     params = list(net.parameters())
-    opt = sparse_optimizer(ft.from_torch(cls, **kwargs), k=k)
+    opt = sparse_optimizer(ft.from_torch(cls, **kwargs), k=k, score=score)
     state = opt.init(params)
     for step, (x, y) in enumerate(batches):
         grads = torch.autograd.grad(loss_of(net, x, y), params)
@@ -70,6 +70,19 @@ def test_equals_the_functional_sparse_optimizer_step_by_step(cls, kwargs, refres
     train(opt, net, data())
     assert torch.equal(bits(flat(net)), bits(functional(cls, kwargs, 5, refresh_every, data())))
     assert int(opt.state_dict()["state"]["count"]) == STEPS
+
+
+@pytest.mark.parametrize("refresh_every", [1, 3])
+def test_accumulated_score_equals_the_functional_form(refresh_every):
+    net = model()
+    kwargs = {"lr": 0.05, "weight_decay": 0.1}
+    opt = ft.sparse_optimizer_from_torch(
+        torch.optim.AdamW, net.parameters(), k=5, refresh_every=refresh_every, score="accumulated", **kwargs
+    )
+    train(opt, net, data())
+    expected = functional(torch.optim.AdamW, kwargs, 5, refresh_every, data(), score="accumulated")
+    assert torch.equal(bits(flat(net)), bits(expected))
+    assert len(opt.state_dict()["state"]["score"]) == len(list(net.parameters()))
 
 
 def reference(cls, groups, grads, k, refresh_every):
@@ -158,32 +171,38 @@ def test_a_step_lr_scheduler_changes_the_learning_rate_at_the_next_step():
     assert not torch.allclose(flat(unscheduled), flat(net))
 
 
-def test_state_dict_round_trip_and_bitwise_resume():
-    batches = data(7)
+@pytest.mark.parametrize("score", ["gradient", "accumulated"])
+def test_state_dict_round_trip_and_bitwise_resume(score):
+    batches = data(10)
     straight = model()
     train(
-        ft.sparse_optimizer_from_torch(torch.optim.AdamW, straight.parameters(), k=5, refresh_every=3),
+        ft.sparse_optimizer_from_torch(torch.optim.AdamW, straight.parameters(), k=5, refresh_every=3, score=score),
         straight,
         batches,
     )
 
     first = model()
-    opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, first.parameters(), k=5, refresh_every=3)
-    train(opt, first, batches[:4])  # the next step (4) gathers at the set chosen at step 3
+    opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, first.parameters(), k=5, refresh_every=3, score=score)
+    train(opt, first, batches[:5])  # the next step (5) gathers at the set chosen at step 3
     buffer = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    assert sorted(saved["opt"]["state"]) == ["count", "indices", "inner"]
+    assert sorted(saved["opt"]["state"]) == ["count", "indices", "inner"] + (
+        ["score"] if score == "accumulated" else []
+    )
     assert sorted(saved["opt"]["state"]["inner"]) == ["exp_avg", "exp_avg_sq", "step"]
 
     resumed = model(seed=5)  # other weights, other state: everything comes from the checkpoint
     resumed.load_state_dict(saved["model"])
-    again = ft.sparse_optimizer_from_torch(torch.optim.AdamW, resumed.parameters(), k=5, refresh_every=3)
+    again = ft.sparse_optimizer_from_torch(torch.optim.AdamW, resumed.parameters(), k=5, refresh_every=3, score=score)
     again.load_state_dict(saved["opt"])
     for key in ("count", "indices"):
         assert torch.equal(again.state_dict()["state"][key], opt.state_dict()["state"][key])
-    train(again, resumed, batches[4:])
+    if score == "accumulated":  # the sums of |g| since the refresh at step 3, in the new stream
+        sums, loaded = opt.state_dict()["state"]["score"], again.state_dict()["state"]["score"]
+        assert all(x.abs().sum() > 0 and torch.equal(x, y) for x, y in zip(sums, loaded))
+    train(again, resumed, batches[5:])
     assert torch.equal(bits(flat(resumed)), bits(flat(straight)))
 
 
@@ -209,6 +228,7 @@ def test_load_state_dict_checks_everything_before_changing_anything():
         ({**good, "param_groups": good["param_groups"] * 2}, ValueError, "sizes"),
         ({**good, "param_groups": [{**good["param_groups"][0], "lr": -1.0}]}, ValueError, "param group 0"),
         ([], TypeError, "must be a dict"),
+        (changed(score=[torch.zeros(1)]), ValueError, "must have the keys"),
     ]
     for state_dict, error, match in bad:
         with pytest.raises(error, match=match):
@@ -216,6 +236,12 @@ def test_load_state_dict_checks_everything_before_changing_anything():
     assert opt.param_groups[0]["lr"] == 0.01 and int(opt.state_dict()["state"]["count"]) == 1
     for key, value in opt.state_dict()["state"]["inner"].items():
         assert torch.equal(value, before[key])
+    accumulating = ft.sparse_optimizer_from_torch(torch.optim.AdamW, model().parameters(), k=5, score="accumulated")
+    saved = accumulating.state_dict()
+    sums = saved["state"]["score"]
+    for bad_score in [sums[:-1], [torch.zeros(1), *sums[1:]], "sums"]:
+        with pytest.raises(ValueError, match="score"):
+            accumulating.load_state_dict({**saved, "state": {**saved["state"], "score": bad_score}})
 
 
 @pytest.mark.parametrize(
@@ -229,6 +255,7 @@ def test_load_state_dict_checks_everything_before_changing_anything():
         (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, bad=1), TypeError, "bad"),
         (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, refresh_every=0), ValueError, "refresh"),
         (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, refresh_every=1.5), TypeError, "refresh"),
+        (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, score="sum"), ValueError, "score"),
         (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=99), ValueError, "k"),
         (lambda ps: ft.sparse_optimizer_from_torch(torch.optim.SGD, ps, k=2, density=0.5), ValueError, "exactly one"),
         (
