@@ -12,6 +12,8 @@
   or ``ExactOp`` of :mod:`~functopk.sparse.ops`);
 * :mod:`~functopk.sparse.streaming`: :class:`StreamingTopK`, the same exact
   selection made while backward runs, each gradient freed once folded;
+* :mod:`~functopk.sparse.optimizer`: :func:`sparse_optimizer`, a coordinate-wise
+  optimizer on ``k`` coordinates with state of size ``k``;
 * :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
 * :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
 * :mod:`~functopk.sparse.config`: :class:`KernelConfig`, their tuning constants.
@@ -23,12 +25,15 @@ from functopk.sparse.api import gaussian_threshold, topk_indices, topk_mask, top
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.dispatch import SlowPathWarning
 from functopk.sparse.k import k_from_density, resolve_k
+from functopk.sparse.optimizer import SparseOptimizer, SparseOptState, sparse_optimizer
 from functopk.sparse.streaming import StreamingTopK
 from functopk.sparse.updates import SparseUpdates, apply_sparse_updates, apply_sparse_updates_
 
 __all__ = [
     "KernelConfig",
     "SlowPathWarning",
+    "SparseOptState",
+    "SparseOptimizer",
     "SparseUpdates",
     "StreamingTopK",
     "apply_sparse_updates",
@@ -36,6 +41,7 @@ __all__ = [
     "gaussian_threshold",
     "k_from_density",
     "resolve_k",
+    "sparse_optimizer",
     "topk_indices",
     "topk_mask",
     "topk_sparsify",

@@ -147,9 +147,7 @@ def topk_mask(tree: PyTree, k: KLike, *, method: str = "exact", config: KernelCo
     return optree.tree_unflatten(treedef, dispatch.select(leaves, k, method, config).masks(leaves))
 
 
-def topk_indices(
-    tree: PyTree, k: KLike, *, method: str = "exact", config: KernelConfig | None = None
-) -> SparseUpdates:
+def topk_indices(tree: PyTree, k: KLike, *, method: str = "exact", config: KernelConfig | None = None) -> SparseUpdates:
     """The top ``k`` coordinates as a :class:`~functopk.SparseUpdates`: ascending flat indices and values.
 
     The sparse twin of :func:`topk_sparsify` (same rules, methods and

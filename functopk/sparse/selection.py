@@ -186,4 +186,3 @@ class HostThreshold(NamedTuple):
         flats = [x.detach().reshape(-1) for x in leaves]
         idx, vals = scan_above(flats, t, common_dtype(leaves), self.fraction, self.config)
         return sparse_updates(leaves, idx, vals)
-

@@ -32,121 +32,16 @@ from typing import Any
 
 import torch
 
-from functopk._checks import check_k_or_density, check_leaves, one_device, path_str
+from functopk._checks import check_k_or_density, check_leaves, describe, one_device, path_str
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 from functopk.sparse.k import k_on_host, resolve_k
-from functopk.sparse.kernels.base import INT_OF, SUPPORTED_DTYPES, common_dtype, magnitudes_, nonzero_1d
-from functopk.sparse.kernels.exact import select_exact
-from functopk.sparse.kernels.scan import scan_above
-from functopk.sparse.kernels.static import select_static
-from functopk.sparse.updates import SparseUpdates
+from functopk.sparse.kernels.base import SUPPORTED_DTYPES, common_dtype
+from functopk.sparse.running import RunningTopK
+from functopk.sparse.updates import SparseUpdates, check_ascending_indices
+from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
 
-__all__ = ["RunningTopK", "StreamingTopK"]
-
-
-def _top_of(idx: torch.Tensor, vals: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact top ``k`` of candidates in any order (ties: lower flat index); as they are if ``<= k``.
-
-    The order is not restored: only the ties at the ``k``-th magnitude are
-    sorted by index (usually a handful), so a merge costs a selection, not a sort.
-    """
-    if idx.numel() <= k:
-        return idx, vals
-    mags = magnitudes_(vals.clone())
-    kth = torch.kthvalue(mags, mags.numel() - k + 1).values
-    above = nonzero_1d(mags > kth, k / mags.numel())
-    ties = nonzero_1d(mags == kth)
-    room = k - above.numel()
-    if ties.numel() > room:  # the ties with the lowest flat indices
-        ties = ties.index_select(0, torch.sort(idx.index_select(0, ties)).indices[:room])
-    keep = torch.cat([above, ties])
-    return idx.index_select(0, keep), vals.index_select(0, keep)
-
-
-class RunningTopK:
-    """The top ``k`` of the coordinates folded so far: ``O(k)`` candidates, and a floor.
-
-    Each :meth:`add` keeps a leaf's own top ``k`` as pending candidates; once
-    there are ``k`` pending (or as soon as the first ``k`` exist), one exact
-    selection merges them into the running top ``k``. From then on the
-    ``k``-th magnitude bounds what can still enter: a later coordinate needs
-    ``|x| >= `` it (equal ones may win a tie by a lower index), so a leaf is
-    scanned for those (:func:`~functopk.sparse.kernels.scan.scan_above`)
-    instead of being selected from in full. Holds at most ``3k`` candidates.
-
-    Example:
-        >>> import torch
-        >>> run = RunningTopK(2, torch.float32, 5)
-        >>> run.add(torch.tensor([3.0, -1.0]), 3)
-        >>> run.add(torch.tensor([0.5, -4.0, 3.0]), 0)
-        >>> run.top(2)
-        (tensor([1, 2]), tensor([-4.,  3.]))
-    """
-
-    def __init__(
-        self,
-        k: int,
-        dtype: torch.dtype,
-        numel: int,
-        config: KernelConfig = DEFAULT_CONFIG,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.k, self.dtype, self.config = k, dtype, config
-        self.density = k / numel
-        self.fraction = self.density  # the share of the last leaf scanned above the floor: picks the scan strategy
-        self.idx = torch.empty(0, dtype=torch.int64, device=device)  # the running top k, in no particular order
-        self.vals = torch.empty(0, dtype=dtype, device=device)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # leaves' candidates not merged yet
-        self.pending_count = 0
-        self.floor: float | None = None  # the largest value below the k-th magnitude, once k are merged
-
-    def add(self, flat: torch.Tensor, offset: int) -> None:
-        """Fold in the 1-d gradient ``flat`` of the leaf whose flat indices start at ``offset``."""
-        if self.floor is not None:  # only coordinates at or above the k-th magnitude can still enter
-            if flat.device.type == "cpu":
-                idx, vals = scan_above([flat], self.floor, self.dtype, self.fraction, self.config)
-                self.fraction = max(self.density, idx.numel() / flat.numel())
-            else:
-                idx = (~(flat.to(self.dtype).abs() <= self.floor)).nonzero().view(-1)
-                vals = flat.index_select(0, idx).to(self.dtype)
-            idx, vals = _top_of(idx, vals, self.k)
-        elif flat.numel() <= self.k:  # the whole leaf is a candidate
-            idx, vals = torch.arange(flat.numel(), device=flat.device), flat.to(self.dtype)
-        elif flat.device.type == "cpu":
-            idx, vals = select_exact([flat], self.k, self.dtype, self.config)
-        else:
-            idx, vals = select_static([flat], self.k, self.dtype)
-        self.pending.append((idx + offset, vals))
-        self.pending_count += idx.numel()
-        if self.pending_count >= self.k or (self.floor is None and self.idx.numel() + self.pending_count >= self.k):
-            self.merge()
-
-    def merge(self) -> None:
-        """Select the top ``k`` of the running and the pending candidates; raise the floor."""
-        if not self.pending:
-            return
-        idx = torch.cat([self.idx, *(i for i, _ in self.pending)])
-        vals = torch.cat([self.vals, *(v for _, v in self.pending)])
-        self.idx, self.vals = _top_of(idx, vals, self.k)
-        self.pending, self.pending_count = [], 0
-        if self.idx.numel() == self.k:
-            kth = magnitudes_(self.vals.clone()).min()
-            if kth > 0:  # one representable value below it (inf: the largest finite value)
-                self.floor = (kth.view(INT_OF[self.dtype]) - 1).view(self.dtype).item()
-
-    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top ``k <= self.k`` of everything added: ascending flat indices and values."""
-        self.merge()
-        idx, vals = _top_of(self.idx, self.vals, k)
-        order = torch.argsort(idx)  # leaves finish in any order: back to flat order, once
-        return idx.index_select(0, order), vals.index_select(0, order)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the candidates held (running and pending)."""
-        tensors = [self.idx, self.vals, *(t for pair in self.pending for t in pair)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+__all__ = ["StreamingTopK"]
 
 
 class StreamingTopK:
@@ -259,6 +154,7 @@ class StreamingTopK:
         resolve_k(self._k, self._density, self._numel, name="params")  # k above n, or no coordinates at all
         self._dtype = common_dtype(leaves)
         self._paused = False
+        self._gathering: tuple[torch.Tensor, list[tuple[int, int, int]]] | None = None
         self._clear()
         self._handles = [
             x.register_post_accumulate_grad_hook(self._hook(i)) for i, x in enumerate(leaves) if x.requires_grad
@@ -284,11 +180,18 @@ class StreamingTopK:
     def _clear(self) -> None:
         """An empty step: no candidates, nothing folded."""
         self._run: RunningTopK | None = None
+        self._values: torch.Tensor | None = None  # a gathering step's values, in the order of its indices
         self._folded: dict[int, torch.dtype] = {}  # leaf position -> its gradient's dtype
+
+    def _is_open(self) -> bool:
+        return self._run is not None or self._values is not None
 
     def _start(self) -> None:
         """Open a step: the running ``k`` is the one for all of ``params``, at least the final one."""
         self._clear()
+        if self._gathering is not None:
+            self._values = torch.zeros(self._gathering[0].shape, dtype=self._dtype, device=self._gathering[0].device)
+            return
         k = k_on_host(resolve_k(self._k, self._density, self._numel, name="params"), self._numel)
         self._run = RunningTopK(k, self._dtype, self._numel, self._config, self._leaves[0].device)
 
@@ -296,7 +199,7 @@ class StreamingTopK:
         def hook(param: torch.Tensor) -> None:
             if self._paused or param.grad is None:
                 return
-            if self._run is None:
+            if not self._is_open():
                 self._start()
             elif i in self._folded:
                 self._clear()
@@ -319,9 +222,14 @@ class StreamingTopK:
         """Fold leaf ``i``'s gradient into the running top ``k`` (the step is open)."""
         if grad.layout != torch.strided:
             raise TypeError(f"the gradient of {self._paths[i]} is {grad.layout}; StreamingTopK needs dense gradients")
-        assert self._run is not None
         self._folded[i] = grad.dtype
-        if grad.numel():
+        if self._values is not None and self._gathering is not None:
+            idx, bounds = self._gathering
+            off, lo, hi = bounds[i]
+            if hi > lo:
+                self._values[lo:hi] = grad.detach().reshape(-1).index_select(0, idx[lo:hi] - off).to(self._dtype)
+        elif grad.numel():
+            assert self._run is not None
             self._run.add(grad.detach().reshape(-1), self._offsets[i])
 
     def result(self) -> SparseUpdates:
@@ -347,13 +255,66 @@ class StreamingTopK:
                 if i in self._folded and x.grad is not None:
                     raise self._twice(i)
                 if x.grad is not None:
-                    if self._run is None:
+                    if not self._is_open():
                         self._start()
                     self._fold(i, x.grad)
                     x.grad = None
-            return self._finish()
+            return self._finish() if self._gathering is None else self._gathered()
         finally:
             self._clear()
+            self._gathering = None
+
+    def gather(self, indices: torch.Tensor) -> None:
+        """Make the next step gather the gradient at ``indices`` instead of selecting its top ``k``.
+
+        For an optimizer that keeps its coordinate set for several steps
+        (:func:`~functopk.sparse.sparse_optimizer`): the next backward copies each
+        gradient's values at those flat indices (in the flat order of ``params``)
+        and frees it, and :meth:`result` returns them as a
+        :class:`~functopk.SparseUpdates` over all of ``params`` (zero where a
+        parameter had no gradient), then goes back to selecting. Reads a few
+        integers on the host (the indices' bounds per leaf).
+
+        Args:
+            indices: 1-d int64 (or int32) strictly ascending flat indices in ``[0, n)``, on the parameters' device.
+
+        Raises:
+            RuntimeError: The step's backward has already begun.
+            TypeError: ``indices`` is not an integer tensor.
+            ValueError: ``indices`` is not 1-d, not strictly ascending, out of range, or on another device.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> w = torch.zeros(4, requires_grad=True)
+            >>> stream = ft.sparse.StreamingTopK({"w": w}, k=2)
+            >>> stream.gather(torch.tensor([0, 3]))
+            >>> (w * torch.tensor([1.0, 5.0, -4.0, 2.0])).sum().backward()
+            >>> stream.result()
+            SparseUpdates(indices=tensor([0, 3]), values=tensor([1., 2.]), numel=4)
+        """
+        if self._is_open():
+            raise RuntimeError("StreamingTopK.gather() must come before the step's backward, not during it")
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices must be an int64 or int32 tensor, got {describe(indices)}")
+        if indices.dim() != 1 or indices.device != self._leaves[0].device:
+            raise ValueError(
+                f"indices must be 1-d on {self._leaves[0].device} (the parameters' device), got shape "
+                f"{tuple(indices.shape)} on {indices.device}"
+            )
+        idx = indices.long()
+        check_ascending_indices(idx, self._numel, "indices")
+        self._gathering = (idx, FlatLayout.from_tree(self._leaves).bounds(idx, name="indices"))
+
+    def _gathered(self) -> SparseUpdates:
+        """A gathering step's result: the gradient at its indices, over all of ``params``."""
+        assert self._gathering is not None
+        if self._values is None:  # no gradient arrived: zeros
+            self._start()
+        assert self._values is not None
+        self._selected_from = self._treedef.unflatten(list(self._leaves))
+        arrived = [self._folded[i] for i in sorted(self._folded)] or [self._dtype]
+        dtype = functools.reduce(torch.promote_types, arrived)
+        return SparseUpdates(self._gathering[0], self._values.to(dtype), self._numel, tuple(self._sizes))
 
     def _finish(self) -> SparseUpdates:
         """The running candidates cut to the final ``k``, indexed over the leaves that had a gradient."""

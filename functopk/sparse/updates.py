@@ -20,7 +20,13 @@ from functopk.base import Params
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
 
-__all__ = ["SparseUpdates", "apply_sparse_updates", "apply_sparse_updates_"]
+__all__ = [
+    "SparseUpdates",
+    "apply_sparse_updates",
+    "apply_sparse_updates_",
+    "check_ascending_indices",
+    "check_update_of",
+]
 
 
 class SparseUpdates(NamedTuple):
@@ -79,7 +85,7 @@ class SparseUpdates(NamedTuple):
             >>> ft.SparseUpdates(torch.tensor([2]), torch.tensor([5.0]), 3).to_dense({"w": torch.ones(3)})
             {'w': tensor([0., 0., 5.])}
         """
-        leaves, treedef = _checked(self, like, "like")
+        leaves, treedef = check_update_of(self, like, "like")
         return optree.tree_unflatten(treedef, _scatter(leaves, self.indices, self.values, base=False))
 
 
@@ -98,18 +104,18 @@ def _check_sizes(sizes: tuple[int, ...], leaves: list[torch.Tensor], treedef: op
             )
 
 
-def _check_indices(idx: torch.Tensor, numel: int) -> None:
+def check_ascending_indices(idx: torch.Tensor, numel: int, name: str = "sparse.indices") -> None:
     """Strictly ascending (so distinct) and in ``[0, numel)``: a few values read on the host; skipped when compiling."""
     if torch.compiler.is_compiling() or idx.numel() == 0:
         return
     ascending, lowest, highest = torch.stack([(idx[1:] > idx[:-1]).all().long(), idx[0], idx[-1]]).tolist()
     if not ascending:
-        raise ValueError("sparse.indices must be strictly ascending, so distinct (as functopk produces them)")
+        raise ValueError(f"{name} must be strictly ascending, so distinct (as functopk produces them)")
     if lowest < 0 or highest >= numel:
-        raise ValueError(f"sparse.indices must lie in [0, {numel}) (the coordinates of the tree)")
+        raise ValueError(f"{name} must lie in [0, {numel}) (the coordinates of the tree)")
 
 
-def _checked(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
+def check_update_of(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Tensor], optree.PyTreeSpec]:
     """The leaves of ``tree`` after checking the whole contract between ``sparse`` and it (nothing written yet)."""
     if not isinstance(sparse, SparseUpdates):
         raise TypeError(f"sparse must be a functopk.SparseUpdates, got {type(sparse).__name__}")
@@ -136,7 +142,7 @@ def _checked(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Tensor], 
                 f"sparse.{field} is on {device} but {name} is on {leaves[0].device}; move the update "
                 f"(sparse._replace(indices=..., values=...)) to the tree's device"
             )
-    _check_indices(sparse.indices, numel)
+    check_ascending_indices(sparse.indices, numel)
     return leaves, treedef
 
 
@@ -259,7 +265,7 @@ def apply_sparse_updates(params: Params, sparse: SparseUpdates, scale: float | t
         {'w': tensor([1., 2., 1.]), 'b': tensor([-0.5000])}
     """
     vals = _scaled(sparse, scale) if isinstance(sparse, SparseUpdates) else None
-    leaves, treedef = _checked(sparse, params, "params")
+    leaves, treedef = check_update_of(sparse, params, "params")
     return optree.tree_unflatten(treedef, _scatter(leaves, sparse.indices, vals, base=True))
 
 
@@ -290,7 +296,7 @@ def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | 
         tensor([ 1., -1.,  1.])
     """
     vals = _scaled(sparse, scale) if isinstance(sparse, SparseUpdates) else None
-    leaves, treedef = _checked(sparse, params, "params")
+    leaves, treedef = check_update_of(sparse, params, "params")
     idx = sparse.indices
     bounds = FlatLayout.from_tree(leaves).bounds(idx, name="sparse.indices")
     touched = [i for i, (_, lo, hi) in enumerate(bounds) if hi > lo]

@@ -43,9 +43,22 @@ def for_leaves(scalar: Scalar, leaves: Leaves) -> Scalar:
     return scalar
 
 
+def per_leaf(scalar: Scalar, xs: Leaves) -> Scalar | list[torch.Tensor]:
+    """What a foreach kernel takes as ``scalar``: itself, or one copy per leaf if it is a tensor of coordinates.
+
+    A scalar tensor with dimensions (one value per coordinate, as
+    :func:`functopk.sparse.sparse_optimizer` keeps step counts) goes through
+    the list overloads, which broadcast it against each leaf; the scalar
+    overloads take only 0-d tensors.
+    """
+    if isinstance(scalar, torch.Tensor) and scalar.dim():
+        return [scalar] * len(xs)
+    return scalar
+
+
 def mul(xs: Leaves, scalar: Scalar) -> list[torch.Tensor]:
     """``scalar * x`` for each ``x``."""
-    return keep_dtypes(torch._foreach_mul(list(xs), scalar), xs) if xs else []
+    return keep_dtypes(torch._foreach_mul(list(xs), per_leaf(scalar, xs)), xs) if xs else []
 
 
 def mul_list(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
@@ -60,7 +73,7 @@ def add(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
 
 def add_scalar(xs: Leaves, scalar: Scalar) -> list[torch.Tensor]:
     """``x + scalar`` for each ``x``."""
-    return keep_dtypes(torch._foreach_add(list(xs), scalar), xs) if xs else []
+    return keep_dtypes(torch._foreach_add(list(xs), per_leaf(scalar, xs)), xs) if xs else []
 
 
 def sub(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
@@ -73,7 +86,7 @@ def add_scaled(xs: Leaves, scalar: Scalar, ys: Leaves) -> list[torch.Tensor]:
     if not xs:
         return []
     if isinstance(scalar, torch.Tensor):  # the foreach ``alpha`` must be a Python number
-        return keep_dtypes(torch._foreach_add(list(xs), torch._foreach_mul(list(ys), scalar)), xs)
+        return keep_dtypes(torch._foreach_add(list(xs), torch._foreach_mul(list(ys), per_leaf(scalar, ys))), xs)
     return keep_dtypes(torch._foreach_add(list(xs), list(ys), alpha=scalar), xs)
 
 
@@ -220,7 +233,7 @@ def all_finite(xs: Leaves) -> torch.Tensor:
 def add_scalar_(buffers: list[torch.Tensor], scalar: Scalar) -> list[torch.Tensor]:
     """``b += scalar`` in place, in ``buffers`` (fresh tensors the caller owns), which are returned."""
     if buffers:
-        torch._foreach_add_(buffers, scalar)
+        torch._foreach_add_(buffers, per_leaf(scalar, buffers))
     return buffers
 
 
@@ -234,7 +247,7 @@ def sign_(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
 def mul_(buffers: list[torch.Tensor], scalar: Scalar) -> list[torch.Tensor]:
     """``b *= scalar`` in place, in ``buffers`` (fresh tensors the caller owns), which are returned."""
     if buffers:
-        torch._foreach_mul_(buffers, scalar)
+        torch._foreach_mul_(buffers, per_leaf(scalar, buffers))
     return buffers
 
 
@@ -250,7 +263,7 @@ def add_scaled_(buffers: list[torch.Tensor], scalar: Scalar, ys: Leaves) -> list
     if not buffers:
         return buffers
     if isinstance(scalar, torch.Tensor):  # the foreach ``alpha`` must be a Python number
-        torch._foreach_add_(buffers, torch._foreach_mul(list(ys), scalar))
+        torch._foreach_add_(buffers, torch._foreach_mul(list(ys), per_leaf(scalar, ys)))
     else:
         torch._foreach_add_(buffers, list(ys), alpha=scalar)
     return buffers
@@ -258,7 +271,7 @@ def add_scaled_(buffers: list[torch.Tensor], scalar: Scalar, ys: Leaves) -> list
 
 def div_scalar(xs: Leaves, scalar: Scalar) -> list[torch.Tensor]:
     """``x / scalar`` for each ``x`` (a true division, not a multiplication by the reciprocal)."""
-    return keep_dtypes(torch._foreach_div(list(xs), scalar), xs) if xs else []
+    return keep_dtypes(torch._foreach_div(list(xs), per_leaf(scalar, xs)), xs) if xs else []
 
 
 def nan_to_zero(xs: Leaves) -> list[torch.Tensor]:

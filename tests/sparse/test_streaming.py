@@ -335,3 +335,45 @@ def test_bad_input_raises_clearly(make, error, match):
         make(w)
     w.sum().backward()
     assert w.grad is not None  # no hook left behind by a failed construction
+
+
+def test_gather_copies_the_gradient_at_given_indices_zero_where_a_parameter_had_none():
+    params = {
+        "a": torch.zeros(3, requires_grad=True),
+        "unused": torch.zeros(2, requires_grad=True),
+        "b": torch.zeros(2, requires_grad=True),
+    }
+    stream = StreamingTopK(params, k=2)
+    stream.gather(torch.tensor([1, 4, 5]))  # flat order: a, b, unused (sorted keys)
+    ((params["a"] * torch.tensor([1.0, 2.0, 3.0])).sum() + (params["b"] * torch.tensor([4.0, 5.0])).sum()).backward()
+    assert all(p.grad is None for p in params.values())
+    got = stream.result()
+    assert torch.equal(got.indices, torch.tensor([1, 4, 5])) and torch.equal(got.values, torch.tensor([2.0, 5.0, 0.0]))
+    assert got.numel == 7 and got.sizes == (3, 2, 2)
+    (params["a"].sum() * 2).backward()  # back to selecting
+    assert torch.equal(stream.result().indices, torch.tensor([0, 1]))
+    stream.remove()
+
+
+def test_gather_checks_its_indices_and_comes_before_the_backward():
+    w = torch.zeros(4, requires_grad=True)
+    stream = StreamingTopK({"w": w}, k=2)
+    for bad, error, match in [
+        (torch.tensor([1.0]), TypeError, "int64 or int32"),
+        (torch.tensor([[1]]), ValueError, "1-d"),
+        (torch.tensor([2, 1]), ValueError, "strictly ascending"),
+        (torch.tensor([1, 4]), ValueError, "lie in"),
+    ]:
+        with pytest.raises(error, match=match):
+            stream.gather(bad)
+    with stream.paused():
+        w.sum().backward()
+    stream.result()
+    w2 = torch.zeros(4, requires_grad=True)
+    stream2 = StreamingTopK([w, w2], k=1)
+    hook = w2.register_post_accumulate_grad_hook(lambda p: stream2.gather(torch.tensor([0])))
+    with pytest.raises(RuntimeError, match="before the step's backward"):
+        (w.sum() + w2.sum()).backward()
+    hook.remove()
+    stream.remove()
+    stream2.remove()
