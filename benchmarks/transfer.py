@@ -185,6 +185,8 @@ def adamw(body: list[torch.Tensor], lr: float, head: list[torch.Tensor]) -> torc
 
 def head_only(model: nn.Module, lr: float) -> tuple[Step, dict]:
     """The body frozen (a linear probe of the pretrained features): what adapting the body adds."""
+    for p in body_of(model).values():
+        p.requires_grad_(False)  # no weight gradients in backward, as for LoRA's frozen base
     opt = adamw([], lr, list(model.fc.parameters()))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -322,7 +324,7 @@ def markdown(report: dict) -> str:
         f"on 5-9 for {c['steps']} steps of {c['batch_size']} images, seeds {', '.join(map(str, c['seeds']))} (split, "
         f"pretraining, new head, batch order), {c['threads']} torch thread(s), CPU. Body n = {c['n']:,} parameters; "
         f"the new {c['head']:,}-parameter head is trained densely (lr {LR['head']:g}) in every method and not "
-        "counted below. Accuracy on the 5-9 test split (269 images): mean over seeds [min, max].",
+        f"counted below. Accuracy on the 5-9 test split ({report['test_images']} images): mean over seeds [min, max].",
         "",
         "| method | lr | trainable (body) | optimizer state (body) | body coordinates changed | final accuracy | "
         "mean of last 3 evaluations | step time (median) |",
@@ -369,7 +371,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     pretrained = pretrain(make_resnet, tasks["pretrain"], args.pretrain_steps, args.batch_size, seed, cache)
     model = make_resnet(seed)
     model.load_state_dict(pretrained)
-    run: dict[str, Any] = {"seed": seed, "pretrain_acc": accuracy(model, *tasks["pretrain"][2:]), "methods": {}}
+    run: dict[str, Any] = {"seed": seed, "pretrain_acc": accuracy(model, *tasks["pretrain"][2:]), "methods": {},
+                           "test_images": len(tasks["finetune"][3])}  # fmt: skip
     run["n"], run["head"] = (sum(p.numel() for p in ps) for ps in (body_of(model).values(), model.fc.parameters()))
     for name in args.methods:
         result = finetune(name, make_resnet, pretrained, tasks["finetune"], args.steps, args.batch_size,
@@ -402,7 +405,8 @@ def main() -> None:
     config = {**{k: v for k, v in vars(args).items() if k not in ("out", "methods", "lr")}, "n": runs[0]["n"],
               "head": runs[0]["head"], "lr": LR}  # fmt: skip
     summaries = [summary([r["methods"][name] for r in runs]) for name in args.methods]
-    report = {"config": config, "pretrain_acc": [r["pretrain_acc"] for r in runs], "summary": summaries, "runs": runs}
+    report = {"config": config, "pretrain_acc": [r["pretrain_acc"] for r in runs],
+              "test_images": runs[0]["test_images"], "summary": summaries, "runs": runs}  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "transfer.md").write_text(markdown(report))
