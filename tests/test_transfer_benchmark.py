@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 pytest.importorskip("sklearn")
-pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import transfer  # noqa: E402
