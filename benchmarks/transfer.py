@@ -59,6 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,7 +157,7 @@ def body_of(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def numel_of(tensors: Any) -> tuple[int, int]:
     """Elements and bytes of the tensors in a tree (an optimizer's state)."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in optree.tree_leaves(tensors) if isinstance(t, torch.Tensor)]
     return sum(t.numel() for t in leaves), sum(t.numel() * t.element_size() for t in leaves)
 
 
