@@ -334,3 +334,41 @@ def non_float_leaves():
         pytest.param(torch.ones(3, dtype=torch.bool), id="bool"),
         pytest.param(torch.ones(3, dtype=torch.complex64), id="complex"),
     ]
+
+
+def per_coordinate_reference(make_opt, params, grads, k, refresh, score="gradient"):
+    """Training ``k`` coordinates with one optimizer per coordinate: the reference of the sparse-state optimizers.
+
+    ``make_opt(c, value) -> (parameter, optimizer)`` makes coordinate ``c``'s own one-element
+    parameter and optimizer when it joins the set; it is dropped (state and all) when it leaves.
+    ``refresh[step]`` reselects the set as the top ``k`` of ``|g|`` (or of ``|g|`` summed since the
+    last refresh); before the first refresh it is the first ``k`` coordinates. The gradients must
+    have no ties at the ``k``-th magnitude (continuous random values).
+    """
+    values = torch.cat([x.reshape(-1) for x in ft.tree.leaves(params)]).clone()
+    members, live = list(range(k)), {}
+    total = torch.zeros_like(values)
+    for step, g in enumerate(grads):
+        g = torch.cat([x.reshape(-1) for x in ft.tree.leaves(g)])
+        total += g.abs()
+        if refresh[step]:
+            ranked = g.abs() if score == "gradient" else total
+            members = sorted(torch.topk(ranked, k).indices.tolist())
+            total = torch.zeros_like(values)
+        live = {c: live.get(c) or make_opt(c, values[c]) for c in members}
+        for c in members:
+            p, opt = live[c]
+            p.grad = g[c : c + 1].clone()
+            opt.step()
+            values[c] = p.detach()[0]
+    return values
+
+
+def torch_coordinate(cls, kwargs):
+    """``make_opt`` for :func:`per_coordinate_reference`: ``cls`` with ``kwargs`` (and torch's foreach kernels)."""
+
+    def make(c, value):
+        p = torch.nn.Parameter(value.clone().reshape(1))
+        return p, cls([p], **kwargs, foreach=True)  # the kernels (and roundings) functopk follows
+
+    return make

@@ -18,17 +18,15 @@ and forms its own cohort, which is how torch's per-parameter steps come out.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from functopk._checks import check_distinct_params, torch_duplicate_warning_ignored
 from functopk.adapter import checkpoint, per_param, views
 from functopk.adapter.registry import (
+    add_checked_group,
     check_implementation_flags,
-    check_torch_step_accepts,
     spec_for,
     torch_hyperparams,
 )
@@ -293,17 +291,13 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             RuntimeError: torch refuses the group's ``fused=True`` (checked now; torch checks at its first step).
             NotImplementedError: the group sets ``capturable`` or ``differentiable``.
         """
-        with torch_duplicate_warning_ignored():  # a repeated parameter is refused below, by name
-            super().add_param_group(param_group)
-        group = self.param_groups[-1]
+        add_checked_group(self, self.optimizer_class, param_group, self._check_layout)
+
+    def _check_layout(self, group: dict[str, Any]) -> None:
+        """The new group's state can be laid out in torch's per-parameter entries."""
         try:
-            check_distinct_params(group, len(self.param_groups) - 1)
-            accepted = inspect.signature(self.optimizer_class.__init__).parameters
-            hyper = torch_hyperparams(self.optimizer_class, {k: group[k] for k in self.defaults if k in accepted})
-            check_torch_step_accepts(self.optimizer_class, hyper, list(group["params"]))
             self._part(group).layout(list(group["params"]))
         except Exception:
-            self.param_groups.pop()
             self._parts.pop(id(group), None)
             raise
 

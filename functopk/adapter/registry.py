@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk._checks import group_scalar, is_zero
+from functopk._checks import check_distinct_params, group_scalar, is_zero, torch_duplicate_warning_ignored
 from functopk.base import GradientTransformation, init_count, recorded
 from functopk.build import leafwise
 from functopk.combine import chain
@@ -228,6 +228,32 @@ def check_torch_step_accepts(
     for s in stand_ins:
         s.grad = torch.zeros_like(s)
     optimizer_class(stand_ins, **{k: v for k, v in hyperparams.items() if k in accepted}).step()
+
+
+def add_checked_group(
+    opt: torch.optim.Optimizer,
+    optimizer_class: type[torch.optim.Optimizer],
+    param_group: dict[str, Any],
+    also: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """torch's ``add_param_group`` on ``opt``, then the checks of the new group, which is removed if one fails.
+
+    The checks: no parameter listed twice (``ValueError``), and torch's own constructor and first-step
+    checks of the group's hyperparameters (as ``optimizer_class`` would refuse them); then ``also(group)``.
+    """
+    with torch_duplicate_warning_ignored():  # a repeated parameter is refused below, by name
+        torch.optim.Optimizer.add_param_group(opt, param_group)
+    group = opt.param_groups[-1]
+    try:
+        check_distinct_params(group, len(opt.param_groups) - 1)
+        accepted = inspect.signature(optimizer_class.__init__).parameters
+        hyper = torch_hyperparams(optimizer_class, {k: group[k] for k in opt.defaults if k in accepted})
+        check_torch_step_accepts(optimizer_class, hyper, list(group["params"]))
+        if also is not None:
+            also(group)
+    except Exception:
+        opt.param_groups.pop()
+        raise
 
 
 @recorded

@@ -32,17 +32,15 @@ import torch
 
 from functopk._checks import (
     check_choice,
-    check_distinct_params,
     check_int,
     check_k_or_density,
     one_device,
-    torch_duplicate_warning_ignored,
 )
 from functopk.adapter import checkpoint, per_param
 from functopk.adapter.classes import shadows
 from functopk.adapter.registry import (
+    add_checked_group,
     check_implementation_flags,
-    check_torch_step_accepts,
     spec_for,
     torch_hyperparams,
 )
@@ -173,17 +171,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
                 "add_param_group after construction: the coordinate set and the streaming selection span the "
                 "parameters given to the constructor; make a new optimizer over all the parameters instead"
             )
-        with torch_duplicate_warning_ignored():  # a repeated parameter is refused below, by name
-            super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            check_distinct_params(group, len(self.param_groups) - 1)
-            accepted = inspect.signature(self.optimizer_class.__init__).parameters
-            hyper = torch_hyperparams(self.optimizer_class, {k: group[k] for k in self.defaults if k in accepted})
-            check_torch_step_accepts(self.optimizer_class, hyper, list(group["params"]))
-        except Exception:
-            self.param_groups.pop()
-            raise
+        add_checked_group(self, self.optimizer_class, param_group)
 
     # ------------------------------------------------------------------ stepping
 

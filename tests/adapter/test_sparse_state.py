@@ -10,7 +10,7 @@ import torch
 
 import functopk as ft
 from functopk.sparse.optimizer import sparse_optimizer
-from tests.helpers import bits
+from tests.helpers import bits, per_coordinate_reference, torch_coordinate
 
 CASES = [
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
@@ -87,23 +87,12 @@ def test_accumulated_score_equals_the_functional_form(refresh_every):
 
 def reference(cls, groups, grads, k, refresh_every):
     """One torch optimizer per coordinate with its group's hyperparameters, made when it joins the set."""
-    values = torch.cat([p.reshape(-1) for ps, _ in groups for p in ps]).clone()
+    params = [p for ps, _ in groups for p in ps]
     owner = [i for i, (ps, _) in enumerate(groups) for p in ps for _ in range(p.numel())]
-    members, live = list(range(k)), {}
-    for step, g in enumerate(grads):
-        if step % refresh_every == 0:
-            members = sorted(torch.topk(g.abs(), k).indices.tolist())  # continuous random values: no ties
-        for c in members:
-            if c not in live:
-                p = torch.nn.Parameter(values[c].reshape(1).clone())
-                live[c] = (p, cls([p], **groups[owner[c]][1], foreach=True))
-        live = {c: live[c] for c in members}  # dropped coordinates lose their state
-        for c in members:
-            p, opt = live[c]
-            p.grad = g[c : c + 1].clone()
-            opt.step()
-            values[c] = p.detach()[0]
-    return values
+    refresh = [step % refresh_every == 0 for step in range(len(grads))]
+    return per_coordinate_reference(
+        lambda c, value: torch_coordinate(cls, groups[owner[c]][1])(c, value), params, grads, k, refresh
+    )
 
 
 GROUP_CASES = [

@@ -9,6 +9,7 @@ import torch
 
 import functopk as ft
 from functopk.sparse.optimizer import sparse_optimizer
+from tests.helpers import per_coordinate_reference, torch_coordinate
 
 # torch.optim classes and settings (PyTorch's optimizer configurations: momentum, nesterov, amsgrad, centered...)
 TORCH_CASES = [
@@ -45,33 +46,7 @@ def flat(tree) -> torch.Tensor:
     return torch.cat([x.reshape(-1) for x in ft.tree.leaves(tree)])
 
 
-def reference(make_opt, params, grads, k, refresh, score="gradient"):
-    """One optimizer per coordinate, made when the coordinate joins the set and dropped when it leaves."""
-    values = flat(params).clone()
-    members, live = list(range(k)), {}
-    total = torch.zeros_like(values)
-    for step, g in enumerate(grads):
-        g = flat(g)
-        total += g.abs()
-        if refresh[step]:
-            ranked = g.abs() if score == "gradient" else total
-            members = sorted(torch.topk(ranked, k).indices.tolist())  # continuous random values: no ties
-            total = torch.zeros_like(values)
-        live = {c: live.get(c) or make_opt(values[c]) for c in members}
-        for c in members:
-            p, opt = live[c]
-            p.grad = g[c : c + 1].clone()
-            opt.step()
-            values[c] = p.detach()[0]
-    return values
-
-
-def torch_coordinate(cls, kwargs):
-    def make(value):
-        p = torch.nn.Parameter(value.clone().reshape(1))
-        return p, cls([p], **kwargs, foreach=True)  # the kernels (and roundings) functopk follows
-
-    return make
+reference = per_coordinate_reference
 
 
 def run(opt, params, grads, refresh):
@@ -105,7 +80,7 @@ def test_lion_matches_the_dense_lion_per_coordinate():
     params, grads = problem()
     tx = ft.lion(0.01, weight_decay=0.1)
 
-    def make(value):  # the dense functional lion on a one-coordinate parameter (itself tested against optax)
+    def make(c, value):  # the dense functional lion on a one-coordinate parameter (itself tested against optax)
         holder = {"p": value.clone().reshape(1)}
         state = [tx.init(holder)]
 
