@@ -220,6 +220,17 @@ def test_optimizers_that_are_not_coordinatewise_are_refused(inner):
         sparse_optimizer(inner, k=2)
 
 
+def test_a_tensor_learning_rate_changed_in_place_is_the_global_schedule():
+    lr = torch.tensor(0.1)
+    opt = sparse_optimizer(ft.adamw(lr), k=2)
+    params, grads = {"w": torch.zeros(4)}, {"w": torch.tensor([1.0, -2.0, 3.0, 0.5])}
+    updates, state = opt.update(grads, opt.init(params), params, refresh=True)
+    torch.testing.assert_close(updates.values, torch.tensor([0.1, -0.1]))  # Adam's first step: -lr * sign(g)
+    lr.fill_(0.01)
+    updates, state = opt.update(grads, state, params, refresh=True)
+    torch.testing.assert_close(updates.values, torch.tensor([0.01, -0.01]))
+
+
 def test_a_schedule_inside_is_refused_and_other_bad_arguments_named():
     with pytest.raises(ValueError, match="schedule"):
         sparse_optimizer(ft.adamw(ft.linear_schedule(1.0, 0.0, 10)), k=2)
