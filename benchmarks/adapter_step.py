@@ -6,7 +6,9 @@ gradients, for each ``--optimizer`` (AdamW; SGD with momentum 0.9; ...):
 * ``torch.optim``: ``torch.optim.X(..., foreach=True)`` (in place), the baseline;
 * ``TorchOptimizer.from_torch``: the drop-in with torch's param-group semantics;
 * ``TorchOptimizer(tx)``: the one-transformation adapter with ``ft.from_torch(X, ...)``;
-* ``from_torch + topk``: the drop-in with ``sparsify=ft.topk(k)`` (a global exact top-k first).
+* ``from_torch + topk``: the drop-in with ``sparsify=ft.topk(k)`` (a global exact top-k first);
+* ``topk_indices alone``: ``ft.topk_indices`` of the same gradients, the selection the previous row
+  runs (its target: torch.optim's step plus this).
 
 The variants are timed round-robin, one step each per round; the table shows
 medians and ratios to torch.optim, with the load average before and after.
@@ -34,7 +36,18 @@ import functopk as ft  # noqa: E402
 KWARGS = {"SGD": {"lr": 1e-3, "momentum": 0.9}}  # the others: lr=1e-3 and torch's defaults
 
 
-def make(kind: str, model: str, k: int, name: str) -> torch.optim.Optimizer:
+class _Selection:
+    """``ft.topk_indices`` of the gradients, with an optimizer's ``step`` to time it the same way."""
+
+    def __init__(self, params: list[torch.Tensor], k: int) -> None:
+        self.params, self.k = params, k
+        self.param_groups = [{"params": params}]
+
+    def step(self) -> None:
+        ft.topk_indices([p.grad for p in self.params], self.k)
+
+
+def make(kind: str, model: str, k: int, name: str) -> torch.optim.Optimizer | _Selection:
     torch.manual_seed(0)
     params = list(getattr(torchvision.models, model)().parameters())
     for p in params:
@@ -46,6 +59,8 @@ def make(kind: str, model: str, k: int, name: str) -> torch.optim.Optimizer:
         return ft.TorchOptimizer.from_torch(cls, params, **kwargs)
     if kind == "TorchOptimizer(tx)":
         return ft.TorchOptimizer(params, ft.from_torch(cls, **kwargs))
+    if kind == "topk_indices alone":
+        return _Selection(params, k)
     return ft.TorchOptimizer.from_torch(cls, params, ft.topk(k), **kwargs)
 
 
@@ -61,7 +76,8 @@ def main() -> None:
 
 
 def run(name: str, args: argparse.Namespace) -> None:
-    kinds = ["torch.optim", "TorchOptimizer.from_torch", "TorchOptimizer(tx)", f"from_torch + topk({args.k})"]
+    kinds = ["torch.optim", "TorchOptimizer.from_torch", "TorchOptimizer(tx)", f"from_torch + topk({args.k})",
+             "topk_indices alone"]  # fmt: skip
     load_before = os.getloadavg()
     opts = {kind: make(kind, args.model, args.k, name) for kind in kinds}
     for opt in opts.values():

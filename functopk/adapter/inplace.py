@@ -15,7 +15,9 @@ where that equality is not certain: a hyperparameter that is a tensor
 (schedulers may change it in place; the pure path reads it on device). A step's
 check returns ``None`` where a state tensor is not a dense real tensor of its
 parameter's shape, dtype and device, or a gradient not of its parameter's
-(a sparse SGD momentum from a torch checkpoint, a state loaded in another dtype).
+(a sparse SGD momentum from a torch checkpoint, a state loaded in another dtype),
+or the dtype is not float32 or float64 (in float16 and bfloat16 the in-place
+foreach kernels round differently).
 
 Shared leaves (a cohort's step count, which parameters stepping without this
 cohort may hold too) are never written in place: each step makes a new one.
@@ -47,17 +49,22 @@ def _numbers(*values: Any) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
+_EXACT_DTYPES = (torch.float32, torch.float64)
+"""Where the in-place kernels round as the pure ones (in float16 and bfloat16, ``_foreach_mul_`` does not)."""
+
+
 def _like(x: Any, p: torch.Tensor) -> bool:
     return (
         isinstance(x, torch.Tensor) and x.layout == torch.strided and x.shape == p.shape
-        and x.dtype == p.dtype and x.device == p.device
+        and x.dtype == p.dtype and x.dtype in _EXACT_DTYPES and x.device == p.device
     )  # fmt: skip
 
 
 def _fits(
     grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], entries: Entries, names: Sequence[str]
 ) -> bool:
-    """Each gradient and each state tensor named ``names`` is a dense tensor like its parameter, and distinct."""
+    """Each gradient and each state tensor named ``names`` is a dense float32/float64 tensor like its parameter,
+    and the state tensors are distinct."""
     parts = [e.get(n) for e in entries for n in names]
     if len({id(x) for x in parts}) != len(parts):  # a tensor written twice would be stepped twice
         return False
@@ -153,8 +160,9 @@ def sgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 factor = foreach.for_leaves(torch.where(count == 0, one, 1.0 - dampening), g)
                 torch._foreach_mul_(buf, momentum)
                 torch._foreach_add_(buf, foreach.mul(g, factor))
-            out = foreach.add_scaled(g, momentum, buf) if h["nesterov"] else buf
-            return foreach.mul(out, -lr), _with(entries, "count", count + 1)
+            # (the state's buffer is scaled into a new tensor; Nesterov's fresh sum, in place)
+            out = foreach.mul_(foreach.add_scaled(g, momentum, buf), -lr) if h["nesterov"] else foreach.mul(buf, -lr)
+            return out, _with(entries, "count", count + 1)
 
         return run
 
@@ -196,9 +204,11 @@ def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 torch._foreach_lerp_(mu, g, 1.0 - alpha)
                 square = foreach.addcmul(nu, mu, mu, value=-1.0)
             out = _div_into(g, foreach.add_scalar_(foreach.sqrt(square), eps))
-            if momentum:
-                out = _momentum_into(out, [e["momentum_buffer"] for e in entries], momentum)
-            return foreach.mul(out, -lr), _with(entries, "step", entries[0]["step"] + 1)
+            if momentum:  # the state's buffer, scaled into a new tensor; else the fresh quotient, in place
+                out = foreach.mul(_momentum_into(out, [e["momentum_buffer"] for e in entries], momentum), -lr)
+            else:
+                out = foreach.mul_(out, -lr)
+            return out, _with(entries, "step", entries[0]["step"] + 1)
 
         return run
 
@@ -222,10 +232,10 @@ def adagrad_step(h: Mapping[str, Any]) -> InplaceStep | None:
             out = _div_into(g, foreach.add_scalar_(foreach.sqrt(total), eps))
             count = entries[0]["step"]
             if lr_decay == 0:
-                return foreach.mul(out, -lr), _with(entries, "step", count + 1)
+                return foreach.mul_(out, -lr), _with(entries, "step", count + 1)
             # functopk.adagrad's schedule: in float64 (float32 for float32 leaves), as torch's Python float
             decayed = -lr / (1.0 + count.to(foreach.scalar_dtype(count.device)) * lr_decay)
-            return foreach.mul(out, foreach.for_leaves(decayed, out)), _with(entries, "step", count + 1)
+            return foreach.mul_(out, foreach.for_leaves(decayed, out)), _with(entries, "step", count + 1)
 
         return run
 

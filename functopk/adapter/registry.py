@@ -50,8 +50,8 @@ IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 :func:`check_implementation_flags`."""
 
 _REFUSED_FLAGS = {
-    "capturable": "its step replaces the state tensors instead of updating them in place, so a CUDA graph "
-    "replay would read stale state. Leave capturable=False (torch's default)",
+    "capturable": "its step replaces state tensors (the step counts at least) instead of updating them in place, "
+    "so a CUDA graph replay would read stale state. Leave capturable=False (torch's default)",
     "differentiable": "no gradient flows through its step (the adapter's step() runs under torch.no_grad and "
     "updates the parameters in place). Leave differentiable=False (torch's default)",
 }

@@ -111,3 +111,5 @@ def test_no_inplace_step_for_tensor_hyperparameters_or_unfit_state():
     for name, bad in [("exp_avg", torch.zeros(3, dtype=torch.float64)), ("exp_avg_sq", torch.zeros(3).to_sparse())]:
         assert check([torch.ones(3)], [p], [{**fine, name: bad}]) is None
     assert check([torch.ones(3)], [p], [{**fine, "exp_avg_sq": fine["exp_avg"]}]) is None  # one tensor twice
+    half = {n: v.bfloat16() if v.dim() else v for n, v in fine.items()}  # mul_ rounds unlike mul there
+    assert check([torch.ones(3).bfloat16()], [p.bfloat16()], [half]) is None
