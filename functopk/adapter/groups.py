@@ -216,7 +216,11 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
     * ``state[p]`` is one dict per parameter with torch's keys (``step``,
       ``exp_avg``, ...; functopk's field name where torch has no such entry);
       a parameter whose ``.grad`` is ``None`` is skipped and keeps its step
-      count; a parameter added later starts fresh;
+      count; a parameter added later starts fresh; as in ``torch.optim``'s
+      foreach implementations, ``step()`` writes the new state into these
+      tensors (SGD with momentum, Adam, AdamW, RMSprop and Adagrad, in float32
+      and float64, with number hyperparameters; :mod:`functopk.adapter.inplace`),
+      with the same results as the pure transformation, bit for bit;
     * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
       torch) are made dense first, at the cost of one dense gradient per sparse
       parameter; complex parameters step as their real pairs (torch's
@@ -226,6 +230,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       ``torch.distributed.checkpoint.state_dict`` works) and resume bit for bit;
       ``torch.optim`` checkpoints of the class load (torch's float ``step``
       becomes functopk's count) and ``torch.optim`` loads ``state_dict()``;
+      both copy the tensors (the next step changes neither the saved dict nor the loaded one);
       see :meth:`load_state_dict` for the checks;
     * ``sparsify``'s state is kept per parameter too, under keys starting
       with ``"sparsify."``;

@@ -113,3 +113,16 @@ def test_no_inplace_step_for_tensor_hyperparameters_or_unfit_state():
     assert check([torch.ones(3)], [p], [{**fine, "exp_avg_sq": fine["exp_avg"]}]) is None  # one tensor twice
     half = {n: v.bfloat16() if v.dim() else v for n, v in fine.items()}  # mul_ rounds unlike mul there
     assert check([torch.ones(3).bfloat16()], [p.bfloat16()], [half]) is None
+
+
+def test_a_step_that_fails_in_a_later_group_changes_nothing():
+    first, second = _params(torch.float64)[:2], [torch.randn(4, dtype=torch.float64, requires_grad=True)]
+    groups = [{"params": first}, {"params": second, "lr": torch.tensor(0.01)}]  # in place, then the pure path
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, groups, lr=0.01)
+    _set_grads(first + second, 0)
+    opt.step()
+    opt.state[second[0]]["exp_avg"] = torch.zeros(5, dtype=torch.float64)  # broken by hand: the pure update raises
+    before = copy.deepcopy((opt.state_dict()["state"], [p.detach() for p in first + second]))
+    with pytest.raises(ValueError):
+        opt.step()
+    assert_tree_bitwise_equal((opt.state_dict()["state"], [p.detach() for p in first + second]), before)
