@@ -33,7 +33,7 @@ import torch
 from functopk.optim.adaptive import adam_config
 from functopk.tree import foreach
 
-__all__ = ["InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "rmsprop_step", "sgd_step"]
+__all__ = ["InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "adamax_step", "rmsprop_step", "sgd_step"]
 
 Entries = list[dict[str, Any]]
 Run = Callable[[], tuple[list[torch.Tensor], Entries]]
@@ -236,6 +236,38 @@ def adagrad_step(h: Mapping[str, Any]) -> InplaceStep | None:
             # functopk.adagrad's schedule: in float64 (float32 for float32 leaves), as torch's Python float
             decayed = -lr / (1.0 + count.to(foreach.scalar_dtype(count.device)) * lr_decay)
             return foreach.mul_(out, foreach.for_leaves(decayed, out)), _with(entries, "step", count + 1)
+
+        return run
+
+    return check
+
+
+def adamax_step(h: Mapping[str, Any]) -> InplaceStep | None:
+    """``torch.optim.Adamax`` in place: the maths of :func:`functopk.optim.adamax` (``lerp_``, ``maximum_``)."""
+    lr, (b1, b2), eps = h["lr"], h["betas"], h["eps"]
+    if not _numbers(lr, b1, b2, eps, h["weight_decay"]):
+        return None
+
+    def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
+        if not _fits(grads, params, entries, ("exp_avg", "exp_inf")):
+            return None
+
+        def run() -> tuple[list[torch.Tensor], Entries]:
+            g = foreach.neg(grads) if h["maximize"] else grads
+            if h["weight_decay"] != 0:
+                g = foreach.add_scaled(g, h["weight_decay"], params)
+            mu, nu = [e["exp_avg"] for e in entries], [e["exp_inf"] for e in entries]
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+            floor = foreach.add_scalar_(foreach.abs(g), eps)
+            torch._foreach_maximum_(nu, floor)
+            count = entries[0]["step"]
+            t = (count + 1).to(foreach.scalar_dtype(count.device))
+            step = (lr / (1.0 - torch.pow(b1, t))) * -1.0
+            for m, u, buf in zip(mu, nu, floor):  # m / u into the floor's buffers, done with
+                torch.div(m, u, out=buf)
+            out = foreach.mul_(floor, foreach.for_leaves(step, g))
+            return out, _with(entries, "step", count + 1)
 
         return run
 

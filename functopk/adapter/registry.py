@@ -164,6 +164,7 @@ _add_module_specs(
     (_ADAFACTOR_BUILDERS, _ADAFACTOR_NAMES),  # (ft.optim.adafactor and ft.optim.muon are the functions)
     (_MUON_BUILDERS, _MUON_NAMES),
 )
+_SPECS["Adamax"] = _SPECS["Adamax"]._replace(inplace=inplace.adamax_step)  # (the other module classes: pure)
 
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the loss several times inside one step (a closure-driven line search), which a "

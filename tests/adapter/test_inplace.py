@@ -25,6 +25,8 @@ CASES = [
     (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True, "weight_decay": 0.1, "maximize": True}),
     (torch.optim.Adagrad, {"lr": 0.1}),
     (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.5}),
+    (torch.optim.Adamax, {"lr": 0.01}),
+    (torch.optim.Adamax, {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
 ]
 
 
