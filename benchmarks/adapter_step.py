@@ -1,12 +1,14 @@
 """What the torch.optim adapters cost per step, against the torch.optim class they stand in for.
 
 One ``opt.step()`` on a torchvision model's parameters with fixed random
-gradients, for:
+gradients, for each ``--optimizer`` (AdamW; SGD with momentum 0.9; ...):
 
-* ``torch.optim``: ``torch.optim.AdamW(..., foreach=True)`` (in place), the baseline;
+* ``torch.optim``: ``torch.optim.X(..., foreach=True)`` (in place), the baseline;
 * ``TorchOptimizer.from_torch``: the drop-in with torch's param-group semantics;
-* ``TorchOptimizer(tx)``: the one-transformation adapter with ``ft.adamw``;
-* ``from_torch + topk``: the drop-in with ``sparsify=ft.topk(k)`` (a global exact top-k first).
+* ``TorchOptimizer(tx)``: the one-transformation adapter with ``ft.from_torch(X, ...)``;
+* ``from_torch + topk``: the drop-in with ``sparsify=ft.topk(k)`` (a global exact top-k first);
+* ``topk_indices alone``: ``ft.topk_indices`` of the same gradients, the selection the previous row
+  runs (its target: torch.optim's step plus this).
 
 The variants are timed round-robin, one step each per round; the table shows
 medians and ratios to torch.optim, with the load average before and after.
@@ -14,6 +16,7 @@ medians and ratios to torch.optim, with the load average before and after.
 Usage:
     python benchmarks/adapter_step.py                 # ResNet-50, 15 rounds
     python benchmarks/adapter_step.py --model resnet18 --rounds 5
+    python benchmarks/adapter_step.py --optimizer SGD Adam RMSprop Adagrad
 """
 
 from __future__ import annotations
@@ -30,19 +33,35 @@ import torchvision
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import functopk as ft  # noqa: E402
 
+KWARGS = {"SGD": {"lr": 1e-3, "momentum": 0.9}}  # the others: lr=1e-3 and torch's defaults
 
-def make(kind: str, model: str, k: int) -> torch.optim.Optimizer:
+
+class _Selection:
+    """``ft.topk_indices`` of the gradients, with an optimizer's ``step`` to time it the same way."""
+
+    def __init__(self, params: list[torch.Tensor], k: int) -> None:
+        self.params, self.k = params, k
+        self.param_groups = [{"params": params}]
+
+    def step(self) -> None:
+        ft.topk_indices([p.grad for p in self.params], self.k)
+
+
+def make(kind: str, model: str, k: int, name: str) -> torch.optim.Optimizer | _Selection:
     torch.manual_seed(0)
     params = list(getattr(torchvision.models, model)().parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
+    cls, kwargs = getattr(torch.optim, name), KWARGS.get(name, {"lr": 1e-3})
     if kind == "torch.optim":
-        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        return cls(params, foreach=True, **kwargs)
     if kind == "TorchOptimizer.from_torch":
-        return ft.TorchOptimizer.from_torch(torch.optim.AdamW, params, lr=1e-3)
+        return ft.TorchOptimizer.from_torch(cls, params, **kwargs)
     if kind == "TorchOptimizer(tx)":
-        return ft.TorchOptimizer(params, ft.adamw(1e-3))
-    return ft.TorchOptimizer.from_torch(torch.optim.AdamW, params, ft.topk(k), lr=1e-3)
+        return ft.TorchOptimizer(params, ft.from_torch(cls, **kwargs))
+    if kind == "topk_indices alone":
+        return _Selection(params, k)
+    return ft.TorchOptimizer.from_torch(cls, params, ft.topk(k), **kwargs)
 
 
 def main() -> None:
@@ -50,10 +69,17 @@ def main() -> None:
     parser.add_argument("--model", default="resnet50", help="torchvision model name")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (after 2 warm-up steps)")
     parser.add_argument("--k", type=int, default=1000, help="k of the sparsified variant")
+    parser.add_argument("--optimizer", nargs="+", default=["AdamW"], help="torch.optim class names")
     args = parser.parse_args()
-    kinds = ["torch.optim", "TorchOptimizer.from_torch", "TorchOptimizer(tx)", f"from_torch + topk({args.k})"]
+    for name in args.optimizer:
+        run(name, args)
+
+
+def run(name: str, args: argparse.Namespace) -> None:
+    kinds = ["torch.optim", "TorchOptimizer.from_torch", "TorchOptimizer(tx)", f"from_torch + topk({args.k})",
+             "topk_indices alone"]  # fmt: skip
     load_before = os.getloadavg()
-    opts = {kind: make(kind, args.model, args.k) for kind in kinds}
+    opts = {kind: make(kind, args.model, args.k, name) for kind in kinds}
     for opt in opts.values():
         opt.step()
         opt.step()
@@ -65,12 +91,14 @@ def main() -> None:
             times[kind].append(time.perf_counter() - start)
     base = statistics.median(times["torch.optim"])
     n = sum(p.numel() for p in opts["torch.optim"].param_groups[0]["params"])
-    print(f"AdamW step on {args.model} ({n:,} parameters), {torch.get_num_threads()} threads, {args.rounds} "
-          f"interleaved rounds, medians; load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after\n")
+    print(f"{name} {KWARGS.get(name, {'lr': 1e-3})} step on {args.model} ({n:,} parameters), "
+          f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds, medians; "
+          f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after\n")
     print("| variant | step | vs torch.optim |\n| --- | ---: | ---: |")
     for kind in kinds:
         med = statistics.median(times[kind])
         print(f"| {kind} | {med * 1e3:.1f} ms | {med / base:.2f}x |")
+    print()
 
 
 if __name__ == "__main__":

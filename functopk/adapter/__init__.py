@@ -12,6 +12,8 @@
 door's older names, kept. The modules behind the doors:
 
 * :mod:`~functopk.adapter.per_param`: a state cut into torch's per-parameter entries;
+* :mod:`~functopk.adapter.inplace`: :class:`ParamGroupOptimizer`'s steps that write into its own
+  state, as ``torch.optim``'s foreach implementations do (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax);
 * :mod:`~functopk.adapter.views`: sparse gradients and complex parameters as dense real tensors;
 * :mod:`~functopk.adapter.checkpoint`: :class:`ParamGroupOptimizer`'s state dicts in torch's
   layout, checked whole before loading;

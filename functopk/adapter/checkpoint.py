@@ -4,7 +4,8 @@ Saving (:func:`unshared`): in memory, the parameters that step together share
 one step count (one tensor object, :mod:`functopk.adapter.groups`). A state
 dict gives every parameter its own copy, as ``torch.optim`` does: ``torch.save``
 keeps sharing, and a ``torch.optim`` optimizer loading a shared count would add
-1 to it once per parameter.
+1 to it once per parameter. Every other tensor is a copy too, since the next
+step writes into the optimizer's state.
 
 Loading checks the whole state dict before anything changes, and reads it as
 ``torch.optim`` does, failing at load what ``torch.optim`` would fail on at its
@@ -45,17 +46,12 @@ __all__ = [
 
 
 def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
-    """``state`` (a state dict's ``"state"``) with a copy of each tensor that several parameters' entries share."""
-    seen: dict[int, int] = {}
-    for entries in state.values():
-        for value in entries.values():
-            if isinstance(value, torch.Tensor):
-                seen[id(value)] = seen.get(id(value), 0) + 1
+    """``state`` (a state dict's ``"state"``) with a copy of each tensor: shared with no other entry, nor the optimizer.
+
+    (The optimizer's next step writes into its own state tensors: :mod:`functopk.adapter.inplace`.)
+    """
     return {
-        key: {
-            name: value.clone() if isinstance(value, torch.Tensor) and seen[id(value)] > 1 else value
-            for name, value in entries.items()
-        }
+        key: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entries.items()}
         for key, entries in state.items()
     }
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from functopk.adapter import checkpoint, per_param, views
+from functopk.adapter import checkpoint, inplace, per_param, views
 from functopk.adapter.registry import (
     add_checked_group,
     check_implementation_flags,
@@ -97,13 +97,20 @@ class _Part:
 
     Its methods take the parameters and entries as ``opt.state`` keeps them, and run the maths on
     dense real views of them (:mod:`functopk.adapter.views`: complex parameters as real pairs).
-    ``class_name`` is the torch class whose complex-parameter refusal it applies.
+    ``class_name`` is the torch class whose complex-parameter refusal it applies; ``inplace`` the
+    same maths written into the state (:mod:`functopk.adapter.inplace`), where there is one.
     """
 
     def __init__(
-        self, tx: GradientTransformation, rename: Mapping[str, str], prefix: str = "", class_name: str = ""
+        self,
+        tx: GradientTransformation,
+        rename: Mapping[str, str],
+        prefix: str = "",
+        class_name: str = "",
+        inplace: inplace.InplaceStep | None = None,
     ) -> None:
         self.tx, self.rename, self.prefix, self.class_name = tx, rename, prefix, class_name
+        self.inplace = inplace
         self._layouts: dict[int, per_param.EntryLayout] = {}
 
     def reuse_layouts(self, other: _Part) -> None:
@@ -155,6 +162,14 @@ class _Part:
         fresh = self.fresh(params)
         return [{n: s[n] if n in s else fresh[i][n] for n in names} for i, s in enumerate(stored)]
 
+    def run_inplace(
+        self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
+    ) -> inplace.Run | None:
+        """The in-place step of ``params`` (run later: checking changes nothing), or ``None``: use :meth:`run`."""
+        if self.inplace is None or any(p.is_complex() for p in params):
+            return None
+        return self.inplace(grads, params, entries)
+
     def run(
         self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
     ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
@@ -201,7 +216,11 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
     * ``state[p]`` is one dict per parameter with torch's keys (``step``,
       ``exp_avg``, ...; functopk's field name where torch has no such entry);
       a parameter whose ``.grad`` is ``None`` is skipped and keeps its step
-      count; a parameter added later starts fresh;
+      count; a parameter added later starts fresh; as in ``torch.optim``'s
+      foreach implementations, ``step()`` writes the new state into these
+      tensors (SGD with momentum, Adam, AdamW, RMSprop, Adagrad and Adamax, in float32
+      and float64, with number hyperparameters; :mod:`functopk.adapter.inplace`),
+      with the same results as the pure transformation, bit for bit;
     * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
       torch) are made dense first, at the cost of one dense gradient per sparse
       parameter; complex parameters step as their real pairs (torch's
@@ -211,6 +230,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       ``torch.distributed.checkpoint.state_dict`` works) and resume bit for bit;
       ``torch.optim`` checkpoints of the class load (torch's float ``step``
       becomes functopk's count) and ``torch.optim`` loads ``state_dict()``;
+      both copy the tensors (the next step changes neither the saved dict nor the loaded one);
       see :meth:`load_state_dict` for the checks;
     * ``sparsify``'s state is kept per parameter too, under keys starting
       with ``"sparsify."``;
@@ -267,16 +287,22 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         """The transformation applied to the gradients of all groups together (``None``: none)."""
         return None if self._sparsify is None else self._sparsify.tx
 
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        """``group``'s hyperparameters, with what torch reads from the constructor's arguments instead."""
+        return {**group, **{k: self.defaults[k] for k in self._spec.from_defaults}}
+
     def _build(self, group: dict[str, Any]) -> GradientTransformation:
-        """The transformation for ``group``, with what torch reads from the constructor's arguments instead."""
-        return self._spec.build({**group, **{k: self.defaults[k] for k in self._spec.from_defaults}})
+        """The transformation for ``group``."""
+        return self._spec.build(self._hyper(group))
 
     def _part(self, group: dict[str, Any]) -> _Part:
         """The transformation for ``group``'s current hyperparameters (rebuilt when one changed)."""
         key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            part = _Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__)
+            step_ = None if self._spec.inplace is None else self._spec.inplace(self._hyper(group))
+            part = _Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__,
+                         inplace=step_)  # fmt: skip
             if cached is not None and _shape(cached[0]) == _shape(key):
                 part.reuse_layouts(cached[1])  # only a value changed (a scheduler's lr): the same state structure
             cached = self._parts[id(group)] = (key, part)
@@ -332,18 +358,23 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             grads = self._sparsify_step(active, grads, written)
         all_ps: list[torch.Tensor] = []
         all_us: list[torch.Tensor] = []
+        # The in-place cohorts run once every pure one has been computed: a failing step changes nothing.
+        results: list[tuple[list[torch.Tensor], Any]] = []
         for group, ps, gs in zip(self.param_groups, active, grads):
             if not ps:
                 continue
             part = self._part(group)
             entries = part.entries(ps, [self.state.get(p, {}) for p in ps])
             for idx in _cohorts(entries, part.layout(ps)):
-                cohort = [ps[i] for i in idx]
-                updates, new = part.run([gs[i] for i in idx], cohort, [entries[i] for i in idx])
-                all_ps += cohort
-                all_us += updates
-                for p, e in zip(cohort, new):
-                    written.setdefault(p, {}).update(e)
+                cohort, cohort_gs, cohort_es = [ps[i] for i in idx], [gs[i] for i in idx], [entries[i] for i in idx]
+                run = part.run_inplace(cohort_gs, cohort, cohort_es)
+                results.append((cohort, run if run is not None else part.run(cohort_gs, cohort, cohort_es)))
+        for cohort, result in results:
+            updates, new = result() if callable(result) else result
+            all_ps += cohort
+            all_us += updates
+            for p, e in zip(cohort, new):
+                written.setdefault(p, {}).update(e)
         for p, e in written.items():
             if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
                 self.state[p].update(e)
@@ -384,6 +415,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         In memory, the parameters that step together share one step count; here
         each has its own copy, as in ``torch.optim``'s state dicts, so that a
         ``torch.optim`` optimizer loading it counts each parameter's steps right.
+        Every tensor is a copy (``torch.optim`` hands out its own, which its next
+        step changes): the next step, which writes into the optimizer's state, leaves it as it is.
         """
         saved = super().state_dict()
         return {**saved, "state": checkpoint.unshared(saved["state"])}
@@ -423,6 +456,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             if key not in owner:
                 raise ValueError(f"state_dict['state'] has an entry for parameter {key!r}, which no param group lists")
             entry = checkpoint.loaded_entry(key, entries, owner[key], expected[owner[key]], self._owner_name())
+            given = {id(v) for v in entries.values()}  # the step writes into its state: never into the caller's
+            entry = {n: v.clone() if id(v) in given else v for n, v in entry.items()}
             if entry:  # torch keeps no empty entries (SGD without momentum)
                 loaded[owner[key]] = entry
         super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_distinct_params, group_scalar, is_zero, torch_duplicate_warning_ignored
+from functopk.adapter import inplace
 from functopk.base import GradientTransformation, init_count, recorded
 from functopk.build import leafwise
 from functopk.combine import chain
@@ -49,8 +50,8 @@ IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 :func:`check_implementation_flags`."""
 
 _REFUSED_FLAGS = {
-    "capturable": "its step replaces the state tensors instead of updating them in place, so a CUDA graph "
-    "replay would read stale state. Leave capturable=False (torch's default)",
+    "capturable": "its step replaces state tensors (the step counts at least) instead of updating them in place, "
+    "so a CUDA graph replay would read stale state. Leave capturable=False (torch's default)",
     "differentiable": "no gradient flows through its step (the adapter's step() runs under torch.no_grad and "
     "updates the parameters in place). Leave differentiable=False (torch's default)",
 }
@@ -66,11 +67,14 @@ class TorchSpec(NamedTuple):
         state_names: functopk state field name -> torch's per-parameter state key.
         from_defaults: Hyperparameters the torch class reads from the constructor's arguments
             (``optimizer.defaults``), never from a param group (Adagrad's ``initial_accumulator_value``).
+        inplace: The same maths writing into the adapter's own state (:mod:`functopk.adapter.inplace`),
+            for the hyperparameters where it applies; ``None``: the adapter runs ``build``'s transformation.
     """
 
     build: Callable[[Hyperparams], GradientTransformation]
     state_names: Mapping[str, str]
     from_defaults: tuple[str, ...] = ()
+    inplace: inplace.InplaceBuilder | None = None
 
 
 def _sgd(h: Hyperparams) -> GradientTransformation:
@@ -131,11 +135,19 @@ def _adagrad(h: Hyperparams) -> GradientTransformation:
 _ADAM_NAMES = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
 
 _SPECS: dict[str, TorchSpec] = {
-    "SGD": TorchSpec(_sgd, {"trace": "momentum_buffer"}),
-    "Adam": TorchSpec(_adam, _ADAM_NAMES),
-    "AdamW": TorchSpec(lambda h: _adam(h, decoupled=True), _ADAM_NAMES),
-    "RMSprop": TorchSpec(_rmsprop, {"nu": "square_avg", "mu": "grad_avg", "trace": "momentum_buffer", "count": "step"}),
-    "Adagrad": TorchSpec(_adagrad, {"sum_of_squares": "sum", "count": "step"}, ("initial_accumulator_value",)),
+    "SGD": TorchSpec(_sgd, {"trace": "momentum_buffer"}, inplace=inplace.sgd_step),
+    "Adam": TorchSpec(_adam, _ADAM_NAMES, inplace=inplace.adam_step),
+    "AdamW": TorchSpec(
+        lambda h: _adam(h, decoupled=True), _ADAM_NAMES, inplace=lambda h: inplace.adam_step(h, decoupled=True)
+    ),
+    "RMSprop": TorchSpec(
+        _rmsprop, {"nu": "square_avg", "mu": "grad_avg", "trace": "momentum_buffer", "count": "step"},
+        inplace=inplace.rmsprop_step,
+    ),
+    "Adagrad": TorchSpec(
+        _adagrad, {"sum_of_squares": "sum", "count": "step"}, ("initial_accumulator_value",),
+        inplace=inplace.adagrad_step,
+    ),
 }
 
 
@@ -152,6 +164,7 @@ _add_module_specs(
     (_ADAFACTOR_BUILDERS, _ADAFACTOR_NAMES),  # (ft.optim.adafactor and ft.optim.muon are the functions)
     (_MUON_BUILDERS, _MUON_NAMES),
 )
+_SPECS["Adamax"] = _SPECS["Adamax"]._replace(inplace=inplace.adamax_step)  # (the other module classes: pure)
 
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the loss several times inside one step (a closure-driven line search), which a "

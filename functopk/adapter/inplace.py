@@ -1,0 +1,274 @@
+"""In-place steps of :class:`~functopk.adapter.groups.ParamGroupOptimizer`: the new state written into the old.
+
+The adapter owns the tensors of ``opt.state`` between steps (its ``state_dict``
+hands out copies and its ``load_state_dict`` keeps copies), so, as
+``torch.optim``'s foreach implementations do, a step may write the new moments
+into the old ones instead of allocating a fresh state and dropping the old one.
+Each step here runs the kernels of the pure transformation that
+:mod:`functopk.adapter.registry` builds for the class, in the same order and with
+the same scalars, with the state as their output: the results are the same bit
+for bit (``tests/adapter/test_inplace.py``). The updates are still fresh tensors,
+added to the parameters by the adapter.
+
+A builder returns ``None`` (the adapter then runs the pure transformation)
+where that equality is not certain: a hyperparameter that is a tensor
+(schedulers may change it in place; the pure path reads it on device). A step's
+check returns ``None`` where a state tensor is not a dense real tensor of its
+parameter's shape, dtype and device, or a gradient not of its parameter's
+(a sparse SGD momentum from a torch checkpoint, a state loaded in another dtype),
+or the dtype is not float32 or float64 (in float16 and bfloat16 the in-place
+foreach kernels round differently).
+
+Shared leaves (a cohort's step count, which parameters stepping without this
+cohort may hold too) are never written in place: each step makes a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from functopk.optim.adaptive import adam_config
+from functopk.tree import foreach
+
+__all__ = ["InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "adamax_step", "rmsprop_step", "sgd_step"]
+
+Entries = list[dict[str, Any]]
+Run = Callable[[], tuple[list[torch.Tensor], Entries]]
+InplaceStep = Callable[[list[torch.Tensor], list[torch.Tensor], Entries], Run | None]
+"""``(grads, params, entries) -> run``: checks that the tensors fit (``None`` if not) and changes nothing;
+``run()`` then does the step, returning the updates and the new entries (the same part tensors)."""
+InplaceBuilder = Callable[[Mapping[str, Any]], InplaceStep | None]
+"""A param group's hyperparameters (torch's keys) -> its in-place step, or ``None`` where there is none."""
+
+
+def _numbers(*values: Any) -> bool:
+    """Whether every value is a Python number (not a tensor, whose value the pure path reads on device)."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+_EXACT_DTYPES = (torch.float32, torch.float64)
+"""Where the in-place kernels round as the pure ones (in float16 and bfloat16, ``_foreach_mul_`` does not)."""
+
+
+def _like(x: Any, p: torch.Tensor) -> bool:
+    return (
+        isinstance(x, torch.Tensor) and x.layout == torch.strided and x.shape == p.shape
+        and x.dtype == p.dtype and x.dtype in _EXACT_DTYPES and x.device == p.device
+    )  # fmt: skip
+
+
+def _fits(
+    grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], entries: Entries, names: Sequence[str]
+) -> bool:
+    """Each gradient and each state tensor named ``names`` is a dense float32/float64 tensor like its parameter,
+    and the state tensors are distinct."""
+    parts = [e.get(n) for e in entries for n in names]
+    if len({id(x) for x in parts}) != len(parts):  # a tensor written twice would be stepped twice
+        return False
+    return all(_like(g, p) for g, p in zip(grads, params)) and all(
+        _like(e.get(n), p) for e, p in zip(entries, params) for n in names
+    )
+
+
+def _with(entries: Entries, name: str, value: torch.Tensor) -> Entries:
+    return [{**e, name: value} for e in entries]
+
+
+def _div_into(xs: Sequence[torch.Tensor], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``x / b`` into ``buffers`` (fresh), one ``div`` per leaf: ``_foreach_div.List_out`` allocates and copies."""
+    for x, b in zip(xs, buffers):
+        torch.div(x, b, out=b)
+    return buffers
+
+
+def _adam_direction(
+    mu: list[torch.Tensor], nu: list[torch.Tensor], count: torch.Tensor, b1: float, b2: float, eps: float, lr: float
+) -> list[torch.Tensor]:
+    """``-lr * mu_hat / (sqrt(nu_hat) + eps)`` in fresh tensors, with the kernels and scalars of functopk.adam."""
+    dtype = foreach.scalar_dtype(count.device)
+    t = (count + 1).to(dtype)
+    bc1, bc2 = 1.0 - torch.pow(b1, t), 1.0 - torch.pow(b2, t)  # bias corrections in float64, as torch's floats
+    bc2_sqrt = torch.sqrt(bc2)
+    denom = foreach.add_scalar_(foreach.sqrt(nu), foreach.for_leaves(eps * bc2_sqrt, mu))
+    return foreach.mul_(_div_into(mu, denom), foreach.for_leaves(bc2_sqrt / bc1 * -lr, mu))
+
+
+def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | None:
+    """``torch.optim.Adam`` (``AdamW`` with ``decoupled``) in place: the maths of :func:`functopk.adam`.
+
+    The moments are updated with ``lerp_``, ``mul_``/``addcmul_`` (and ``maximum_``
+    for ``amsgrad``), where the pure update calls the out-of-place kernels.
+    """
+    lr, (b1, b2), eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
+    if not _numbers(lr, b1, b2, eps, wd):
+        return None
+    cfg = adam_config(b1, b2, eps, 0.0, amsgrad=h["amsgrad"], maximize=h["maximize"])
+    b1, b2 = float(b1), float(b2)  # (numbers: no tensor is read)
+    decoupled = decoupled or h.get("decoupled_weight_decay", False)
+    names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if cfg.amsgrad else ("exp_avg", "exp_avg_sq")
+
+    def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
+        if not _fits(grads, params, entries, names):
+            return None
+
+        def run() -> tuple[list[torch.Tensor], Entries]:
+            mu, nu, nu_max = ([e[n] for e in entries] for n in ("exp_avg", "exp_avg_sq", names[-1]))
+            g = foreach.neg(grads) if cfg.maximize else grads
+            if wd != 0 and not decoupled:
+                g = foreach.add_scaled(g, wd, params)
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+            torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+            if cfg.amsgrad:
+                torch._foreach_maximum_(nu_max, nu)
+            count = entries[0]["step"]
+            out = _adam_direction(mu, nu_max if cfg.amsgrad else nu, count, b1, b2, eps, lr)
+            if wd != 0 and decoupled:
+                foreach.add_scaled_(out, foreach.for_leaves(-lr * wd, g), params)
+            return out, _with(entries, "step", count + 1)
+
+        return run
+
+    return check
+
+
+def sgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
+    """``torch.optim.SGD`` with momentum in place: the maths of :func:`functopk.sgd`, the buffer as the output.
+
+    Without dampening the buffer is ``grad + momentum * buffer`` in one ``add``
+    kernel per parameter written into the buffer (``out=``), the pure update's kernel.
+    """
+    lr, momentum, dampening = h["lr"], h["momentum"], h["dampening"]
+    if not _numbers(lr, momentum, dampening, h["weight_decay"]) or momentum == 0:
+        return None  # (no momentum: no state to update)
+
+    def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
+        if not _fits(grads, params, entries, ("momentum_buffer",)):
+            return None
+
+        def run() -> tuple[list[torch.Tensor], Entries]:
+            buf = [e["momentum_buffer"] for e in entries]
+            g = _prefix(grads, params, h)
+            count = entries[0]["count"]
+            if dampening == 0:
+                _momentum_into(g, buf, momentum)
+            else:  # the first step undamped, as in functopk.trace
+                one = torch.ones((), dtype=foreach.scalar_dtype(count.device), device=count.device)
+                factor = foreach.for_leaves(torch.where(count == 0, one, 1.0 - dampening), g)
+                torch._foreach_mul_(buf, momentum)
+                torch._foreach_add_(buf, foreach.mul(g, factor))
+            # (the state's buffer is scaled into a new tensor; Nesterov's fresh sum, in place)
+            out = foreach.mul_(foreach.add_scaled(g, momentum, buf), -lr) if h["nesterov"] else foreach.mul(buf, -lr)
+            return out, _with(entries, "count", count + 1)
+
+        return run
+
+    return check
+
+
+def _momentum_into(updates: list[torch.Tensor], buf: list[torch.Tensor], momentum: float) -> list[torch.Tensor]:
+    """``buf = updates + momentum * buf`` in ``buf`` (:func:`functopk.trace`'s kernel), returned."""
+    for u, b in zip(updates, buf):  # (_foreach_add.List_out computes into fresh tensors and copies)
+        torch.add(u, b, alpha=momentum, out=b)
+    return buf
+
+
+def _prefix(grads: list[torch.Tensor], params: list[torch.Tensor], h: Mapping[str, Any]) -> list[torch.Tensor]:
+    """torch.optim's first two moves, as :func:`functopk.sgd` and friends: ``maximize``, then L2 weight decay."""
+    g = foreach.mul(grads, -1.0) if h["maximize"] else grads
+    return foreach.add_scaled(g, h["weight_decay"], params) if h["weight_decay"] != 0 else g
+
+
+def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
+    """``torch.optim.RMSprop`` in place: the maths of :func:`functopk.rmsprop` (``mul_``/``addcmul_``, ``lerp_``)."""
+    lr, alpha, eps, momentum = h["lr"], h["alpha"], h["eps"], h["momentum"]
+    if not _numbers(lr, alpha, eps, momentum, h["weight_decay"]):
+        return None
+    names = ("square_avg",) + (("grad_avg",) if h["centered"] else ()) + (("momentum_buffer",) if momentum else ())
+
+    def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
+        if not _fits(grads, params, entries, names):
+            return None
+
+        def run() -> tuple[list[torch.Tensor], Entries]:
+            g = _prefix(grads, params, h)
+            nu = [e["square_avg"] for e in entries]
+            torch._foreach_mul_(nu, alpha)
+            torch._foreach_addcmul_(nu, g, g, value=1.0 - alpha)
+            square = nu
+            if h["centered"]:
+                mu = [e["grad_avg"] for e in entries]
+                torch._foreach_lerp_(mu, g, 1.0 - alpha)
+                square = foreach.addcmul(nu, mu, mu, value=-1.0)
+            out = _div_into(g, foreach.add_scalar_(foreach.sqrt(square), eps))
+            if momentum:  # the state's buffer, scaled into a new tensor; else the fresh quotient, in place
+                out = foreach.mul(_momentum_into(out, [e["momentum_buffer"] for e in entries], momentum), -lr)
+            else:
+                out = foreach.mul_(out, -lr)
+            return out, _with(entries, "step", entries[0]["step"] + 1)
+
+        return run
+
+    return check
+
+
+def adagrad_step(h: Mapping[str, Any]) -> InplaceStep | None:
+    """``torch.optim.Adagrad`` in place: the maths of :func:`functopk.adagrad` (``addcmul_`` into the sum)."""
+    lr, lr_decay, eps = h["lr"], h["lr_decay"], h["eps"]
+    if not _numbers(lr, lr_decay, eps, h["weight_decay"]):
+        return None
+
+    def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
+        if not _fits(grads, params, entries, ("sum",)):
+            return None
+
+        def run() -> tuple[list[torch.Tensor], Entries]:
+            g = _prefix(grads, params, h)
+            total = [e["sum"] for e in entries]
+            torch._foreach_addcmul_(total, g, g)
+            out = _div_into(g, foreach.add_scalar_(foreach.sqrt(total), eps))
+            count = entries[0]["step"]
+            if lr_decay == 0:
+                return foreach.mul_(out, -lr), _with(entries, "step", count + 1)
+            # functopk.adagrad's schedule: in float64 (float32 for float32 leaves), as torch's Python float
+            decayed = -lr / (1.0 + count.to(foreach.scalar_dtype(count.device)) * lr_decay)
+            return foreach.mul_(out, foreach.for_leaves(decayed, out)), _with(entries, "step", count + 1)
+
+        return run
+
+    return check
+
+
+def adamax_step(h: Mapping[str, Any]) -> InplaceStep | None:
+    """``torch.optim.Adamax`` in place: the maths of :func:`functopk.optim.adamax` (``lerp_``, ``maximum_``)."""
+    lr, (b1, b2), eps = h["lr"], h["betas"], h["eps"]
+    if not _numbers(lr, b1, b2, eps, h["weight_decay"]):
+        return None
+
+    def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
+        if not _fits(grads, params, entries, ("exp_avg", "exp_inf")):
+            return None
+
+        def run() -> tuple[list[torch.Tensor], Entries]:
+            g = foreach.neg(grads) if h["maximize"] else grads
+            if h["weight_decay"] != 0:
+                g = foreach.add_scaled(g, h["weight_decay"], params)
+            mu, nu = [e["exp_avg"] for e in entries], [e["exp_inf"] for e in entries]
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+            floor = foreach.add_scalar_(foreach.abs(g), eps)
+            torch._foreach_maximum_(nu, floor)
+            count = entries[0]["step"]
+            t = (count + 1).to(foreach.scalar_dtype(count.device))
+            step = (lr / (1.0 - torch.pow(b1, t))) * -1.0
+            for m, u, buf in zip(mu, nu, floor):  # m / u into the floor's buffers, done with
+                torch.div(m, u, out=buf)
+            out = foreach.mul_(floor, foreach.for_leaves(step, g))
+            return out, _with(entries, "step", count + 1)
+
+        return run
+
+    return check

@@ -1,0 +1,130 @@
+"""The adapter's in-place steps (functopk.adapter.inplace): bit for bit the pure transformation, in the old tensors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import functopk as ft
+from functopk.adapter import inplace
+from tests.helpers import assert_tree_bitwise_equal
+
+SHAPES = [(3, 4), (5,), ()]
+
+CASES = [
+    (torch.optim.AdamW, {"lr": 0.01}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True, "maximize": True}),
+    (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "maximize": True}),
+    (torch.optim.RMSprop, {"lr": 0.01}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.Adagrad, {"lr": 0.1}),
+    (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.5}),
+    (torch.optim.Adamax, {"lr": 0.01}),
+    (torch.optim.Adamax, {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
+]
+
+
+def _params(dtype: torch.dtype) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(s, dtype=dtype, requires_grad=True) for s in SHAPES]
+
+
+def _set_grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    grads = [torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("cls", "kwargs"), CASES)
+def test_inplace_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, dtype):
+    params = _params(dtype)
+    theirs = [p.detach().clone().requires_grad_() for p in params]
+    opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, foreach=True, **kwargs)
+    tx = ft.from_torch(cls, **kwargs)
+    ref = {i: p.detach().clone() for i, p in enumerate(params)}
+    state = tx.init(ref)
+    for step in range(3):
+        grads = _set_grads(params, step)
+        for q, g in zip(theirs, grads):
+            q.grad = g.clone()
+        opt.step()
+        torch_opt.step()
+        updates, state = tx.update(dict(enumerate(grads)), state, ref)
+        ref = ft.apply_updates(ref, updates)
+        assert_tree_bitwise_equal([p.detach() for p in params], list(ref.values()))
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close([p.detach() for p in params], [q.detach() for q in theirs], rtol=rtol, atol=0.0)
+    ours, torchs = opt.state[params[0]], torch_opt.state[theirs[0]]
+    for name in ours:
+        if name in torchs and name != "step":
+            torch.testing.assert_close(ours[name], torchs[name], rtol=rtol, atol=0.0)
+
+
+@pytest.mark.parametrize("sparsify", [None, ft.topk(4)])
+def test_adamw_writes_into_its_state_as_torch_does(sparsify):
+    params = _params(torch.float32)
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, params, sparsify, lr=0.01)
+    torch_opt = torch.optim.AdamW([p.detach().clone().requires_grad_() for p in params], lr=0.01, foreach=True)
+    pointers = []
+    for step in range(3):
+        _set_grads(params, step)
+        for q, p in zip(torch_opt.param_groups[0]["params"], params):
+            q.grad = p.grad.clone()
+        opt.step()
+        torch_opt.step()
+        pointers.append([opt.state[p][n].data_ptr() for p in params for n in ("exp_avg", "exp_avg_sq")])
+        pointers[-1] += [torch_opt.state[q][n].data_ptr() for q in torch_opt.param_groups[0]["params"]
+                         for n in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+    assert pointers[0] == pointers[1] == pointers[2]
+
+
+def test_state_dicts_in_and_out_are_copies_a_step_leaves_alone():
+    params = _params(torch.float64)
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, params, lr=0.01)
+    _set_grads(params, 0)
+    opt.step()
+    saved = opt.state_dict()
+    kept = copy.deepcopy(saved)
+    opt.step()
+    assert_tree_bitwise_equal(saved["state"], kept["state"])
+    opt.load_state_dict(saved)
+    opt.step()
+    assert_tree_bitwise_equal(saved["state"], kept["state"])
+
+
+def test_no_inplace_step_for_tensor_hyperparameters_or_unfit_state():
+    h = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False}
+    assert inplace.adam_step(h) is not None
+    assert inplace.adam_step({**h, "lr": torch.tensor(0.01)}) is None
+    assert inplace.adam_step({**h, "betas": (torch.tensor(0.9), 0.999)}) is None
+    check = inplace.adam_step(h)
+    p = torch.zeros(3)
+    fine = {"step": torch.tensor(0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    assert check([torch.ones(3)], [p], [fine]) is not None
+    for name, bad in [("exp_avg", torch.zeros(3, dtype=torch.float64)), ("exp_avg_sq", torch.zeros(3).to_sparse())]:
+        assert check([torch.ones(3)], [p], [{**fine, name: bad}]) is None
+    assert check([torch.ones(3)], [p], [{**fine, "exp_avg_sq": fine["exp_avg"]}]) is None  # one tensor twice
+    half = {n: v.bfloat16() if v.dim() else v for n, v in fine.items()}  # mul_ rounds unlike mul there
+    assert check([torch.ones(3).bfloat16()], [p.bfloat16()], [half]) is None
+
+
+def test_a_step_that_fails_in_a_later_group_changes_nothing():
+    first, second = _params(torch.float64)[:2], [torch.randn(4, dtype=torch.float64, requires_grad=True)]
+    groups = [{"params": first}, {"params": second, "lr": torch.tensor(0.01)}]  # in place, then the pure path
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, groups, lr=0.01)
+    _set_grads(first + second, 0)
+    opt.step()
+    opt.state[second[0]]["exp_avg"] = torch.zeros(5, dtype=torch.float64)  # broken by hand: the pure update raises
+    before = copy.deepcopy((opt.state_dict()["state"], [p.detach() for p in first + second]))
+    with pytest.raises(ValueError):
+        opt.step()
+    assert_tree_bitwise_equal((opt.state_dict()["state"], [p.detach() for p in first + second]), before)
