@@ -303,14 +303,9 @@ def zeros_with(
     dtypes = [torch.bool if masks else x.dtype for x in leaves]
     steps = [max(1, chunk_bytes // d.itemsize) for d in dtypes]
     pieces, counts, starts = _pieces(idx, [x.numel() for x in leaves], steps, min_per_chunk)
-    # each index relative to its piece's start: one O(k) op instead of one per piece
-    local = torch.tensor(starts, device=idx.device).repeat_interleave(
-        torch.tensor(counts, device=idx.device), output_size=idx.numel()
-    )
-    local = torch.sub(idx, local, out=local)
     sources = values.split(counts) if values is not None else [None] * len(pieces)
     out: list[torch.Tensor | None] = [None] * len(leaves)
-    for (i, a, b), pos, src, count in zip(pieces, local.split(counts), sources, counts):
+    for (i, a, b), flat_pos, src, count, start in zip(pieces, idx.split(counts), sources, counts, starts):
         x = leaves[i]
         if b - a == x.numel():  # the whole leaf: no view needed, put_ takes flat indices
             piece = out[i] = torch.zeros(x.shape, dtype=dtypes[i], device=x.device)
@@ -321,6 +316,7 @@ def zeros_with(
             piece.zero_()
         if not count:
             continue
+        pos = flat_pos - start  # small and cache-hot, where one k-sized copy would be neither
         if masks:
             piece.view(-1).index_fill_(0, pos, True)
         elif src is None:
