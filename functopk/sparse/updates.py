@@ -310,9 +310,10 @@ def zeros_with(
         if b - a == x.numel():  # the whole leaf: no view needed, put_ takes flat indices
             piece = out[i] = torch.zeros(x.shape, dtype=dtypes[i], device=x.device)
         else:
-            if out[i] is None:
-                out[i] = torch.empty(x.shape, dtype=dtypes[i], device=x.device)
-            piece = out[i].view(-1)[a:b]  # type: ignore[union-attr]
+            whole = out[i]
+            if whole is None:
+                whole = out[i] = torch.empty(x.shape, dtype=dtypes[i], device=x.device)
+            piece = whole.view(-1)[a:b]
             piece.zero_()
         if not count:
             continue
