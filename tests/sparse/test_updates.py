@@ -217,7 +217,8 @@ def _one_write_per_coordinate(leaves, idx, values, masks):
             out[j].view(-1)[pos] = True
         else:
             own = leaves[j].reshape(-1)[pos]
-            out[j].view(-1)[pos] = own if values is None else values[t].to(own.dtype)
+            # a 1-d cast, as the writer's (a 0-d cast writes other NaN bits into bfloat16)
+            out[j].view(-1)[pos] = own if values is None else values[t : t + 1].to(own.dtype)[0]
     return out
 
 
