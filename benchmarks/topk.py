@@ -19,6 +19,11 @@ in interleaved rounds (medians reported):
   sgd-sparse    ft.apply_sparse_updates(p, ft.topk_indices(g, k), -lr)  (a whole plain SGD step)
   sgd-dense     chain(topk(k), sgd(lr)).update + apply_updates          (the same step, dense)
 
+With --dense, only the dense outputs against their parts, interleaved (medians):
+topk_indices (the selection), topk_sparsify and topk_mask (the selection plus
+the dense tree), and zeros_like of every leaf (what a dense tree costs at
+least); the target is sparsify (and mask) <= indices + 1.5 x zeros_like.
+
 Peak memory: the most CPU memory held at once during one call beyond what
 existed before it (output included), from the allocator records of
 torch.profiler (profile_memory=True); jax's is not visible to torch.
@@ -28,6 +33,7 @@ Usage:
     python benchmarks/topk.py --quick         # resnet18, two k, two rounds
     python benchmarks/topk.py --quick --no-memory --trees squeezenet1_0 --threads 1 --out /tmp/t.png   # smoke run
     python benchmarks/topk.py --out some.png --rounds 7 --threads 2 --trees resnet50 --no-memory
+    python benchmarks/topk.py --dense --trees resnet50 --threads 1 --rounds 15   # the dense outputs, k = 1e3 and 1% n
 """
 
 from __future__ import annotations
@@ -199,6 +205,29 @@ def bench_tree(name: str, ks: list, rounds: int, naive_max_k: int, with_memory: 
     return rows
 
 
+def bench_dense(name: str, ks: list, rounds: int) -> str:
+    """--dense: the selection, the two dense outputs and zeros_like of the tree, interleaved; a markdown table."""
+    tree = random_tree(model_shapes(name))
+    leaves = optree.tree_leaves(tree)
+    n = sum(x.numel() for x in leaves)
+    lines = ["| tree | k | topk_indices | topk_sparsify | topk_mask | zeros_like | (sparsify - indices) / zeros "
+             "| (mask - indices) / zeros |", "|" + "---|" * 8]
+    for k in ks:
+        k = int(k if k >= 1 else round(k * n))
+        t = measure({
+            "indices": lambda k=k: ft.topk_indices(tree, k),
+            "sparsify": lambda k=k: ft.topk_sparsify(tree, k),
+            "mask": lambda k=k: ft.topk_mask(tree, k),
+            "zeros": lambda: [torch.zeros_like(x) for x in leaves],
+        }, rounds, budget_s=20.0)
+        ms = {key: f"{v * 1e3:.1f}" for key, v in t.items()}
+        extra = [f"{(t[key] - t['indices']) / t['zeros']:.2f}x" for key in ("sparsify", "mask")]
+        lines.append(f"| {name} | {k:,} | {ms['indices']} | {ms['sparsify']} | {ms['mask']} | {ms['zeros']} | "
+                     + " | ".join(extra) + " |")
+        print(f"  {lines[-1]}", file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
 COLUMNS = [
     "(a) cat+topk+scatter+split",
     "(b) naive python mapping",
@@ -270,6 +299,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="resnet18, k in {1e3, 1%% n}, 2 rounds")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--dense", action="store_true", help="only the dense outputs (k = 1e3, 1%% n)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--trees", nargs="+", default=None, help="torchvision model names (default: resnet18 resnet50)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "topk.png")
@@ -281,6 +311,9 @@ def main() -> None:
     rounds = 2 if args.quick else args.rounds
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, jax {jax.__version__ if jax else 'not installed'}", file=sys.stderr)
+    if args.dense:
+        print("\n\n".join(bench_dense(tree, [1000, 0.01], rounds) for tree in trees))
+        return
     rows = []
     for tree in trees:
         rows += bench_tree(tree, ks, rounds, naive_max_k=100_000, with_memory=not args.no_memory)

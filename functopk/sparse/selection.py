@@ -29,8 +29,7 @@ import torch
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.kernels.base import common_dtype, round_down
 from functopk.sparse.kernels.scan import scan_above
-from functopk.sparse.updates import SparseUpdates
-from functopk.tree.layout import FlatLayout
+from functopk.sparse.updates import SparseUpdates, zeros_with
 
 __all__ = ["HostThreshold", "Indices", "Mask", "Selection", "Threshold", "sparse_updates"]
 
@@ -76,27 +75,13 @@ class Indices(NamedTuple):
     values: torch.Tensor
 
     def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per leaf: zeros, with the selected coordinates copied in (their own bits)."""
+        """Per leaf: zeros, with the selected coordinates copied in (:func:`~.updates.zeros_with`)."""
         one_dtype = all(x.dtype == self.values.dtype for x in leaves)
-        out = []
-        for x, (off, lo, hi) in zip(leaves, FlatLayout.from_tree(leaves).bounds(self.indices)):
-            z = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-            if hi > lo:
-                pos = self.indices[lo:hi] - off
-                src = self.values[lo:hi] if one_dtype else x.detach().reshape(-1)[pos]  # mixed: the leaf's own bits
-                z.view(-1).index_copy_(0, pos, src)
-            out.append(z)
-        return out
+        return zeros_with(leaves, self.indices, self.values if one_dtype else None)  # mixed: the leaf's own bits
 
     def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per leaf: a boolean tensor, True at the selected coordinates."""
-        out = []
-        for x, (off, lo, hi) in zip(leaves, FlatLayout.from_tree(leaves).bounds(self.indices)):
-            z = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-            if hi > lo:
-                z.view(-1).index_fill_(0, self.indices[lo:hi] - off, True)
-            out.append(z)
-        return out
+        return zeros_with(leaves, self.indices, masks=True)
 
     def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
         """The indices and values as they are."""

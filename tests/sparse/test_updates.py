@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
+import math
+
 import optree
 import pytest
 import torch
@@ -9,6 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopk as ft
+from functopk.sparse import updates
+from functopk.sparse.kernels.base import common_dtype
+from functopk.sparse.updates import zeros_with
 from tests.helpers import (
     UNWRITABLE,
     assert_compiles_like_eager,
@@ -196,3 +202,58 @@ def test_sparse_apply_inplace_is_all_or_nothing(case):
     with pytest.raises(ValueError, match=message):
         ft.apply_sparse_updates_(params, sparse, -0.5)
     assert_tree_bitwise_equal(params, p0)
+
+
+def _one_write_per_coordinate(leaves, idx, values, masks):
+    """Reference for zeros_with: zeros, then each index written on its own through Python's bisect."""
+    offsets = [0]
+    for x in leaves:
+        offsets.append(offsets[-1] + x.numel())
+    out = [torch.zeros(x.shape, dtype=torch.bool if masks else x.dtype) for x in leaves]
+    for t, i in enumerate(idx):
+        j = bisect.bisect_right(offsets, i) - 1
+        pos = i - offsets[j]
+        if masks:
+            out[j].view(-1)[pos] = True
+        else:
+            own = leaves[j].reshape(-1)[pos]
+            # a 1-d cast, as the writer's (a 0-d cast writes other NaN bits into bfloat16)
+            out[j].view(-1)[pos] = own if values is None else values[t : t + 1].to(own.dtype)[0]
+    return out
+
+
+@settings(max_examples=40)
+@given(tree=trees_st(allow_nonfinite=True), data=st.data())
+def test_zeros_with_writes_the_same_bits_whatever_the_pieces(tree, data):
+    """Leaves cut into pieces of a few bytes (piece edges everywhere) or kept whole: one write per coordinate."""
+    leaves = optree.tree_leaves(tree)
+    n = numel(tree)
+    idx = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n), label="idx")) if n else []
+    chunk_bytes = data.draw(st.sampled_from([1, 2, 8, 24, 1 << 20]), label="chunk_bytes")
+    min_per_chunk = data.draw(st.sampled_from([0, 1, 4]), label="min_per_chunk")
+    before = clone_tree(leaves)
+    flat = torch.cat([x.reshape(-1).to(common_dtype(leaves)) for x in leaves]) if leaves else torch.zeros(0)
+    indices = torch.tensor(idx, dtype=torch.int64)
+    for values, masks in [(flat[indices], False), (None, False), (None, True)]:
+        out = zeros_with(leaves, indices, values, masks=masks, chunk_bytes=chunk_bytes, min_per_chunk=min_per_chunk)
+        assert all(y.is_contiguous() for y in out)
+        assert_tree_bitwise_equal(out, _one_write_per_coordinate(leaves, idx, values, masks))
+    assert_tree_bitwise_equal(leaves, before)  # pure
+
+
+def test_dense_outputs_of_a_leaf_written_in_pieces_equal_the_static_kernels():
+    """A leaf of 2 MiB hit by 1% of its coordinates is zeroed and written in pieces by default (L2-sized)."""
+    g = torch.Generator().manual_seed(0)
+    tree = {"big": torch.randn(1024, 512, generator=g), "half": torch.randn(300, generator=g).half()}
+    tree["big"][7, :100] = math.nan  # NaN ranks first: selected and kept bit for bit
+    k = 5243
+    assert k * updates.ZEROS_CHUNK_BYTES // 4 >= updates.ZEROS_MIN_PER_CHUNK * 1024 * 512  # chunked indeed
+    for fn in (ft.topk_sparsify, ft.topk_mask):
+        assert_tree_bitwise_equal(fn(tree, k), fn(tree, k, method="torch"))
+    sparse = ft.topk_indices(tree, k)
+    assert_tree_bitwise_equal(sparse.to_dense(tree), ft.topk_sparsify(tree, k, method="torch"))
+
+
+def test_zeros_with_rejects_indices_outside_the_tree():
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 3\)"):
+        zeros_with([torch.zeros(3)], torch.tensor([1, 3]), torch.ones(2))
