@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from functopk.optim.adaptive import adam_config
+from functopk.optim.adaptive import adam_config, adam_direction
 from functopk.tree import foreach
 
 __all__ = ["InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "adamax_step", "rmsprop_step", "sgd_step"]
@@ -84,18 +84,6 @@ def _div_into(xs: Sequence[torch.Tensor], buffers: list[torch.Tensor]) -> list[t
     return buffers
 
 
-def _adam_direction(
-    mu: list[torch.Tensor], nu: list[torch.Tensor], count: torch.Tensor, b1: float, b2: float, eps: float, lr: float
-) -> list[torch.Tensor]:
-    """``-lr * mu_hat / (sqrt(nu_hat) + eps)`` in fresh tensors, with the kernels and scalars of functopk.adam."""
-    dtype = foreach.scalar_dtype(count.device)
-    t = (count + 1).to(dtype)
-    bc1, bc2 = 1.0 - torch.pow(b1, t), 1.0 - torch.pow(b2, t)  # bias corrections in float64, as torch's floats
-    bc2_sqrt = torch.sqrt(bc2)
-    denom = foreach.add_scalar_(foreach.sqrt(nu), foreach.for_leaves(eps * bc2_sqrt, mu))
-    return foreach.mul_(_div_into(mu, denom), foreach.for_leaves(bc2_sqrt / bc1 * -lr, mu))
-
-
 def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | None:
     """``torch.optim.Adam`` (``AdamW`` with ``decoupled``) in place: the maths of :func:`functopk.adam`.
 
@@ -125,7 +113,7 @@ def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | No
             if cfg.amsgrad:
                 torch._foreach_maximum_(nu_max, nu)
             count = entries[0]["step"]
-            out = _adam_direction(mu, nu_max if cfg.amsgrad else nu, count, b1, b2, eps, lr)
+            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, count, cfg, lr, mu, _div_into)
             if wd != 0 and decoupled:
                 foreach.add_scaled_(out, foreach.for_leaves(-lr * wd, g), params)
             return out, _with(entries, "step", count + 1)

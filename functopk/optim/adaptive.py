@@ -15,6 +15,7 @@ parameters per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -127,8 +128,14 @@ def _adam_moments(grads: Leaves, state: ScaleByAdamState, cfg: AdamConfig) -> tu
     return mu, nu, nu_max
 
 
-def _adam_direction(
-    mu: Leaves, nu: Leaves, count: torch.Tensor, cfg: AdamConfig, lr: Hyper | None, like: Leaves
+def adam_direction(
+    mu: Leaves,
+    nu: Leaves,
+    count: torch.Tensor,
+    cfg: AdamConfig,
+    lr: Hyper | None,
+    like: Leaves,
+    div_into: Callable[[Leaves, list[torch.Tensor]], list[torch.Tensor]] = foreach.div_into,
 ) -> Leaves:
     """``mu_hat / (sqrt(nu_hat + eps_root) + eps)``, times ``-lr`` when given, in fresh buffers.
 
@@ -136,7 +143,8 @@ def _adam_direction(
     with the outer division, ``1 / bc1`` and ``-lr`` folded into one final
     multiply: the same number up to rounding, four kernels (``sqrt``, ``add``,
     ``div``, ``mul``; one more with ``eps_root``). The result is written into the
-    denominator's buffers: one allocation fewer per step.
+    denominator's buffers: one allocation fewer per step, by ``div_into`` (the
+    adapter's in-place step passes one ``div`` per leaf, the same quotients).
     """
     # Bias corrections on the tensor counter, in float64 (as torch.optim's Python floats).
     dtype = foreach.scalar_dtype(count.device)
@@ -150,7 +158,7 @@ def _adam_direction(
     step = bc2_sqrt / bc1
     if lr is not None:
         step = step * -lr
-    return foreach.mul_(foreach.div_into(mu, denom), foreach.for_leaves(step, like))
+    return foreach.mul_(div_into(mu, denom), foreach.for_leaves(step, like))
 
 
 def adam_transform(
@@ -195,7 +203,7 @@ def adam_transform(
                 grads = foreach.add_scaled(grads, decay.weight_decay, params)
             mu, nu, nu_max = _adam_moments(grads, state, cfg)
             lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-            out = _adam_direction(mu, nu if nu_max is None else nu_max, state.count, cfg, lr, grads)
+            out = adam_direction(mu, nu if nu_max is None else nu_max, state.count, cfg, lr, grads)
             if decay is not None and decay.decoupled and params is not None and lr is not None:
                 idx = selected(flags, out)
                 coef = foreach.for_leaves(-lr * decay.weight_decay, grads)
