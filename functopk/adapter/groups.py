@@ -31,11 +31,11 @@ from functopk.adapter.registry import (
     spec_for,
     torch_hyperparams,
 )
+from functopk.adapter.sparsify import Sparsify
 from functopk.base import GradientTransformation, check_transformation
 
 __all__ = ["ParamGroupOptimizer"]
 
-_SPARSIFY = "sparsify."
 _NOT_HYPER = ("params", "param_names")
 
 
@@ -146,7 +146,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
     ) -> None:
         self.optimizer_class = optimizer_class
         self._spec = spec_for(optimizer_class)
-        self._sparsify = None if sparsify is None else Part(check_transformation(sparsify, "sparsify"), {}, _SPARSIFY)
+        self._sparsify = None if sparsify is None else Sparsify(check_transformation(sparsify, "sparsify"))
         self._parts: dict[int, tuple[Any, Part]] = {}
         super().__init__(params, torch_hyperparams(optimizer_class, defaults))
 
@@ -165,7 +165,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         if unpickled:  # the torch class's TorchSpec is looked up again (its build functions do not pickle)
             self._spec = spec_for(self.optimizer_class)
-            self._sparsify = None if sparsify is None else Part(sparsify, {}, _SPARSIFY)
+            self._sparsify = None if sparsify is None else Sparsify(sparsify)
             self._parts = {}
 
     @property
@@ -241,7 +241,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
         written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has been computed
         if self._sparsify is not None:
-            grads = self._sparsify_step(active, grads, written)
+            grads = self._sparsify.step(self.state, active, grads, written)
         all_ps: list[torch.Tensor] = []
         all_us: list[torch.Tensor] = []
         # The in-place cohorts run once every pure one has been computed: a failing step changes nothing.
@@ -257,6 +257,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 results.append((cohort, run if run is not None else part.run(cohort_gs, cohort, cohort_es)))
         for cohort, result in results:
             updates, new = result() if callable(result) else result
+            if self._sparsify is not None and not callable(result):  # pure maths may keep a gradient as state
+                new = self._sparsify.unshared(new)
             all_ps += cohort
             all_us += updates
             for p, e in zip(cohort, new):
@@ -266,33 +268,6 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 self.state[p].update(e)
         torch._foreach_add_(all_ps, all_us)
         return loss
-
-    def _sparsify_step(
-        self, active: list[list[torch.Tensor]], grads: list[list[torch.Tensor]], written: dict[torch.Tensor, Any]
-    ) -> list[list[torch.Tensor]]:
-        """Run ``sparsify`` on the gradients of all groups as one tree; the new gradients, per group."""
-        sp = self._sparsify
-        assert sp is not None
-        flat_ps = [p for ps in active for p in ps]
-        layout = sp.layout(flat_ps)
-        shared = [n for n, part in zip(layout.names, layout.is_part) if not part]
-        entries = sp.entries(flat_ps, [self.state.get(p, {}) for p in flat_ps])
-        # Shared leaves (a step count) come from any parameter that has them, so a late joiner resets nothing.
-        donor = next((s for s in self.state.values() if shared and all(n in s for n in shared)), None)
-        if donor is not None:
-            entries = [{**e, **{n: donor[n] for n in shared}} for e in entries]
-        updates, new = sp.run([g for gs in grads for g in gs], flat_ps, entries)
-        for p, e in zip(flat_ps, new):
-            written[p] = dict(e)
-        if shared:  # parameters without a gradient now keep their sparsify entries, with the new shared leaves
-            for p, s in self.state.items():
-                if p not in written and all(n in s for n in shared):
-                    written[p] = {n: new[0][n] for n in shared}
-        out, i = [], 0
-        for ps in active:
-            out.append(updates[i : i + len(ps)])
-            i += len(ps)
-        return out
 
     @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
