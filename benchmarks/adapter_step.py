@@ -7,16 +7,29 @@ gradients, for each ``--optimizer`` (AdamW; SGD with momentum 0.9; ...):
 * ``TorchOptimizer.from_torch``: the drop-in with torch's param-group semantics;
 * ``TorchOptimizer(tx)``: the one-transformation adapter with ``ft.from_torch(X, ...)``;
 * ``from_torch + topk``: the drop-in with ``sparsify=ft.topk(k)`` (a global exact top-k first);
-* ``topk_indices alone``: ``ft.topk_indices`` of the same gradients, the selection the previous row
-  runs (its target: torch.optim's step plus this).
+* ``from_torch + topk(density=d)``: the same with ``ft.topk(density=d)`` (``--density``);
+* with ``--generic``, the same two through ``ft.chain(ft.topk(...))``, which builds a new dense tree
+  every step (the kept gradient buffer serves a constant ``ft.topk`` only);
+* ``topk_indices alone``: ``ft.topk_indices`` of the same gradients, the selection the sparsified rows
+  run (their target: torch.optim's step plus this), for ``k`` and for the density's ``k``;
+* ``torch.optim on top-k grads``: torch's own foreach step on gradients already top-k'd (fixed), the
+  cost of its step on mostly-zero gradients (a floor: with the selection, what a hand-written loop costs).
 
 The variants are timed round-robin, one step each per round; the table shows
-medians and ratios to torch.optim, with the load average before and after.
+medians, ratios to torch.optim, and for the sparsified rows the ratio to torch's
+step plus ``topk_indices`` (``vs target``) and to torch's step on top-k'd
+gradients plus ``topk_indices`` (``vs floor``), with the load average before and after.
+
+``--whole`` times a whole training step instead (zero_grad, forward, cross-entropy,
+backward, step) on ``--model`` (default resnet18) with a batch of 16 random
+32x32 images: torch.optim; ``from_torch + topk(k)``; and torch.optim after
+``ft.topk_indices`` of the gradients (the floor, gradients left dense).
 
 Usage:
     python benchmarks/adapter_step.py                 # ResNet-50, 15 rounds
-    python benchmarks/adapter_step.py --model resnet18 --rounds 5
+    python benchmarks/adapter_step.py --model resnet18 --rounds 5 --threads 1
     python benchmarks/adapter_step.py --optimizer SGD Adam RMSprop Adagrad
+    python benchmarks/adapter_step.py --whole --optimizer SGD AdamW
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torchvision
@@ -47,57 +61,128 @@ class _Selection:
         ft.topk_indices([p.grad for p in self.params], self.k)
 
 
-def make(kind: str, model: str, k: int, name: str) -> torch.optim.Optimizer | _Selection:
+def _topk_grads(params: list[torch.Tensor], k: int) -> None:
+    """Replace the gradients by their global top-k (dense, zeros elsewhere)."""
+    for p, g in zip(params, ft.topk_sparsify([p.grad for p in params], k)):
+        p.grad = g
+
+
+def make(kind: str, model: str, k: int, name: str, density: float) -> torch.optim.Optimizer | _Selection:
     torch.manual_seed(0)
     params = list(getattr(torchvision.models, model)().parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
+    n = sum(p.numel() for p in params)
     cls, kwargs = getattr(torch.optim, name), KWARGS.get(name, {"lr": 1e-3})
     if kind == "torch.optim":
+        return cls(params, foreach=True, **kwargs)
+    if kind == "torch.optim on top-k grads":
+        _topk_grads(params, k)
         return cls(params, foreach=True, **kwargs)
     if kind == "TorchOptimizer.from_torch":
         return ft.TorchOptimizer.from_torch(cls, params, **kwargs)
     if kind == "TorchOptimizer(tx)":
         return ft.TorchOptimizer(params, ft.from_torch(cls, **kwargs))
-    if kind == "topk_indices alone":
-        return _Selection(params, k)
-    return ft.TorchOptimizer.from_torch(cls, params, ft.topk(k), **kwargs)
+    if kind.startswith("topk_indices alone"):
+        return _Selection(params, k if "density" not in kind else ft.sparse.k_from_density(density, n))
+    sparsify = ft.topk(density=density) if "density" in kind else ft.topk(k)
+    if "generic" in kind:  # chain(topk) is not served by the kept gradient buffer: the dense-tree road
+        sparsify = ft.chain(sparsify)
+    return ft.TorchOptimizer.from_torch(cls, params, sparsify, **kwargs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="resnet50", help="torchvision model name")
+    parser.add_argument("--model", default=None, help="torchvision model name (resnet50; --whole: resnet18)")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (after 2 warm-up steps)")
     parser.add_argument("--k", type=int, default=1000, help="k of the sparsified variant")
+    parser.add_argument("--density", type=float, default=0.01, help="density of the other sparsified variant")
     parser.add_argument("--optimizer", nargs="+", default=["AdamW"], help="torch.optim class names")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--whole", action="store_true", help="time a whole training step (see above)")
+    parser.add_argument("--generic", action="store_true", help="add the sparsified rows with chain(topk): no buffer")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.model = args.model or ("resnet18" if args.whole else "resnet50")
     for name in args.optimizer:
-        run(name, args)
+        (run_whole if args.whole else run)(name, args)
+
+
+def _timed(steps: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds of each step, timed round-robin after two warm-up calls each."""
+    for step in steps.values():
+        step()
+        step()
+    times: dict[str, list[float]] = {kind: [] for kind in steps}
+    for _ in range(rounds):
+        for kind, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[kind].append(time.perf_counter() - start)
+    return {kind: statistics.median(t) for kind, t in times.items()}
 
 
 def run(name: str, args: argparse.Namespace) -> None:
     kinds = ["torch.optim", "TorchOptimizer.from_torch", "TorchOptimizer(tx)", f"from_torch + topk({args.k})",
-             "topk_indices alone"]  # fmt: skip
+             f"from_torch + topk(density={args.density})", f"topk_indices alone (k={args.k})",
+             f"topk_indices alone (density={args.density})", "torch.optim on top-k grads"]  # fmt: skip
+    if args.generic:
+        kinds[5:5] = [f"from_torch + topk({args.k}), generic", f"from_torch + topk(density={args.density}), generic"]
     load_before = os.getloadavg()
-    opts = {kind: make(kind, args.model, args.k, name) for kind in kinds}
-    for opt in opts.values():
-        opt.step()
-        opt.step()
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for _ in range(args.rounds):
-        for kind in kinds:
-            start = time.perf_counter()
-            opts[kind].step()
-            times[kind].append(time.perf_counter() - start)
-    base = statistics.median(times["torch.optim"])
+    opts = {kind: make(kind, args.model, args.k, name, args.density) for kind in kinds}
+    med = _timed({kind: opt.step for kind, opt in opts.items()}, args.rounds)
+    base, floor = med["torch.optim"], med["torch.optim on top-k grads"]
     n = sum(p.numel() for p in opts["torch.optim"].param_groups[0]["params"])
     print(f"{name} {KWARGS.get(name, {'lr': 1e-3})} step on {args.model} ({n:,} parameters), "
           f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds, medians; "
           f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after\n")
-    print("| variant | step | vs torch.optim |\n| --- | ---: | ---: |")
+    print("| variant | step | vs torch.optim | vs target | vs floor |\n| --- | ---: | ---: | ---: | ---: |")
     for kind in kinds:
-        med = statistics.median(times[kind])
-        print(f"| {kind} | {med * 1e3:.1f} ms | {med / base:.2f}x |")
+        extra = "| | |"
+        if kind.startswith("from_torch + topk"):
+            sel = med[f"topk_indices alone ({'density=' + str(args.density) if 'density' in kind else f'k={args.k}'})"]
+            extra = f"| {med[kind] / (base + sel):.2f}x | {med[kind] / (floor + sel):.2f}x |"
+        print(f"| {kind} | {med[kind] * 1e3:.1f} ms | {med[kind] / base:.2f}x {extra}")
+    print()
+
+
+def whole_step(name: str, model_name: str, kind: str, k: int) -> Callable[[], object]:
+    """One training step of ``model_name`` on a fixed batch of 16 32x32 images, with ``kind``'s optimizer."""
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, model_name)(num_classes=10)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    params = list(model.parameters())
+    cls, kwargs = getattr(torch.optim, name), KWARGS.get(name, {"lr": 1e-3})
+    if kind.startswith("from_torch"):
+        sparsify = ft.chain(ft.topk(k)) if "generic" in kind else ft.topk(k)
+        opt: torch.optim.Optimizer = ft.TorchOptimizer.from_torch(cls, params, sparsify, **kwargs)
+    else:
+        opt = cls(params, foreach=True, **kwargs)
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if kind.startswith("torch + topk_indices"):
+            ft.topk_indices([p.grad for p in params], k)
+        opt.step()
+
+    return step
+
+
+def run_whole(name: str, args: argparse.Namespace) -> None:
+    kinds = ["torch.optim", f"from_torch + topk({args.k})", f"torch + topk_indices({args.k})"]
+    if args.generic:
+        kinds.append(f"from_torch + topk({args.k}), generic")
+    load_before = os.getloadavg()
+    med = _timed({kind: whole_step(name, args.model, kind, args.k) for kind in kinds}, args.rounds)
+    print(f"whole {name} {KWARGS.get(name, {'lr': 1e-3})} training step, {args.model}, batch 16 at 32x32, "
+          f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds, medians; "
+          f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after\n")
+    print("| variant | step | vs torch.optim | vs torch + topk_indices |\n| --- | ---: | ---: | ---: |")
+    for kind in kinds:
+        print(f"| {kind} | {med[kind] * 1e3:.1f} ms | {med[kind] / med[kinds[0]]:.2f}x "
+              f"| {med[kind] / med[kinds[2]]:.2f}x |")
     print()
 
 
