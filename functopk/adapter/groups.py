@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from functopk.adapter import checkpoint, per_param, views
+from functopk.adapter.inplace import MOSTLY_ZERO
 from functopk.adapter.part import Part, cohorts
 from functopk.adapter.registry import (
     add_checked_group,
@@ -186,7 +187,9 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            step_ = None if self._spec.inplace is None else self._spec.inplace(self._hyper(group))
+            topk = self._sparsify is not None and self._sparsify.constant is not None
+            hyper = {**self._hyper(group), MOSTLY_ZERO: topk}
+            step_ = None if self._spec.inplace is None else self._spec.inplace(hyper)
             part = Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__,
                          inplace=step_)  # fmt: skip
             if cached is not None and _shape(cached[0]) == _shape(key):

@@ -33,7 +33,10 @@ import torch
 from functopk.optim.adaptive import adam_config, adam_direction
 from functopk.tree import foreach
 
-__all__ = ["InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "adamax_step", "rmsprop_step", "sgd_step"]
+__all__ = [
+    "MOSTLY_ZERO", "InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "adamax_step", "rmsprop_step",
+    "sgd_step",
+]
 
 Entries = list[dict[str, Any]]
 Run = Callable[[], tuple[list[torch.Tensor], Entries]]
@@ -84,6 +87,15 @@ def _div_into(xs: Sequence[torch.Tensor], buffers: list[torch.Tensor]) -> list[t
     return buffers
 
 
+MOSTLY_ZERO = "functopk: mostly-zero gradients"
+"""A key of the hyperparameters given to a builder: ``True`` when most gradient coordinates are zero.
+
+``ParamGroupOptimizer`` sets it when its ``sparsify`` is a constant exact top-k;
+:func:`adam_step` then floors ``nu`` before ``sqrt`` where that changes no bit
+(:func:`functopk.optim.adaptive.sqrt_floor`), which avoids ``sqrt``'s slow path for zeros.
+"""
+
+
 def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | None:
     """``torch.optim.Adam`` (``AdamW`` with ``decoupled``) in place: the maths of :func:`functopk.adam`.
 
@@ -97,6 +109,7 @@ def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | No
     b1, b2 = float(b1), float(b2)  # (numbers: no tensor is read)
     decoupled = decoupled or h.get("decoupled_weight_decay", False)
     names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if cfg.amsgrad else ("exp_avg", "exp_avg_sq")
+    mostly_zero = bool(h.get(MOSTLY_ZERO, False))
 
     def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
         if not _fits(grads, params, entries, names):
@@ -113,7 +126,7 @@ def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | No
             if cfg.amsgrad:
                 torch._foreach_maximum_(nu_max, nu)
             count = entries[0]["step"]
-            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, count, cfg, lr, mu, _div_into)
+            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, count, cfg, lr, mu, _div_into, mostly_zero)
             if wd != 0 and decoupled:
                 foreach.add_scaled_(out, foreach.for_leaves(-lr * wd, g), params)
             return out, _with(entries, "step", count + 1)

@@ -239,3 +239,27 @@ def test_k_larger_than_the_tree_raises_as_the_generic_road_does():
         messages.append(str(err.value))
         assert all(torch.equal(p, q) for p, q in zip(params, _params(shapes=[(2,), (2,)])))
     assert messages[0] == messages[1]
+
+
+def test_adam_floors_nu_before_sqrt_only_behind_a_constant_topk():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    floored = []
+    for sparsify in (ft.topk(5), ft.chain(ft.topk(5)), None):
+        params = _params()
+        opt = ft.optimizer_from_torch(torch.optim.AdamW, params, sparsify=sparsify, lr=0.01)
+        for p, g in zip(params, _grads(params, 0)):
+            p.grad = g
+        with Seen() as seen:
+            opt.step()
+        floored.append("_foreach_clamp_min" in seen.names)
+    assert floored == [True, False, False]  # (the bits are the same: test_bit_identical_to_the_generic_road)

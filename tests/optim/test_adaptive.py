@@ -174,3 +174,58 @@ def test_adam_update_is_seven_foreach_kernels(device, name):
     expected = ["_foreach_lerp", "_foreach_mul", "_foreach_addcmul_", "_foreach_sqrt", "_foreach_add_",
                 "_foreach_div", "_foreach_mul_"]
     assert [k.split(".")[0] for k in kernels] == expected + (["_foreach_add_"] if name == "adamw" else [])
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32 if x.dtype == torch.float32 else torch.int64)
+
+
+def test_sqrt_floor_hand_checked_edge():
+    """float32, eps=1e-8, b2=0.999, first step: c = eps * sqrt(1 - b2) = 3.16e-10 has ulp 2**-55 (2.8e-17),
+    and sqrt(tiny) = 1.08e-19 is below a quarter of it, so c + sqrt(tiny) rounds back to c."""
+    from functopk.optim.adaptive import adam_config, sqrt_floor
+
+    tiny = torch.finfo(torch.float32).tiny
+    assert sqrt_floor(adam_config(0.9, 0.999, 1e-8, 0.0), [torch.zeros(1)]) == tiny
+    c = torch.tensor(1e-8 * (1 - 0.999) ** 0.5, dtype=torch.float32)
+    assert torch.equal(_bits(c + torch.tensor(tiny).sqrt()), _bits(c))
+    assert torch.equal(_bits(c + torch.tensor(0.0).sqrt()), _bits(c))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_floor_zeros_changes_no_bit_of_adam_direction(dtype):
+    from functopk.optim.adaptive import adam_config, adam_direction, sqrt_floor
+
+    fi = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, fi.tiny * 2.0**-20, fi.tiny / 2, fi.tiny, fi.tiny * (1 + fi.eps), 2 * fi.tiny,
+                            1e-30, 1e-20, 1e-12, 1e-8, 1.0, 3e4, float("inf"), float("nan")], dtype=dtype)  # fmt: skip
+    low = -80.0 if dtype == torch.float32 else -700.0
+    logs = torch.rand(2000, generator=gen, dtype=torch.float64) * (10.0 - low) + low
+    nu = torch.cat([special, torch.exp(logs).to(dtype), torch.zeros(500, dtype=dtype)])
+    mu = torch.randn(nu.shape, generator=gen, dtype=dtype)
+    engaged = 0
+    for eps in (1e-8, 1e-6, 1e-3, 1.0):
+        for b2 in (0.9, 0.999, 0.99999):
+            cfg = adam_config(0.9, b2, eps, 0.0)
+            engaged += sqrt_floor(cfg, [nu]) is not None
+            for count in (0, 1, 9, 10**6):
+                t = torch.tensor(count)
+                plain = adam_direction([mu], [nu.clone()], t, cfg, 0.01, [mu])[0]
+                floored = adam_direction([mu], [nu.clone()], t, cfg, 0.01, [mu], floor_zeros=True)[0]
+                assert torch.equal(_bits(plain), _bits(floored)), (eps, b2, count)
+    assert engaged == 12  # every combination above takes the floor
+
+
+def test_sqrt_floor_refuses_what_it_cannot_prove():
+    from functopk.optim.adaptive import adam_config, sqrt_floor
+
+    x32 = [torch.zeros(2)]
+    assert sqrt_floor(adam_config(0.9, 0.999, 0.0, 0.0), x32) is None  # no eps: sqrt(tiny) would show
+    assert sqrt_floor(adam_config(0.9, 0.999, 1e-30, 0.0), x32) is None  # eps too small to absorb it
+    assert sqrt_floor(adam_config(0.9, 0.999, 1e-8, 1e-8), x32) is None  # eps_root
+    assert sqrt_floor(adam_config(0.9, 0.999, torch.tensor(1e-8), 0.0), x32) is None  # a tensor (not read)
+    assert sqrt_floor(adam_config(0.9, torch.tensor(0.999), 1e-8, 0.0), x32) is None
+    assert sqrt_floor(adam_config(0.9, 0.999, 1e-8, 0.0), [torch.zeros(2, dtype=torch.bfloat16)]) is None
+    assert sqrt_floor(adam_config(0.9, 0.999, 1e-8, 0.0), [torch.zeros(2), torch.zeros(2).double()]) is None
+    assert sqrt_floor(adam_config(0.9, 0.999, 1e-8, 0.0), [torch.zeros(2).double()]) == torch.finfo(torch.float64).tiny
