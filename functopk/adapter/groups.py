@@ -120,7 +120,12 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       both copy the tensors (the next step changes neither the saved dict nor the loaded one);
       see :meth:`load_state_dict` for the checks;
     * ``sparsify``'s state is kept per parameter too, under keys starting
-      with ``"sparsify."``;
+      with ``"sparsify."``; a constant exact ``ft.topk(k)`` or
+      ``ft.topk(density=d)`` on gradients of one dtype and device (CPU) writes
+      its values into one flat gradient-sized buffer kept between steps (the
+      memory it costs), re-zeroed at the last step's indices, instead of a new
+      dense tree per step, with the same results bit for bit
+      (:mod:`functopk.adapter.sparsify`); ``p.grad`` is left as it is;
     * ``optimizer_from_torch`` makes it of a subclass named as, and subclassing,
       ``optimizer_class`` (:mod:`functopk.adapter.classes`), for loggers and
       ``isinstance``;
