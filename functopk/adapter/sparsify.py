@@ -127,7 +127,7 @@ class Sparsify(Part):
             self._last = None
         if self._last is not None:
             buf.index_fill_(0, self._last, 0)
-        buf.index_put_((sel.indices,), sel.values)
+        buf.index_copy_(0, sel.indices, sel.values)
         self._last = sel.indices
         key = (buf.data_ptr(), tuple(g.shape for g in grads))
         if self._views[0] != key:
