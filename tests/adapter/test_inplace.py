@@ -27,6 +27,12 @@ CASES = [
     (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.5}),
     (torch.optim.Adamax, {"lr": 0.01}),
     (torch.optim.Adamax, {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.NAdam, {"lr": 0.01}),
+    (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 0.1, "momentum_decay": 0.01, "maximize": True}),
+    (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (torch.optim.RAdam, {"lr": 0.01}),  # (rectified from the 6th step: 7 steps run both branches)
+    (torch.optim.RAdam, {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.RAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
 ]
 
 
@@ -51,8 +57,8 @@ def test_inplace_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, dtype)
     opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, foreach=True, **kwargs)
     tx = ft.from_torch(cls, **kwargs)
     ref = {i: p.detach().clone() for i, p in enumerate(params)}
-    state = tx.init(ref)
-    for step in range(3):
+    state, first = tx.init(ref), {}
+    for step in range(7 if cls is torch.optim.RAdam else 3):
         grads = _set_grads(params, step)
         for q, g in zip(theirs, grads):
             q.grad = g.clone()
@@ -61,6 +67,10 @@ def test_inplace_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, dtype)
         updates, state = tx.update(dict(enumerate(grads)), state, ref)
         ref = ft.apply_updates(ref, updates)
         assert_tree_bitwise_equal([p.detach() for p in params], list(ref.values()))
+        ptrs = {(i, n): v.data_ptr() for i, p in enumerate(params) if p.dim()
+                for n, v in opt.state[p].items() if v.shape == p.shape}  # fmt: skip
+        first = first or ptrs
+        assert ptrs == first and len(first) >= 2  # the in-place step ran: the same state tensors
     rtol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close([p.detach() for p in params], [q.detach() for q in theirs], rtol=rtol, atol=0.0)
     ours, torchs = opt.state[params[0]], torch_opt.state[theirs[0]]
