@@ -33,6 +33,12 @@ CASES = [
     (torch.optim.RAdam, {"lr": 0.01}),  # (rectified from the 6th step: 7 steps run both branches)
     (torch.optim.RAdam, {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
     (torch.optim.RAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (torch.optim.Adadelta, {}),
+    (torch.optim.Adadelta, {"lr": 0.5, "rho": 0.8, "eps": 1e-3, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.Rprop, {"lr": 0.01}),
+    (torch.optim.Rprop, {"lr": 0.01, "etas": (0.3, 1.5), "step_sizes": (0.005, 0.02), "maximize": True}),
+    (torch.optim.ASGD, {"lr": 0.01}),
+    (torch.optim.ASGD, {"lr": 0.01, "lambd": 0.01, "alpha": 0.5, "t0": 0, "weight_decay": 0.1, "maximize": True}),
 ]
 
 
