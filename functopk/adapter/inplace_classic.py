@@ -81,12 +81,12 @@ def rprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
         def run() -> tuple[list[torch.Tensor], Entries]:
             g = foreach.neg(grads) if h["maximize"] else grads
             prev, step_size = [e["prev"] for e in entries], [e["step_size"] for e in entries]
-            products, factors = classic.rprop_factors(g, prev, eta_minus, eta_plus)
+            flipped, factors = classic.rprop_factors(g, prev, eta_minus, eta_plus)
             torch._foreach_mul_(step_size, factors)
             torch._foreach_clamp_min_(step_size, low)
             torch._foreach_clamp_max_(step_size, high)
-            for x, p, kept in zip(g, products, prev):  # the gradient, 0 where its sign flipped, into prev
-                torch.where(p < 0, torch.zeros((), dtype=x.dtype, device=x.device), x, out=kept)
+            for x, f, kept in zip(g, flipped, prev):  # the gradient, 0 where its sign flipped, into prev
+                torch.where(f, torch.zeros((), dtype=x.dtype, device=x.device), x, out=kept)
             return classic.rprop_direction(prev, step_size), with_entry(entries, "step", entries[0]["step"] + 1)
 
         return run
@@ -119,7 +119,8 @@ def asgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
             torch._foreach_addcmul_(ax, foreach.sub(new_params, ax), [mu] * len(ax))
             torch._foreach_sub_(new_params, params)  # the update, in the fresh new parameters' buffers
             eta, mu = classic.asgd_next_eta_mu(count, eta.dtype, lr, lambd, alpha, t0)
-            return new_params, [{**e, "step": count + 1, "eta": eta, "mu": mu} for e in entries]
+            shared = {"step": count + 1, "eta": eta, "mu": mu}  # one of each for the cohort: it steps together
+            return new_params, [{**e, **shared} for e in entries]
 
         return run
 

@@ -217,7 +217,8 @@ def nadam_direction(
     coef_g = (lr * (1.0 - mu) / (1.0 - product)) * -bc2_sqrt
     coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
     denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
-    num = foreach.add_scaled_(foreach.mul(g, foreach.for_leaves(coef_g, g)), foreach.for_leaves(coef_m, g), m)
+    num = foreach.mul(g, foreach.for_leaves(coef_g, g))
+    num = foreach.addcmul_(num, m, [foreach.for_leaves(coef_m, g)] * len(num))  # (one kernel: add_scaled_ is two)
     return _decoupled_decay_(div_into(num, denom), params, lr, cfg, g), stored
 
 
@@ -337,7 +338,7 @@ def radam_direction(
     adaptive, plain = _radam_coefficients(cfg, count, lr)
     denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)
     out = foreach.mul_(div_into(m, denom), foreach.for_leaves(adaptive, g))
-    out = foreach.add_scaled_(out, foreach.for_leaves(plain, g), m)  # exactly 0 * m once rectified
+    out = foreach.addcmul_(out, m, [foreach.for_leaves(plain, g)] * len(out))  # exactly 0 * m once rectified
     return _decoupled_decay_(out, params, lr, cfg, g)
 
 

@@ -155,8 +155,14 @@ def adadelta(
 def adadelta_delta(square_avg: Leaves, acc_delta: Leaves, grads: Leaves, eps: Hyper) -> list[torch.Tensor]:
     """``sqrt(acc_delta + eps) / sqrt(square_avg + eps) * grads`` in fresh buffers (the new ``square_avg``, the old
     ``acc_delta``): torch's kernels, shared by :func:`adadelta` and the adapter's in-place step."""
-    std = foreach.sqrt(foreach.add_scalar(square_avg, eps))
-    return foreach.mul_list(foreach.div(foreach.sqrt(foreach.add_scalar(acc_delta, eps)), std), grads)
+    std = foreach.add_scalar(square_avg, eps)
+    delta = foreach.add_scalar(acc_delta, eps)
+    if std:  # torch's in-place kernels on the fresh buffers: no tree allocated but these two
+        torch._foreach_sqrt_(std)
+        torch._foreach_sqrt_(delta)
+        torch._foreach_div_(delta, std)
+        torch._foreach_mul_(delta, list(grads))
+    return delta
 
 
 # --------------------------------------------------------------------------- Rprop
@@ -183,27 +189,28 @@ class RpropState(NamedTuple):
 
 
 def rprop_factors(grads: Leaves, prev: Leaves, eta_minus: Hyper, eta_plus: Hyper) -> tuple[Leaves, Leaves]:
-    """``(grads * prev, the step-size factors)``: shared by :func:`rprop` and the adapter's in-place step."""
+    """``(where grads * prev < 0, the step-size factors)``: shared by :func:`rprop` and the adapter's in-place step.
+
+    The factors are ``eta_plus`` where ``g * prev > 0``, ``eta_minus`` where ``< 0``, 1 where 0 (NaN stays
+    NaN), as torch sets them: in the buffer of the products, with ``masked_fill_``.
+    """
     products = foreach.mul_list(grads, prev)
-    return products, _sign_factors(products, eta_minus, eta_plus)
+    flipped = [p < 0 for p in products]
+    for s in foreach.sign_(products):
+        minus, plus = (
+            e.to(device=s.device, dtype=s.dtype) if isinstance(e, torch.Tensor) else e for e in (eta_minus, eta_plus)
+        )
+        s.masked_fill_(s > 0, plus)
+        s.masked_fill_(s < 0, minus)
+        s.masked_fill_(s == 0, 1.0)
+    return flipped, products
 
 
 def rprop_direction(kept: Leaves, step_size: Leaves) -> list[torch.Tensor]:
-    """``-sign(kept) * step_size``, as ``sign(-kept)``: +0 (not -0) where ``kept`` is 0."""
-    return foreach.mul_list([g.sign() for g in foreach.neg(kept)], step_size)
-
-
-def _sign_factors(products: Leaves, eta_minus: Hyper, eta_plus: Hyper) -> Leaves:
-    """``eta_plus`` where ``g * prev > 0``, ``eta_minus`` where ``< 0``, 1 where 0 (NaN stays NaN), as torch."""
-    out = []
-    for p in products:
-        minus, plus = (
-            e.to(device=p.device, dtype=p.dtype) if isinstance(e, torch.Tensor) else e for e in (eta_minus, eta_plus)
-        )
-        s = p.sign()
-        s = torch.where(s > 0, plus, s)
-        s = torch.where(s < 0, minus, s)
-        out.append(torch.where(s == 0, 1.0, s))
+    """``-sign(kept) * step_size``, as ``sign(-kept)`` (+0, not -0, where ``kept`` is 0), in one fresh tree."""
+    out = foreach.sign_(foreach.neg(kept))
+    if out:
+        torch._foreach_mul_(out, list(step_size))
     return out
 
 
@@ -274,9 +281,9 @@ def rprop(
     def update(grads: Leaves, state: RpropState, params: Leaves | None) -> tuple[Leaves, RpropState]:
         if maximize:
             grads = foreach.neg(grads)
-        products, factors = rprop_factors(grads, state.prev, eta_minus, eta_plus)
+        flipped, factors = rprop_factors(grads, state.prev, eta_minus, eta_plus)
         step_size = foreach.clamp(foreach.mul_list(state.step_size, factors), low, high)
-        kept = [torch.where(p < 0, torch.zeros((), dtype=g.dtype, device=g.device), g) for p, g in zip(products, grads)]
+        kept = [torch.where(f, torch.zeros((), dtype=g.dtype, device=g.device), g) for f, g in zip(flipped, grads)]
         out = rprop_direction(kept, step_size)
         return out, RpropState(count=state.count + 1, prev=kept, step_size=step_size)
 
@@ -406,7 +413,10 @@ def asgd(
 
 def asgd_new_params(grads: Leaves, params: Leaves, eta: torch.Tensor, lambd: Hyper) -> list[torch.Tensor]:
     """torch's new parameters ``params - eta * (grads + lambd * params)``, fresh (shared with the in-place step)."""
-    return foreach.addcmul(params, foreach.add_scaled(grads, lambd, params), [eta] * len(grads), value=-1.0)
+    out = foreach.add_scaled(grads, lambd, params)
+    for p, x in zip(params, out):  # (into the fresh buffer: one tree fewer)
+        torch.addcmul(p, x, eta, value=-1.0, out=x)
+    return out
 
 
 def asgd_next_eta_mu(
