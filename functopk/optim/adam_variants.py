@@ -23,7 +23,7 @@ state field to torch's per-parameter state key.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -218,7 +218,7 @@ def nadam_direction(
     coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
     denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
     num = foreach.mul(g, foreach.for_leaves(coef_g, g))
-    num = foreach.addcmul_(num, m, [foreach.for_leaves(coef_m, g)] * len(num))  # (one kernel: add_scaled_ is two)
+    num = foreach.addcmul_(num, m, [cast(torch.Tensor, foreach.for_leaves(coef_m, g))] * len(num))  # (one kernel)
     return _decoupled_decay_(div_into(num, denom), params, lr, cfg, g), stored
 
 
@@ -338,7 +338,7 @@ def radam_direction(
     adaptive, plain = _radam_coefficients(cfg, count, lr)
     denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)
     out = foreach.mul_(div_into(m, denom), foreach.for_leaves(adaptive, g))
-    out = foreach.addcmul_(out, m, [foreach.for_leaves(plain, g)] * len(out))  # exactly 0 * m once rectified
+    out = foreach.addcmul_(out, m, [cast(torch.Tensor, foreach.for_leaves(plain, g))] * len(out))  # 0 * m if rectified
     return _decoupled_decay_(out, params, lr, cfg, g)
 
 
