@@ -19,6 +19,12 @@ parameter's shape, dtype and device, or a gradient not of its parameter's
 or the dtype is not float32 or float64 (in float16 and bfloat16 the in-place
 foreach kernels round differently).
 
+This module has the steps of SGD (with momentum), Adam, AdamW, RMSprop, Adagrad
+and Adamax and what all steps share; :mod:`functopk.adapter.inplace_adam_variants`
+has NAdam's and RAdam's, :mod:`functopk.adapter.inplace_classic` Adadelta's,
+Rprop's and ASGD's. Adafactor (a factored state a fraction of the parameters' size)
+and Muon (its step is matrix products) take the pure path.
+
 Shared leaves (a cohort's step count, which parameters stepping without this
 cohort may hold too) are never written in place: each step makes a new one.
 """

@@ -62,7 +62,7 @@ def nadam_step(h: Mapping[str, Any]) -> InplaceStep | None:
         def run() -> tuple[list[torch.Tensor], Entries]:
             g, m, v = _moments_(grads, params, entries, cfg)
             count, product = entries[0]["step"], entries[0]["mu_product"]
-            out, stored = adam_variants.nadam_direction(g, m, v, count, product, params, cfg, decay, div_each_into)
+            out, stored = adam_variants.nadam_direction(g, m, v, count, product, params, cfg, decay)
             shared = {"step": count + 1, "mu_product": stored}  # one of each for the cohort: it steps together
             return out, [{**e, **shared} for e in entries]
 

@@ -203,11 +203,11 @@ def _nadam_schedule(
 
 def nadam_direction(
     g: Leaves, m: Leaves, v: Leaves, count: torch.Tensor, mu_product: torch.Tensor, params: Leaves | None,
-    cfg: _Config, momentum_decay: Hyper, div_into: DivInto = foreach.div_into,
+    cfg: _Config, momentum_decay: Hyper,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """NAdam's update from the gradient ``g`` and the new moments ``m``, ``v`` (fresh buffers), and the new ``P_t``.
 
-    Shared by :func:`nadam` and the adapter's in-place step (whose ``div_into`` is one ``div`` per leaf).
+    Shared by :func:`nadam` and the adapter's in-place step.
     """
     mu, mu_next, stored, product, bc2_sqrt = _nadam_schedule(cfg, momentum_decay, count, mu_product)
     lr = _learning_rate(cfg, count)
@@ -217,9 +217,10 @@ def nadam_direction(
     coef_g = (lr * (1.0 - mu) / (1.0 - product)) * -bc2_sqrt
     coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
     denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
-    num = foreach.mul(g, foreach.for_leaves(coef_g, g))
-    num = foreach.addcmul_(num, m, [cast(torch.Tensor, foreach.for_leaves(coef_m, g))] * len(num))  # (one kernel)
-    return _decoupled_decay_(div_into(num, denom), params, lr, cfg, g), stored
+    cg, cm = foreach.for_leaves(coef_g, g), cast(torch.Tensor, foreach.for_leaves(coef_m, g))
+    for x, y, d in zip(g, m, denom):  # leaf by leaf: one leaf's numerator at a time, not a second fresh tree
+        torch.div(torch.mul(x, cg).addcmul_(y, cm), d, out=d)
+    return _decoupled_decay_(denom, params, lr, cfg, g), stored
 
 
 def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:

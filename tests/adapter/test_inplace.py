@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import functopk as ft
-from functopk.adapter import inplace
+from functopk.adapter import inplace, registry
 from tests.helpers import assert_tree_bitwise_equal
 
 SHAPES = [(3, 4), (5,), ()]
@@ -144,3 +144,17 @@ def test_a_step_that_fails_in_a_later_group_changes_nothing():
     with pytest.raises(ValueError):
         opt.step()
     assert_tree_bitwise_equal((opt.state_dict()["state"], [p.detach() for p in first + second]), before)
+
+
+@pytest.mark.parametrize(
+    ("cls", "key"),
+    [(torch.optim.NAdam, "momentum_decay"), (torch.optim.RAdam, "lr"), (torch.optim.Adadelta, "rho"),
+     (torch.optim.Rprop, "etas"), (torch.optim.ASGD, "lambd")],
+)  # fmt: skip
+def test_a_tensor_hyperparameter_takes_the_pure_path(cls, key):
+    h = registry.torch_hyperparams(cls, {})
+    build = registry.spec_for(cls).inplace
+    assert build(h) is not None
+    value = h[key]
+    h[key] = tuple(torch.tensor(v) for v in value) if isinstance(value, tuple) else torch.tensor(value)
+    assert build(h) is None
