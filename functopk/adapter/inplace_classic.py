@@ -116,8 +116,11 @@ def asgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
             count, eta, mu = entries[0]["step"], entries[0]["eta"], entries[0]["mu"]
             new_params = classic.asgd_new_params(g, params, eta, lambd)
             ax = [e["ax"] for e in entries]
-            for a, x in zip(ax, new_params):  # leaf by leaf: one leaf's difference at a time, not a fresh tree
-                a.addcmul_(torch.sub(x, a), mu)
+            if ax[0].device.type == "cpu":  # leaf by leaf: a fresh tree of differences costs page faults on CPU
+                for a, x in zip(ax, new_params):
+                    a.addcmul_(torch.sub(x, a), mu)
+            else:
+                torch._foreach_addcmul_(ax, foreach.sub(new_params, ax), [mu] * len(ax))
             torch._foreach_sub_(new_params, params)  # the update, in the fresh new parameters' buffers
             eta, mu = classic.asgd_next_eta_mu(count, eta.dtype, lr, lambd, alpha, t0)
             shared = {"step": count + 1, "eta": eta, "mu": mu}  # one of each for the cohort: it steps together

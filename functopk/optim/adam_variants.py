@@ -205,10 +205,7 @@ def nadam_direction(
     g: Leaves, m: Leaves, v: Leaves, count: torch.Tensor, mu_product: torch.Tensor, params: Leaves | None,
     cfg: _Config, momentum_decay: Hyper,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """NAdam's update from the gradient ``g`` and the new moments ``m``, ``v`` (fresh buffers), and the new ``P_t``.
-
-    Shared by :func:`nadam` and the adapter's in-place step.
-    """
+    """NAdam's update (fresh) from ``g`` and the new moments ``m``, ``v``; the new ``P_t`` (the in-place step's too)."""
     mu, mu_next, stored, product, bc2_sqrt = _nadam_schedule(cfg, momentum_decay, count, mu_product)
     lr = _learning_rate(cfg, count)
     # torch: -lr * (1 - mu) / (1 - P) * g / d - lr * mu_next / (1 - P * mu_next) * m / d with
@@ -218,9 +215,12 @@ def nadam_direction(
     coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
     denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
     cg, cm = foreach.for_leaves(coef_g, g), cast(torch.Tensor, foreach.for_leaves(coef_m, g))
-    for x, y, d in zip(g, m, denom):  # leaf by leaf: one leaf's numerator at a time, not a second fresh tree
-        torch.div(torch.mul(x, cg).addcmul_(y, cm), d, out=d)
-    return _decoupled_decay_(denom, params, lr, cfg, g), stored
+    if denom and denom[0].device.type == "cpu":  # leaf by leaf: a second fresh tree costs page faults on CPU
+        for x, y, d in zip(g, m, denom):
+            torch.div(torch.mul(x, cg).addcmul_(y, cm), d, out=d)
+        return _decoupled_decay_(denom, params, lr, cfg, g), stored
+    num = foreach.addcmul_(foreach.mul(g, cg), m, [cm] * len(denom))  # (foreach kernels: one launch for all)
+    return _decoupled_decay_(foreach.div_into(num, denom), params, lr, cfg, g), stored
 
 
 def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:

@@ -414,7 +414,9 @@ def asgd(
 def asgd_new_params(grads: Leaves, params: Leaves, eta: torch.Tensor, lambd: Hyper) -> list[torch.Tensor]:
     """torch's new parameters ``params - eta * (grads + lambd * params)``, fresh (shared with the in-place step)."""
     out = foreach.add_scaled(grads, lambd, params)
-    for p, x in zip(params, out):  # (into the fresh buffer: one tree fewer)
+    if not out or out[0].device.type != "cpu":  # (foreach kernels: one launch for all leaves)
+        return foreach.addcmul(params, out, [eta] * len(out), value=-1.0)
+    for p, x in zip(params, out):  # into the fresh buffer: a second fresh tree costs page faults on CPU
         torch.addcmul(p, x, eta, value=-1.0, out=x)
     return out
 
