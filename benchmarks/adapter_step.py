@@ -18,7 +18,11 @@ gradients, for each ``--optimizer`` (AdamW; SGD with momentum 0.9; ...):
 The variants are timed round-robin, one step each per round; the table shows
 medians, ratios to torch.optim, and for the sparsified rows the ratio to torch's
 step plus ``topk_indices`` (``vs target``) and to torch's step on top-k'd
-gradients plus ``topk_indices`` (``vs floor``), with the load average before and after.
+gradients plus ``topk_indices`` (``vs floor``), with the load average before and after. ``--variants`` chooses the rows
+(``torch``, ``from_torch``, ``tx``, ``topk``, ``density``, ``indices``, ``floor``;
+torch.optim is always timed), and a last table has one row per class and
+thread count. ``torch.optim.Muon`` takes only matrices: it runs on the model's
+2-d parameters (ResNet's ``fc.weight``); Muon has no ``foreach`` flag.
 
 ``--whole`` times a whole training step instead (zero_grad, forward, cross-entropy,
 backward, step) on ``--model`` (default resnet18) with a batch of 16 random
@@ -30,6 +34,7 @@ Usage:
     python benchmarks/adapter_step.py --model resnet18 --rounds 5 --threads 1
     python benchmarks/adapter_step.py --optimizer SGD Adam RMSprop Adagrad
     python benchmarks/adapter_step.py --whole --optimizer SGD AdamW
+    python benchmarks/adapter_step.py --optimizer all --variants torch from_torch --threads 1 2
 """
 
 from __future__ import annotations
@@ -48,6 +53,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import functopk as ft  # noqa: E402
 
 KWARGS = {"SGD": {"lr": 1e-3, "momentum": 0.9}}  # the others: lr=1e-3 and torch's defaults
+ALL = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop", "ASGD",
+       "Adafactor", "Muon"]  # fmt: skip
+NO_FOREACH = ("Muon",)
+# --variants name -> the prefix of the rows it selects
+VARIANTS = {"torch": "torch.optim", "from_torch": "TorchOptimizer.from_torch", "tx": "TorchOptimizer(tx)",
+            "topk": "from_torch + topk(", "density": "from_torch + topk(density", "indices": "topk_indices alone",
+            "floor": "torch.optim on top-k grads"}  # fmt: skip
 
 
 class _Selection:
@@ -70,15 +82,16 @@ def _topk_grads(params: list[torch.Tensor], k: int) -> None:
 def make(kind: str, model: str, k: int, name: str, density: float) -> torch.optim.Optimizer | _Selection:
     torch.manual_seed(0)
     params = list(getattr(torchvision.models, model)().parameters())
+    if name == "Muon":
+        params = [p for p in params if p.dim() == 2]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     n = sum(p.numel() for p in params)
     cls, kwargs = getattr(torch.optim, name), KWARGS.get(name, {"lr": 1e-3})
-    if kind == "torch.optim":
-        return cls(params, foreach=True, **kwargs)
     if kind == "torch.optim on top-k grads":
         _topk_grads(params, k)
-        return cls(params, foreach=True, **kwargs)
+    if kind.startswith("torch.optim"):
+        return cls(params, **kwargs) if name in NO_FOREACH else cls(params, foreach=True, **kwargs)
     if kind == "TorchOptimizer.from_torch":
         return ft.TorchOptimizer.from_torch(cls, params, **kwargs)
     if kind == "TorchOptimizer(tx)":
@@ -97,16 +110,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (after 2 warm-up steps)")
     parser.add_argument("--k", type=int, default=1000, help="k of the sparsified variant")
     parser.add_argument("--density", type=float, default=0.01, help="density of the other sparsified variant")
-    parser.add_argument("--optimizer", nargs="+", default=["AdamW"], help="torch.optim class names")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--optimizer", nargs="+", default=["AdamW"], help="torch.optim class names, or all")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="rows to time (torch.optim is always timed)")  # fmt: skip
+    parser.add_argument("--threads", nargs="+", type=int, default=[0], help="torch threads (0: torch's default)")
     parser.add_argument("--whole", action="store_true", help="time a whole training step (see above)")
     parser.add_argument("--generic", action="store_true", help="add the sparsified rows with chain(topk): no buffer")
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     args.model = args.model or ("resnet18" if args.whole else "resnet50")
-    for name in args.optimizer:
-        (run_whole if args.whole else run)(name, args)
+    names = ALL if args.optimizer == ["all"] else args.optimizer
+    summary = []
+    for threads in args.threads:
+        if threads:
+            torch.set_num_threads(threads)
+        for name in names:
+            if args.whole:
+                run_whole(name, args)
+            else:
+                summary.append((name, torch.get_num_threads(), *run(name, args)))
+    if summary:
+        print("| class | threads | torch.optim | from_torch | ratio | load |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, threads, base, ours, load in summary:
+        print(f"| {name} | {threads} | {base * 1e3:.1f} ms | {ours * 1e3:.1f} ms | {ours / base:.2f}x | {load} |")
 
 
 def _timed(steps: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
@@ -123,16 +149,21 @@ def _timed(steps: dict[str, Callable[[], object]], rounds: int) -> dict[str, flo
     return {kind: statistics.median(t) for kind, t in times.items()}
 
 
-def run(name: str, args: argparse.Namespace) -> None:
+def run(name: str, args: argparse.Namespace) -> tuple[float, float, str]:
+    """Time ``name``'s chosen rows; ``(torch.optim's median, from_torch's median or NaN, load averages)``."""
     kinds = ["torch.optim", "TorchOptimizer.from_torch", "TorchOptimizer(tx)", f"from_torch + topk({args.k})",
              f"from_torch + topk(density={args.density})", f"topk_indices alone (k={args.k})",
              f"topk_indices alone (density={args.density})", "torch.optim on top-k grads"]  # fmt: skip
     if args.generic:
         kinds[5:5] = [f"from_torch + topk({args.k}), generic", f"from_torch + topk(density={args.density}), generic"]
+    prefixes, all_kinds = [VARIANTS[v] for v in args.variants], kinds
+    kinds = [kd for kd in all_kinds if kd == "torch.optim" or any(kd.startswith(p) for p in prefixes)]
+    if any(kd.startswith("from_torch + topk") for kd in kinds):  # their ratios need the selection and the floor
+        kinds += [kd for kd in all_kinds if kd.startswith(("topk_indices", "torch.optim on")) and kd not in kinds]
     load_before = os.getloadavg()
     opts = {kind: make(kind, args.model, args.k, name, args.density) for kind in kinds}
     med = _timed({kind: opt.step for kind, opt in opts.items()}, args.rounds)
-    base, floor = med["torch.optim"], med["torch.optim on top-k grads"]
+    base, floor = med["torch.optim"], med.get("torch.optim on top-k grads", float("nan"))
     n = sum(p.numel() for p in opts["torch.optim"].param_groups[0]["params"])
     print(f"{name} {KWARGS.get(name, {'lr': 1e-3})} step on {args.model} ({n:,} parameters), "
           f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds, medians; "
@@ -145,6 +176,7 @@ def run(name: str, args: argparse.Namespace) -> None:
             extra = f"| {med[kind] / (base + sel):.2f}x | {med[kind] / (floor + sel):.2f}x |"
         print(f"| {kind} | {med[kind] * 1e3:.1f} ms | {med[kind] / base:.2f}x {extra}")
     print()
+    return base, med.get("TorchOptimizer.from_torch", float("nan")), f"{load_before[0]:.1f}-{os.getloadavg()[0]:.1f}"
 
 
 def whole_step(name: str, model_name: str, kind: str, k: int) -> Callable[[], object]:

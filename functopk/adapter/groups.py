@@ -105,8 +105,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       a parameter whose ``.grad`` is ``None`` is skipped and keeps its step
       count; a parameter added later starts fresh; as in ``torch.optim``'s
       foreach implementations, ``step()`` writes the new state into these
-      tensors (SGD with momentum, Adam, AdamW, RMSprop, Adagrad and Adamax, in float32
-      and float64, with number hyperparameters; :mod:`functopk.adapter.inplace`),
+      tensors (every class but Adafactor and Muon, SGD with momentum, in float32 and
+      float64, with number hyperparameters; :mod:`functopk.adapter.inplace`),
       with the same results as the pure transformation, bit for bit;
     * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
       torch) are made dense first, at the cost of one dense gradient per sparse

@@ -19,6 +19,12 @@ parameter's shape, dtype and device, or a gradient not of its parameter's
 or the dtype is not float32 or float64 (in float16 and bfloat16 the in-place
 foreach kernels round differently).
 
+This module has the steps of SGD (with momentum), Adam, AdamW, RMSprop, Adagrad
+and Adamax and what all steps share; :mod:`functopk.adapter.inplace_adam_variants`
+has NAdam's and RAdam's, :mod:`functopk.adapter.inplace_classic` Adadelta's,
+Rprop's and ASGD's. Adafactor (a factored state a fraction of the parameters' size)
+and Muon (its step is matrix products) take the pure path.
+
 Shared leaves (a cohort's step count, which parameters stepping without this
 cohort may hold too) are never written in place: each step makes a new one.
 """
@@ -47,7 +53,7 @@ InplaceBuilder = Callable[[Mapping[str, Any]], InplaceStep | None]
 """A param group's hyperparameters (torch's keys) -> its in-place step, or ``None`` where there is none."""
 
 
-def _numbers(*values: Any) -> bool:
+def all_numbers(*values: Any) -> bool:
     """Whether every value is a Python number (not a tensor, whose value the pure path reads on device)."""
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
@@ -63,7 +69,7 @@ def _like(x: Any, p: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def _fits(
+def fits(
     grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], entries: Entries, names: Sequence[str]
 ) -> bool:
     """Each gradient and each state tensor named ``names`` is a dense float32/float64 tensor like its parameter,
@@ -76,11 +82,11 @@ def _fits(
     )
 
 
-def _with(entries: Entries, name: str, value: torch.Tensor) -> Entries:
+def with_entry(entries: Entries, name: str, value: torch.Tensor) -> Entries:
     return [{**e, name: value} for e in entries]
 
 
-def _div_into(xs: Sequence[torch.Tensor], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+def div_each_into(xs: Sequence[torch.Tensor], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """``x / b`` into ``buffers`` (fresh), one ``div`` per leaf: ``_foreach_div.List_out`` allocates and copies."""
     for x, b in zip(xs, buffers):
         torch.div(x, b, out=b)
@@ -103,7 +109,7 @@ def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | No
     for ``amsgrad``), where the pure update calls the out-of-place kernels.
     """
     lr, (b1, b2), eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
-    if not _numbers(lr, b1, b2, eps, wd):
+    if not all_numbers(lr, b1, b2, eps, wd):
         return None
     cfg = adam_config(b1, b2, eps, 0.0, amsgrad=h["amsgrad"], maximize=h["maximize"])
     b1, b2 = float(b1), float(b2)  # (numbers: no tensor is read)
@@ -112,7 +118,7 @@ def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | No
     mostly_zero = bool(h.get(MOSTLY_ZERO, False))
 
     def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
-        if not _fits(grads, params, entries, names):
+        if not fits(grads, params, entries, names):
             return None
 
         def run() -> tuple[list[torch.Tensor], Entries]:
@@ -126,10 +132,10 @@ def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | No
             if cfg.amsgrad:
                 torch._foreach_maximum_(nu_max, nu)
             count = entries[0]["step"]
-            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, count, cfg, lr, mu, _div_into, mostly_zero)
+            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, count, cfg, lr, mu, div_each_into, mostly_zero)
             if wd != 0 and decoupled:
                 foreach.add_scaled_(out, foreach.for_leaves(-lr * wd, g), params)
-            return out, _with(entries, "step", count + 1)
+            return out, with_entry(entries, "step", count + 1)
 
         return run
 
@@ -143,11 +149,11 @@ def sgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
     kernel per parameter written into the buffer (``out=``), the pure update's kernel.
     """
     lr, momentum, dampening = h["lr"], h["momentum"], h["dampening"]
-    if not _numbers(lr, momentum, dampening, h["weight_decay"]) or momentum == 0:
+    if not all_numbers(lr, momentum, dampening, h["weight_decay"]) or momentum == 0:
         return None  # (no momentum: no state to update)
 
     def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
-        if not _fits(grads, params, entries, ("momentum_buffer",)):
+        if not fits(grads, params, entries, ("momentum_buffer",)):
             return None
 
         def run() -> tuple[list[torch.Tensor], Entries]:
@@ -163,7 +169,7 @@ def sgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 torch._foreach_add_(buf, foreach.mul(g, factor))
             # (the state's buffer is scaled into a new tensor; Nesterov's fresh sum, in place)
             out = foreach.mul_(foreach.add_scaled(g, momentum, buf), -lr) if h["nesterov"] else foreach.mul(buf, -lr)
-            return out, _with(entries, "count", count + 1)
+            return out, with_entry(entries, "count", count + 1)
 
         return run
 
@@ -186,12 +192,12 @@ def _prefix(grads: list[torch.Tensor], params: list[torch.Tensor], h: Mapping[st
 def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
     """``torch.optim.RMSprop`` in place: the maths of :func:`functopk.rmsprop` (``mul_``/``addcmul_``, ``lerp_``)."""
     lr, alpha, eps, momentum = h["lr"], h["alpha"], h["eps"], h["momentum"]
-    if not _numbers(lr, alpha, eps, momentum, h["weight_decay"]):
+    if not all_numbers(lr, alpha, eps, momentum, h["weight_decay"]):
         return None
     names = ("square_avg",) + (("grad_avg",) if h["centered"] else ()) + (("momentum_buffer",) if momentum else ())
 
     def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
-        if not _fits(grads, params, entries, names):
+        if not fits(grads, params, entries, names):
             return None
 
         def run() -> tuple[list[torch.Tensor], Entries]:
@@ -204,12 +210,12 @@ def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 mu = [e["grad_avg"] for e in entries]
                 torch._foreach_lerp_(mu, g, 1.0 - alpha)
                 square = foreach.addcmul(nu, mu, mu, value=-1.0)
-            out = _div_into(g, foreach.add_scalar_(foreach.sqrt(square), eps))
+            out = div_each_into(g, foreach.add_scalar_(foreach.sqrt(square), eps))
             if momentum:  # the state's buffer, scaled into a new tensor; else the fresh quotient, in place
                 out = foreach.mul(_momentum_into(out, [e["momentum_buffer"] for e in entries], momentum), -lr)
             else:
                 out = foreach.mul_(out, -lr)
-            return out, _with(entries, "step", entries[0]["step"] + 1)
+            return out, with_entry(entries, "step", entries[0]["step"] + 1)
 
         return run
 
@@ -219,24 +225,24 @@ def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
 def adagrad_step(h: Mapping[str, Any]) -> InplaceStep | None:
     """``torch.optim.Adagrad`` in place: the maths of :func:`functopk.adagrad` (``addcmul_`` into the sum)."""
     lr, lr_decay, eps = h["lr"], h["lr_decay"], h["eps"]
-    if not _numbers(lr, lr_decay, eps, h["weight_decay"]):
+    if not all_numbers(lr, lr_decay, eps, h["weight_decay"]):
         return None
 
     def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
-        if not _fits(grads, params, entries, ("sum",)):
+        if not fits(grads, params, entries, ("sum",)):
             return None
 
         def run() -> tuple[list[torch.Tensor], Entries]:
             g = _prefix(grads, params, h)
             total = [e["sum"] for e in entries]
             torch._foreach_addcmul_(total, g, g)
-            out = _div_into(g, foreach.add_scalar_(foreach.sqrt(total), eps))
+            out = div_each_into(g, foreach.add_scalar_(foreach.sqrt(total), eps))
             count = entries[0]["step"]
             if lr_decay == 0:
-                return foreach.mul_(out, -lr), _with(entries, "step", count + 1)
+                return foreach.mul_(out, -lr), with_entry(entries, "step", count + 1)
             # functopk.adagrad's schedule: in float64 (float32 for float32 leaves), as torch's Python float
             decayed = -lr / (1.0 + count.to(foreach.scalar_dtype(count.device)) * lr_decay)
-            return foreach.mul_(out, foreach.for_leaves(decayed, out)), _with(entries, "step", count + 1)
+            return foreach.mul_(out, foreach.for_leaves(decayed, out)), with_entry(entries, "step", count + 1)
 
         return run
 
@@ -246,11 +252,11 @@ def adagrad_step(h: Mapping[str, Any]) -> InplaceStep | None:
 def adamax_step(h: Mapping[str, Any]) -> InplaceStep | None:
     """``torch.optim.Adamax`` in place: the maths of :func:`functopk.optim.adamax` (``lerp_``, ``maximum_``)."""
     lr, (b1, b2), eps = h["lr"], h["betas"], h["eps"]
-    if not _numbers(lr, b1, b2, eps, h["weight_decay"]):
+    if not all_numbers(lr, b1, b2, eps, h["weight_decay"]):
         return None
 
     def check(grads: list[torch.Tensor], params: list[torch.Tensor], entries: Entries) -> Run | None:
-        if not _fits(grads, params, entries, ("exp_avg", "exp_inf")):
+        if not fits(grads, params, entries, ("exp_avg", "exp_inf")):
             return None
 
         def run() -> tuple[list[torch.Tensor], Entries]:
@@ -268,7 +274,7 @@ def adamax_step(h: Mapping[str, Any]) -> InplaceStep | None:
             for m, u, buf in zip(mu, nu, floor):  # m / u into the floor's buffers, done with
                 torch.div(m, u, out=buf)
             out = foreach.mul_(floor, foreach.for_leaves(step, g))
-            return out, _with(entries, "step", count + 1)
+            return out, with_entry(entries, "step", count + 1)
 
         return run
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_distinct_params, group_scalar, is_zero, torch_duplicate_warning_ignored
-from functopk.adapter import inplace
+from functopk.adapter import inplace, inplace_adam_variants, inplace_classic
 from functopk.base import GradientTransformation, init_count, recorded
 from functopk.build import leafwise
 from functopk.combine import chain
@@ -164,7 +164,11 @@ _add_module_specs(
     (_ADAFACTOR_BUILDERS, _ADAFACTOR_NAMES),  # (ft.optim.adafactor and ft.optim.muon are the functions)
     (_MUON_BUILDERS, _MUON_NAMES),
 )
-_SPECS["Adamax"] = _SPECS["Adamax"]._replace(inplace=inplace.adamax_step)  # (the other module classes: pure)
+for _name, _step in {
+    "Adamax": inplace.adamax_step, "NAdam": inplace_adam_variants.nadam_step, "RAdam": inplace_adam_variants.radam_step,
+    "Adadelta": inplace_classic.adadelta_step, "Rprop": inplace_classic.rprop_step, "ASGD": inplace_classic.asgd_step,
+}.items():  # (the other module classes: pure)
+    _SPECS[_name] = _SPECS[_name]._replace(inplace=_step)
 
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the loss several times inside one step (a closure-driven line search), which a "

@@ -145,13 +145,13 @@ def _second_moments(
     out = []
     for i, g in enumerate(grads):
         e1 = torch.finfo(g.dtype).eps if eps1 is None else eps1
+        # clamp to eps1**2 before the root keeps eps1's magnitude; in place on the fresh product, else fresh
         if g.dim() >= 2:
             estimate = rows[i] @ cols[i]
-            estimate.div_(torch.clamp(rows[i].mean(dim=-2, keepdim=True), min=e1))
+            estimate.div_(torch.clamp(rows[i].mean(dim=-2, keepdim=True), min=e1)).clamp_(min=e1 * e1)
         else:
-            estimate = variances[i]
-        # clamp to eps1**2 before the root keeps eps1's magnitude; the clamp's result is a fresh tensor
-        out.append(torch.clamp(estimate, min=e1 * e1).rsqrt_().mul_(g))
+            estimate = torch.clamp(variances[i], min=e1 * e1)
+        out.append(estimate.rsqrt_().mul_(g))
     return out, [rows, cols, variances]
 
 
@@ -178,7 +178,9 @@ def _scale(updates: Leaves, params: Leaves, inv_root: torch.Tensor, lr: Hyper, c
     else:
         rho = torch.clamp(inv_root, max=lr)
         coefs = [-(f * rho) / den for f, den in zip(floors, denoms)]
-    return foreach.mul_list(updates, [c.to(u.dtype) for c, u in zip(coefs, updates)])
+    if updates:  # in place: the updates are fresh (no second tree)
+        torch._foreach_mul_(list(updates), [c.to(u.dtype) for c, u in zip(coefs, updates)])
+    return updates
 
 
 def _step(

@@ -23,7 +23,7 @@ state field to torch's per-parameter state key.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -36,18 +36,13 @@ from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
 __all__ = [
-    "TORCH_BUILDERS",
-    "TORCH_STATE_NAMES",
-    "AdamaxState",
-    "NadamState",
-    "RadamState",
-    "adamax",
-    "nadam",
-    "radam",
-]
+    "TORCH_BUILDERS", "TORCH_STATE_NAMES", "AdamaxState", "NadamState", "RadamState", "adamax", "nadam", "radam",
+]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- shared pieces
+
+DivInto = Callable[[Leaves, list[torch.Tensor]], list[torch.Tensor]]
 
 
 class _Config(NamedTuple):
@@ -83,7 +78,7 @@ def _config(
     )
 
 
-def _gradient(grads: Leaves, params: Leaves | None, cfg: _Config) -> Leaves:
+def torch_gradient(grads: Leaves, params: Leaves | None, cfg: _Config) -> Leaves:
     """torch's first moves: negate (``maximize``), then add ``weight_decay * params`` (coupled decay)."""
     if cfg.maximize:
         grads = foreach.neg(grads)
@@ -192,16 +187,40 @@ def nadam(
     return _nadam(cfg, check_hyperparam(momentum_decay, "momentum_decay", minimum=0.0))
 
 
-def _nadam_schedule(cfg: _Config, momentum_decay: Hyper, state: NadamState) -> tuple[torch.Tensor, ...]:
+def _nadam_schedule(
+    cfg: _Config, momentum_decay: Hyper, count: torch.Tensor, mu_product: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """``(mu_t, mu_{t+1}, P_t as stored, P_t in float64, sqrt(1 - b2**t))`` on the count, in float64."""
-    t, dtype = _times(state.count)
+    t, dtype = _times(count)
     b1, decay = _as(cfg.b1, dtype), _as(momentum_decay, dtype)
     mu = b1 * (1.0 - 0.5 * torch.pow(0.96, t * decay))
     mu_next = b1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1.0) * decay))
     # in the stored dtype, as torch multiplies its running product (float32 in torch by default) by mu_t
-    stored = state.mu_product * mu.to(state.mu_product.dtype)
+    stored = mu_product * mu.to(mu_product.dtype)
     bc2_sqrt = torch.sqrt(1.0 - torch.pow(_as(cfg.b2, dtype), t))
     return mu, mu_next, stored, stored.to(dtype), bc2_sqrt
+
+
+def nadam_direction(
+    g: Leaves, m: Leaves, v: Leaves, count: torch.Tensor, mu_product: torch.Tensor, params: Leaves | None,
+    cfg: _Config, momentum_decay: Hyper,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """NAdam's update (fresh) from ``g`` and the new moments ``m``, ``v``; the new ``P_t`` (the in-place step's too)."""
+    mu, mu_next, stored, product, bc2_sqrt = _nadam_schedule(cfg, momentum_decay, count, mu_product)
+    lr = _learning_rate(cfg, count)
+    # torch: -lr * (1 - mu) / (1 - P) * g / d - lr * mu_next / (1 - P * mu_next) * m / d with
+    # d = sqrt(v) / bc2_sqrt + eps; here d * bc2_sqrt = sqrt(v) + eps * bc2_sqrt, and bc2_sqrt
+    # rides on the two coefficients.
+    coef_g = (lr * (1.0 - mu) / (1.0 - product)) * -bc2_sqrt
+    coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
+    denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
+    cg, cm = foreach.for_leaves(coef_g, g), cast(torch.Tensor, foreach.for_leaves(coef_m, g))
+    if denom and denom[0].device.type == "cpu":  # leaf by leaf: a second fresh tree costs page faults on CPU
+        for x, y, d in zip(g, m, denom):
+            torch.div(torch.mul(x, cg).addcmul_(y, cm), d, out=d)
+        return _decoupled_decay_(denom, params, lr, cfg, g), stored
+    num = foreach.addcmul_(foreach.mul(g, cg), m, [cm] * len(denom))  # (foreach kernels: one launch for all)
+    return _decoupled_decay_(foreach.div_into(num, denom), params, lr, cfg, g), stored
 
 
 def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:
@@ -215,19 +234,10 @@ def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:
         return NadamState(count=count, mu_product=product, mu=zeros(params), nu=zeros(params))
 
     def update(grads: Leaves, state: NadamState, params: Leaves | None) -> tuple[Leaves, NadamState]:
-        g = _gradient(grads, params, cfg)
+        g = torch_gradient(grads, params, cfg)
         m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
         v = ema_sq(state.nu, g, cfg.b2)
-        mu, mu_next, stored, product, bc2_sqrt = _nadam_schedule(cfg, momentum_decay, state)
-        lr = _learning_rate(cfg, state.count)
-        # torch: -lr * (1 - mu) / (1 - P) * g / d - lr * mu_next / (1 - P * mu_next) * m / d with
-        # d = sqrt(v) / bc2_sqrt + eps; here d * bc2_sqrt = sqrt(v) + eps * bc2_sqrt, and bc2_sqrt
-        # rides on the two coefficients.
-        coef_g = (lr * (1.0 - mu) / (1.0 - product)) * -bc2_sqrt
-        coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
-        denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
-        num = foreach.add_scaled_(foreach.mul(g, foreach.for_leaves(coef_g, g)), foreach.for_leaves(coef_m, g), m)
-        out = _decoupled_decay_(foreach.div_into(num, denom), params, lr, cfg, g)
+        out, stored = nadam_direction(g, m, v, state.count, state.mu_product, params, cfg, momentum_decay)
         return out, NadamState(count=state.count + 1, mu_product=stored, mu=m, nu=v)
 
     fields = ("mu", "nu")
@@ -307,18 +317,30 @@ def radam(
         return RadamState(count=init_count(params), mu=zeros(params), nu=zeros(params))
 
     def update(grads: Leaves, state: RadamState, params: Leaves | None) -> tuple[Leaves, RadamState]:
-        g = _gradient(grads, params, cfg)
+        g = torch_gradient(grads, params, cfg)
         m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
         v = ema_sq(state.nu, g, cfg.b2)
-        lr = _learning_rate(cfg, state.count)
-        adaptive, plain = _radam_coefficients(cfg, state.count, lr)
-        denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)
-        out = foreach.mul_(foreach.div_into(m, denom), foreach.for_leaves(adaptive, g))
-        out = foreach.add_scaled_(out, foreach.for_leaves(plain, g), m)  # exactly 0 * m once rectified
-        return _decoupled_decay_(out, params, lr, cfg, g), RadamState(count=state.count + 1, mu=m, nu=v)
+        out = radam_direction(g, m, v, state.count, params, cfg)
+        return out, RadamState(count=state.count + 1, mu=m, nu=v)
 
     fields = ("mu", "nu")
     return leafwise("radam", update, init=init, state=RadamState, tree_fields=fields, needs_params=cfg.has_decay)
+
+
+def radam_direction(
+    g: Leaves, m: Leaves, v: Leaves, count: torch.Tensor, params: Leaves | None, cfg: _Config,
+    div_into: DivInto = foreach.div_into,
+) -> list[torch.Tensor]:
+    """RAdam's update from the gradient ``g`` and the new moments ``m``, ``v``, in fresh buffers.
+
+    Shared by :func:`radam` and the adapter's in-place step (whose ``div_into`` is one ``div`` per leaf).
+    """
+    lr = _learning_rate(cfg, count)
+    adaptive, plain = _radam_coefficients(cfg, count, lr)
+    denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)
+    out = foreach.mul_(div_into(m, denom), foreach.for_leaves(adaptive, g))
+    out = foreach.addcmul_(out, m, [cast(torch.Tensor, foreach.for_leaves(plain, g))] * len(out))  # 0 * m if rectified
+    return _decoupled_decay_(out, params, lr, cfg, g)
 
 
 def _radam_coefficients(cfg: _Config, count: torch.Tensor, lr: Hyper) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,7 +432,7 @@ def adamax(
         return AdamaxState(count=init_count(params), mu=zeros(params), nu=zeros(params))
 
     def update(grads: Leaves, state: AdamaxState, params: Leaves | None) -> tuple[Leaves, AdamaxState]:
-        g = _gradient(grads, params, cfg)
+        g = torch_gradient(grads, params, cfg)
         m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
         u = foreach.maximum(foreach.mul(state.nu, cfg.b2), foreach.add_scalar_(foreach.abs(g), cfg.eps))
         t, dtype = _times(state.count)
@@ -437,6 +459,13 @@ def _group_common(group: dict[str, Any]) -> dict[str, Any]:
         "weight_decay": group_scalar(group["weight_decay"]),
         "maximize": group.get("maximize", False),
     }
+
+
+def torch_config(group: dict[str, Any]) -> _Config:
+    """The checked hyperparameters of a torch NAdam, RAdam or Adamax param group (the adapter's in-place steps)."""
+    c = _group_common(group)
+    decoupled = group.get("decoupled_weight_decay", False)
+    return _config(c["learning_rate"], c["b1"], c["b2"], c["eps"], c["weight_decay"], decoupled, c["maximize"])
 
 
 def _nadam_from_torch(group: dict[str, Any]) -> GradientTransformation:

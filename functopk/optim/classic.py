@@ -42,7 +42,7 @@ __all__ = [
     "adadelta",
     "asgd",
     "rprop",
-]
+]  # (adadelta_delta, rprop_factors, rprop_direction, asgd_new_params, asgd_next_eta_mu: shared with the adapter)
 
 
 def _at_most(value: Hyper, name: str, maximum: float) -> Hyper:
@@ -140,8 +140,7 @@ def adadelta(
         if decay and params is not None:
             grads = foreach.add_scaled(grads, weight_decay, params)
         square_avg = ema_sq(state.square_avg, grads, rho)
-        std = foreach.sqrt(foreach.add_scalar(square_avg, eps))
-        delta = foreach.mul_list(foreach.div(foreach.sqrt(foreach.add_scalar(state.acc_delta, eps)), std), grads)
+        delta = adadelta_delta(square_avg, state.acc_delta, grads, eps)
         acc_delta = ema_sq(state.acc_delta, delta, rho)
         lr = _value_at(learning_rate, state.count)
         out = foreach.mul(delta, -lr)
@@ -151,6 +150,19 @@ def adadelta(
         "adadelta", update, init=init, state=AdadeltaState, tree_fields=("square_avg", "acc_delta"),
         needs_params=decay,
     )
+
+
+def adadelta_delta(square_avg: Leaves, acc_delta: Leaves, grads: Leaves, eps: Hyper) -> list[torch.Tensor]:
+    """``sqrt(acc_delta + eps) / sqrt(square_avg + eps) * grads`` in fresh buffers (the new ``square_avg``, the old
+    ``acc_delta``): torch's kernels, shared by :func:`adadelta` and the adapter's in-place step."""
+    std = foreach.add_scalar(square_avg, eps)
+    delta = foreach.add_scalar(acc_delta, eps)
+    if std:  # torch's in-place kernels on the fresh buffers: no tree allocated but these two
+        torch._foreach_sqrt_(std)
+        torch._foreach_sqrt_(delta)
+        torch._foreach_div_(delta, std)
+        torch._foreach_mul_(delta, list(grads))
+    return delta
 
 
 # --------------------------------------------------------------------------- Rprop
@@ -176,17 +188,29 @@ class RpropState(NamedTuple):
     step_size: PyTree
 
 
-def _sign_factors(products: Leaves, eta_minus: Hyper, eta_plus: Hyper) -> Leaves:
-    """``eta_plus`` where ``g * prev > 0``, ``eta_minus`` where ``< 0``, 1 where 0 (NaN stays NaN), as torch."""
-    out = []
-    for p in products:
+def rprop_factors(grads: Leaves, prev: Leaves, eta_minus: Hyper, eta_plus: Hyper) -> tuple[Leaves, Leaves]:
+    """``(where grads * prev < 0, the step-size factors)``: shared by :func:`rprop` and the adapter's in-place step.
+
+    The factors are ``eta_plus`` where ``g * prev > 0``, ``eta_minus`` where ``< 0``, 1 where 0 (NaN stays
+    NaN), as torch sets them: in the buffer of the products, with ``masked_fill_``.
+    """
+    products = foreach.mul_list(grads, prev)
+    flipped = [p < 0 for p in products]
+    for s in foreach.sign_(products):
         minus, plus = (
-            e.to(device=p.device, dtype=p.dtype) if isinstance(e, torch.Tensor) else e for e in (eta_minus, eta_plus)
+            e.to(device=s.device, dtype=s.dtype) if isinstance(e, torch.Tensor) else e for e in (eta_minus, eta_plus)
         )
-        s = p.sign()
-        s = torch.where(s > 0, plus, s)
-        s = torch.where(s < 0, minus, s)
-        out.append(torch.where(s == 0, 1.0, s))
+        s.masked_fill_(s > 0, plus)
+        s.masked_fill_(s < 0, minus)
+        s.masked_fill_(s == 0, 1.0)
+    return flipped, products
+
+
+def rprop_direction(kept: Leaves, step_size: Leaves) -> list[torch.Tensor]:
+    """``-sign(kept) * step_size``, as ``sign(-kept)`` (+0, not -0, where ``kept`` is 0), in one fresh tree."""
+    out = foreach.sign_(foreach.neg(kept))
+    if out:
+        torch._foreach_mul_(out, list(step_size))
     return out
 
 
@@ -257,12 +281,10 @@ def rprop(
     def update(grads: Leaves, state: RpropState, params: Leaves | None) -> tuple[Leaves, RpropState]:
         if maximize:
             grads = foreach.neg(grads)
-        products = foreach.mul_list(grads, state.prev)
-        factors = _sign_factors(products, eta_minus, eta_plus)
+        flipped, factors = rprop_factors(grads, state.prev, eta_minus, eta_plus)
         step_size = foreach.clamp(foreach.mul_list(state.step_size, factors), low, high)
-        kept = [torch.where(p < 0, torch.zeros((), dtype=g.dtype, device=g.device), g) for p, g in zip(products, grads)]
-        # -sign(g) as sign(-g): +0 (not -0) where g is 0
-        out = foreach.mul_list([g.sign() for g in foreach.neg(kept)], step_size)
+        kept = [torch.where(f, torch.zeros((), dtype=g.dtype, device=g.device), g) for f, g in zip(flipped, grads)]
+        out = rprop_direction(kept, step_size)
         return out, RpropState(count=state.count + 1, prev=kept, step_size=step_size)
 
     return leafwise("rprop", update, init=init, state=RpropState, tree_fields=("prev", "step_size"))
@@ -379,20 +401,30 @@ def asgd(
             grads = foreach.add_scaled(grads, weight_decay, params)
         # torch's new parameters, params - eta * (g + lambd * params), with its fused kernel; the update is their
         # difference from params (exact wherever the step is under |params|, so apply_updates gives them back)
-        etas = [state.eta] * len(grads)
-        new_params = foreach.addcmul(params, foreach.add_scaled(grads, lambd, params), etas, value=-1.0)
+        new_params = asgd_new_params(grads, params, state.eta, lambd)
         out = foreach.sub(new_params, params)
         ax = foreach.addcmul(state.ax, foreach.sub(new_params, state.ax), [state.mu] * len(grads))
-        eta, mu = _next_eta_mu(state, _value_at(learning_rate, state.count), lambd, alpha, t0)
+        lr = _value_at(learning_rate, state.count)
+        eta, mu = asgd_next_eta_mu(state.count, state.eta.dtype, lr, lambd, alpha, t0)
         return out, AsgdState(count=state.count + 1, eta=eta, mu=mu, ax=ax)
 
     return leafwise("asgd", update, init=init, state=AsgdState, tree_fields=("ax",), needs_params=True)
 
 
-def _next_eta_mu(
-    state: AsgdState, lr: Hyper, lambd: Hyper, alpha: Hyper, t0: Hyper
+def asgd_new_params(grads: Leaves, params: Leaves, eta: torch.Tensor, lambd: Hyper) -> list[torch.Tensor]:
+    """torch's new parameters ``params - eta * (grads + lambd * params)``, fresh (shared with the in-place step)."""
+    out = foreach.add_scaled(grads, lambd, params)
+    if not out or out[0].device.type != "cpu":  # (foreach kernels: one launch for all leaves)
+        return foreach.addcmul(params, out, [eta] * len(out), value=-1.0)
+    for p, x in zip(params, out):  # into the fresh buffer: a second fresh tree costs page faults on CPU
+        torch.addcmul(p, x, eta, value=-1.0, out=x)
+    return out
+
+
+def asgd_next_eta_mu(
+    count: torch.Tensor, dtype: torch.dtype, lr: Hyper, lambd: Hyper, alpha: Hyper, t0: Hyper
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ASGD's ``eta`` and ``mu`` after step ``state.count + 1``, rounded as torch's foreach ASGD rounds them.
+    """ASGD's ``eta`` (in ``dtype``) and ``mu`` after step ``count + 1``, rounded as torch's foreach ASGD rounds them.
 
     torch evaluates ``lr / ((1 + lambd * lr * step) ** alpha)`` with ``step`` its
     float32 (or float64) step tensor and the rest Python floats: the same
@@ -400,8 +432,8 @@ def _next_eta_mu(
     bits. ``mu`` is ``1 / max(1, step - t0)`` in Python floats there, in float64
     (float32 on MPS) here, then rounded to the state's dtype.
     """
-    dtype, device = state.eta.dtype, state.count.device
-    step = state.count + 1
+    device = count.device
+    step = count + 1
     eta = lr / ((1 + lambd * lr * step.to(dtype)) ** alpha)
     wide = step.to(foreach.scalar_dtype(device))
     mu = 1.0 / torch.clamp_min(wide - t0, 1.0)

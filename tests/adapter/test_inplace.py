@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import functopk as ft
-from functopk.adapter import inplace
+from functopk.adapter import inplace, registry
 from tests.helpers import assert_tree_bitwise_equal
 
 SHAPES = [(3, 4), (5,), ()]
@@ -27,6 +27,18 @@ CASES = [
     (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.5}),
     (torch.optim.Adamax, {"lr": 0.01}),
     (torch.optim.Adamax, {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.NAdam, {"lr": 0.01}),
+    (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 0.1, "momentum_decay": 0.01, "maximize": True}),
+    (torch.optim.NAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (torch.optim.RAdam, {"lr": 0.01}),  # (rectified from the 6th step: 7 steps run both branches)
+    (torch.optim.RAdam, {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.RAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    (torch.optim.Adadelta, {}),
+    (torch.optim.Adadelta, {"lr": 0.5, "rho": 0.8, "eps": 1e-3, "weight_decay": 0.1, "maximize": True}),
+    (torch.optim.Rprop, {"lr": 0.01}),
+    (torch.optim.Rprop, {"lr": 0.01, "etas": (0.3, 1.5), "step_sizes": (0.005, 0.02), "maximize": True}),
+    (torch.optim.ASGD, {"lr": 0.01}),
+    (torch.optim.ASGD, {"lr": 0.01, "lambd": 0.01, "alpha": 0.5, "t0": 0, "weight_decay": 0.1, "maximize": True}),
 ]
 
 
@@ -51,8 +63,8 @@ def test_inplace_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, dtype)
     opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, foreach=True, **kwargs)
     tx = ft.from_torch(cls, **kwargs)
     ref = {i: p.detach().clone() for i, p in enumerate(params)}
-    state = tx.init(ref)
-    for step in range(3):
+    state, first = tx.init(ref), {}
+    for step in range(7 if cls is torch.optim.RAdam else 3):
         grads = _set_grads(params, step)
         for q, g in zip(theirs, grads):
             q.grad = g.clone()
@@ -61,6 +73,10 @@ def test_inplace_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, dtype)
         updates, state = tx.update(dict(enumerate(grads)), state, ref)
         ref = ft.apply_updates(ref, updates)
         assert_tree_bitwise_equal([p.detach() for p in params], list(ref.values()))
+        ptrs = {(i, n): v.data_ptr() for i, p in enumerate(params) if p.dim()
+                for n, v in opt.state[p].items() if v.shape == p.shape}  # fmt: skip
+        first = first or ptrs
+        assert ptrs == first and len(first) >= 2  # the in-place step ran: the same state tensors
     rtol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close([p.detach() for p in params], [q.detach() for q in theirs], rtol=rtol, atol=0.0)
     ours, torchs = opt.state[params[0]], torch_opt.state[theirs[0]]
@@ -128,3 +144,17 @@ def test_a_step_that_fails_in_a_later_group_changes_nothing():
     with pytest.raises(ValueError):
         opt.step()
     assert_tree_bitwise_equal((opt.state_dict()["state"], [p.detach() for p in first + second]), before)
+
+
+@pytest.mark.parametrize(
+    ("cls", "key"),
+    [(torch.optim.NAdam, "momentum_decay"), (torch.optim.RAdam, "lr"), (torch.optim.Adadelta, "rho"),
+     (torch.optim.Rprop, "etas"), (torch.optim.ASGD, "lambd")],
+)  # fmt: skip
+def test_a_tensor_hyperparameter_takes_the_pure_path(cls, key):
+    h = registry.torch_hyperparams(cls, {})
+    build = registry.spec_for(cls).inplace
+    assert build(h) is not None
+    value = h[key]
+    h[key] = tuple(torch.tensor(v) for v in value) if isinstance(value, tuple) else torch.tensor(value)
+    assert build(h) is None
