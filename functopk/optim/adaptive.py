@@ -18,13 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import optree
 import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
 from functopk.build import leafwise
-from functopk.combine import MaskOrFn
-from functopk.optim._shared import Hyper, Leaves, selected, with_mask
+from functopk.combine import MaskOrFn, resolve_mask
+from functopk.inplace import Planned, Stage, fitting, register_inplace
+from functopk.optim._shared import Hyper, Leaves, is_number, selected, with_mask
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
@@ -205,9 +207,7 @@ def adam_transform(
             lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
             out = adam_direction(mu, nu if nu_max is None else nu_max, state.count, cfg, lr, grads)
             if decay is not None and decay.decoupled and params is not None and lr is not None:
-                idx = selected(flags, out)
-                coef = foreach.for_leaves(-lr * decay.weight_decay, grads)
-                foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
+                _decay_decoupled(out, grads, params, flags, decay.weight_decay, lr)
             return out, ScaleByAdamState(count=state.count + 1, mu=mu, nu=nu, nu_max=nu_max)
 
         return leafwise(
@@ -215,7 +215,65 @@ def adam_transform(
             needs_params=decay is not None,
         )
 
-    return with_mask(make, decay.mask if decay is not None else None, name)
+    tx = with_mask(make, decay.mask if decay is not None else None, name)
+    return register_inplace(tx, _adam_stage(cfg, learning_rate, decay))
+
+
+def _decay_decoupled(
+    out: Leaves, grads: Leaves, params: Leaves, flags: list[bool] | None, weight_decay: Hyper, lr: Hyper
+) -> None:
+    """AdamW's decay into the fresh updates ``out``: ``-lr * weight_decay * params`` on the leaves the mask keeps."""
+    idx = selected(flags, out)
+    coef = foreach.for_leaves(-lr * weight_decay, grads)
+    foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
+
+
+def _adam_stage(cfg: AdamConfig, learning_rate: ScalarOrSchedule | None, decay: AdamDecay | None) -> Stage:
+    """:func:`adam_transform`'s in-place form (:func:`functopk.update_`): the same kernels, the moments as outputs.
+
+    The moments are updated with ``lerp_``, ``mul_``/``addcmul_`` (and
+    ``maximum_``), the out-of-place kernels' in-place forms, which round alike in
+    float32 and float64; ``b1`` and ``b2`` must be Python numbers (the foreach
+    kernels take no tensor scalar there).
+    """
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        if not (isinstance(state, ScaleByAdamState) and is_number(cfg.b1) and is_number(cfg.b2)):
+            return None
+        if (state.nu_max is not None) != cfg.amsgrad or not _is_count(state.count):
+            return None
+        fields = [fitting(f, treedef, params) for f in (state.mu, state.nu, state.nu_max if cfg.amsgrad else [])]
+        if any(f is None for f in fields[: 3 if cfg.amsgrad else 2]):
+            return None
+        mu, nu, nu_max = (f or [] for f in fields)
+        b1, b2 = float(cfg.b1), float(cfg.b2)  # (numbers)
+        flags = None if decay is None or decay.mask is None else resolve_mask(decay.mask, treedef.unflatten(params))
+
+        def run(g: Leaves) -> Leaves:
+            if cfg.maximize:
+                g = foreach.neg(g)
+            if decay is not None and not decay.decoupled:
+                g = foreach.add_scaled(g, decay.weight_decay, params)
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+            torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+            if cfg.amsgrad:
+                torch._foreach_maximum_(nu_max, nu)
+            lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, state.count, cfg, lr, g)
+            if decay is not None and decay.decoupled and lr is not None:
+                _decay_decoupled(out, g, params, flags, decay.weight_decay, lr)
+            state.count.add_(1)
+            return out
+
+        return Planned([*mu, *nu, *nu_max, state.count], run)
+
+    return stage
+
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point() and x.layout == torch.strided
 
 
 @recorded

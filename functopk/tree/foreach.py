@@ -282,3 +282,13 @@ def nan_to_zero(xs: Leaves) -> list[torch.Tensor]:
 def where_positive(conds: Leaves, xs: Leaves) -> list[torch.Tensor]:
     """``x`` where ``c > 0``, else 0, elementwise, leaf by leaf (one ``torch.where`` per leaf)."""
     return [torch.where(c > 0, x, torch.zeros((), dtype=x.dtype, device=x.device)) for c, x in zip(conds, xs)]
+
+
+def add_scaled_into(xs: Leaves, scalar: float, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``x + scalar * b`` written into ``buffers`` (``b`` read first), returned: :func:`add_scaled`'s numbers.
+
+    One ``add(out=)`` per leaf: ``_foreach_add.List_out`` computes into fresh tensors and copies.
+    """
+    for x, b in zip(xs, buffers):
+        torch.add(x, b, alpha=scalar, out=b)
+    return buffers
