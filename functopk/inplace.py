@@ -104,7 +104,8 @@ def register_inplace(tx: GradientTransformation, stage: Stage | str | tuple[Grad
         >>> ft.update_(tx, {"w": torch.ones(2)}, tx.init(params), params)[0]["w"]
         tensor([2., 2.])
     """
-    _STAGES[tx.update] = _Chained(stage) if isinstance(stage, tuple) else stage
+    if not torch.compiler.is_compiling():  # (a factory called in a compiled step: update_ is eager only)
+        _STAGES[tx.update] = _Chained(stage) if isinstance(stage, tuple) else stage
     return tx
 
 
