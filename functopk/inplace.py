@@ -202,7 +202,7 @@ def update_(
         (tensor([1., 4., 3.]), tensor([ 0., -4.,  0.]))
     """
     check_transformation(tx, "tx")
-    p_leaves, pairs, treedef = paired_leaves(params, grads, in_place=True)
+    p_leaves, pairs, treedef = paired_leaves(params, grads, in_place=False)  # (writability: _check_disjoint)
     g_leaves: list[Any] = treedef.flatten_up_to(grads)
     fits = bool(p_leaves) and len(pairs) == len(p_leaves) and all(map(_like, g_leaves, p_leaves))
     whole = [_Part(tx, opt_state, "")]
@@ -212,7 +212,8 @@ def update_(
     for part in head:  # pure: nothing is written yet
         updates, new = part.tx.update(updates, part.state, params)
         new_states.append(new)
-    u_leaves: list[Any] | None = _leaves_like(updates, treedef, p_leaves) if plans else None
+    u_leaves: list[Any] | None = g_leaves if not head else _leaves_like(updates, treedef, p_leaves)
+    u_leaves = u_leaves if plans else None
     if plans and u_leaves is None:  # the pure parts changed the leaves' kind: no in-place tail after all
         for part in tail:
             updates, new = part.tx.update(updates, part.state, params)
@@ -223,7 +224,7 @@ def update_(
     if u_leaves is not None:
         adds = list(range(len(p_leaves)))
     else:  # the pure updates, checked against the parameters before anything is written
-        adds = [i for i, _ in paired_leaves(params, updates, in_place=True)[1]]
+        adds = [i for i, _ in paired_leaves(params, updates, in_place=False)[1]]
         u_leaves = treedef.flatten_up_to(updates)
     _check_disjoint([p_leaves[i] for i in adds], adds, plans, copies, g_leaves, treedef)
     _write(plans, copies, [p_leaves[i] for i in adds], adds, u_leaves)
@@ -293,13 +294,22 @@ def _check_disjoint(
     g_leaves: list[Any],
     treedef: optree.PyTreeSpec,
 ) -> None:
-    """``ValueError`` naming a tensor to be written that overlaps another written tensor or a gradient."""
-    paths = treedef.paths()
-    named = [(p, f"params{path_str(paths[i])}") for p, i in zip(params, adds)]
-    named += [(t, "opt_state (a tensor the in-place step writes)") for planned in plans for t in planned.written]
-    named += [(o, where) for o, _, where in copies]
-    named += [  # (an inference tensor can be read, not written: a gradient that is one is not checked)
-        (g, f"grads{path_str(paths[i])}") for i, g in enumerate(g_leaves)
-        if isinstance(g, torch.Tensor) and not g.is_inference()
-    ]  # fmt: skip
-    check_writable([t for t, _ in named], "update_'s input", lambda i: named[i][1])
+    """``ValueError`` naming a tensor to be written that cannot be (an inference tensor, an expanded view), or
+    that overlaps another written tensor or a gradient. Leaf paths are built only for a message."""
+    written = [t for planned in plans for t in planned.written]
+    grads = [i for i, g in enumerate(g_leaves) if isinstance(g, torch.Tensor) and not g.is_inference()]
+    # (an inference tensor can be read, not written: a gradient that is one is not checked)
+    tensors = [*params, *written, *(o for o, _, _ in copies), *(g_leaves[i] for i in grads)]
+
+    def where(k: int) -> str:
+        if k < len(params):
+            return f"params{path_str(treedef.paths()[adds[k]])}"
+        k -= len(params)
+        if k < len(written):
+            return "opt_state (a tensor the in-place step writes)"
+        k -= len(written)
+        return copies[k][2] if k < len(copies) else f"grads{path_str(treedef.paths()[grads[k - len(copies)]])}"
+
+    check_writable(tensors, "update_'s input", where)
+
+
