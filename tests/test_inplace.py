@@ -44,6 +44,7 @@ CASES = {
     "rmsprop-momentum-partly": (lambda: ft.rmsprop(1e-2, momentum=0.9, centered=True), 2),
     "fallback-lion": (lambda: ft.lion(1e-3, weight_decay=0.1), 2),
     "fallback-apply-if-finite": (lambda: ft.apply_if_finite(ft.adam(1e-2), 2), 0),
+    "fallback-inject-hyperparams": (lambda: ft.inject_hyperparams(ft.adam)(learning_rate=1e-2), 0),
 }
 
 
@@ -148,3 +149,25 @@ def test_a_failing_part_after_an_in_place_one_writes_nothing():
 def test_not_a_transformation():
     with pytest.raises(TypeError, match="tx must be"):
         ft.update_(object(), {}, (), {})
+
+
+def _counting():
+    def init(params):
+        return {"steps": 0}
+
+    def update(updates, state, params=None):
+        return updates, {"steps": state["steps"] + 1}
+
+    return ft.GradientTransformation(init, update)
+
+
+def test_a_state_that_cannot_be_written_in_place_raises_and_writes_nothing():
+    tx = ft.chain(_counting(), ft.sgd(0.1, momentum=0.9))  # a Python int in the state, changed by each update
+    params = tree(0)
+    state = tx.init(params)
+    p0, s0 = clone_tree(params), clone_tree(state[1])
+    with pytest.raises(ValueError, match=r"opt_state\[0\]\['steps'\] \(0\) is no tensor"):
+        ft.update_(tx, tree(1), state, params)
+    assert state[0] == {"steps": 0}
+    assert_tree_bitwise_equal(params, p0)
+    assert_tree_bitwise_equal(state[1], s0)
