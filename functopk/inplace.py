@@ -20,9 +20,10 @@ update then runs). A planned step runs the kernels of the pure update, in the
 same order and with the same scalars, with the state's old tensors as their
 outputs (``lerp_``, ``mul_``, ``addcmul_``, ``add(out=)``). :func:`functopk.adam`,
 :func:`functopk.adamw`, :func:`functopk.scale_by_adam`, :func:`functopk.trace`
-(without dampening), and the stateless scalings have stages, and so do their
-``torch.optim`` twins from :func:`functopk.from_torch`; a :func:`functopk.chain`
-runs in place the longest tail of its parts that have stages (so ``sgd``,
+(without dampening), :func:`functopk.scale_by_rms`, :func:`functopk.scale_by_rss`
+and the stateless scalings have stages, and so do their ``torch.optim`` twins
+from :func:`functopk.from_torch`; a :func:`functopk.chain` runs in place the
+longest tail of its parts that have stages (so ``sgd``, ``rmsprop``, ``adagrad``,
 ``chain(topk(k), adam(lr))``), the parts before it purely, copying their new
 states into the old tensors afterwards. Any other transformation runs purely and
 its new state is copied in: the same result, not faster.

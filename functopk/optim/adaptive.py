@@ -48,6 +48,13 @@ def ema_sq(avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
     return foreach.addcmul_(new, grads, grads, value=1.0 - decay)
 
 
+def ema_sq_(avg: list[torch.Tensor], grads: Leaves, decay: float) -> list[torch.Tensor]:
+    """:func:`ema_sq` into ``avg`` (a state's own tensors, for :func:`functopk.update_`): ``mul_``, ``addcmul_``."""
+    torch._foreach_mul_(avg, decay)
+    torch._foreach_addcmul_(avg, list(grads), list(grads), value=1.0 - decay)
+    return avg
+
+
 def _root_plus_eps(square: Leaves, eps: Hyper, eps_in_sqrt: bool) -> Leaves:
     """Fresh denominators ``sqrt(square + eps)`` (``eps_in_sqrt``) or ``sqrt(square) + eps``."""
     if eps_in_sqrt:
@@ -255,8 +262,7 @@ def _adam_stage(cfg: AdamConfig, learning_rate: ScalarOrSchedule | None, decay: 
             if decay is not None and not decay.decoupled:
                 g = foreach.add_scaled(g, decay.weight_decay, params)
             torch._foreach_lerp_(mu, g, 1.0 - b1)
-            torch._foreach_mul_(nu, b2)
-            torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+            ema_sq_(nu, g, b2)
             if cfg.amsgrad:
                 torch._foreach_maximum_(nu_max, nu)
             lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
@@ -379,7 +385,30 @@ def scale_by_rms(
         square = nu if mu is None else foreach.addcmul(nu, mu, mu, value=-1.0)
         return foreach.div_into(grads, _root_plus_eps(square, eps, eps_in_sqrt)), ScaleByRmsState(nu=nu, mu=mu)
 
-    return leafwise("scale_by_rms", update, init=init, state=ScaleByRmsState, tree_fields=("nu", "mu"))
+    tx = leafwise("scale_by_rms", update, init=init, state=ScaleByRmsState, tree_fields=("nu", "mu"))
+    return register_inplace(tx, _rms_stage(float(decay), eps, eps_in_sqrt, centered)) if is_number(decay) else tx
+
+
+def _rms_stage(decay: float, eps: Hyper, eps_in_sqrt: bool, centered: bool) -> Stage:
+    """:func:`scale_by_rms`'s in-place form: ``mul_``/``addcmul_`` into ``nu``, ``lerp_`` into ``mu``."""
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        if not isinstance(state, ScaleByRmsState) or (state.mu is not None) != centered:
+            return None
+        nu, mu = fitting(state.nu, treedef, grads), fitting(state.mu, treedef, grads) if centered else []
+        if nu is None or mu is None:
+            return None
+
+        def run(g: Leaves) -> Leaves:
+            ema_sq_(nu, g, decay)
+            if centered:
+                torch._foreach_lerp_(mu, list(g), 1.0 - decay)
+            square = foreach.addcmul(nu, mu, mu, value=-1.0) if centered else nu
+            return foreach.div_into(g, _root_plus_eps(square, eps, eps_in_sqrt))
+
+        return Planned([*nu, *mu], run)
+
+    return stage
 
 
 # --------------------------------------------------------------------------- Adagrad
@@ -439,4 +468,23 @@ def scale_by_rss(
             out = foreach.where_positive(total, out)
         return out, ScaleByRssState(sum_of_squares=total)
 
-    return leafwise("scale_by_rss", update, init=init, state=ScaleByRssState, tree_fields=("sum_of_squares",))
+    tx = leafwise("scale_by_rss", update, init=init, state=ScaleByRssState, tree_fields=("sum_of_squares",))
+    return register_inplace(tx, _rss_stage(eps, eps_in_sqrt))
+
+
+def _rss_stage(eps: Hyper, eps_in_sqrt: bool) -> Stage:
+    """:func:`scale_by_rss`'s in-place form: ``addcmul_`` into the sum."""
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        total = fitting(state.sum_of_squares, treedef, grads) if isinstance(state, ScaleByRssState) else None
+        if total is None:
+            return None
+
+        def run(g: Leaves) -> Leaves:
+            torch._foreach_addcmul_(total, list(g), list(g))
+            out = foreach.div_into(g, _root_plus_eps(total, eps, eps_in_sqrt))
+            return foreach.where_positive(total, out) if eps_in_sqrt else out
+
+        return Planned(list(total), run)
+
+    return stage
