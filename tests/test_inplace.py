@@ -8,7 +8,7 @@ import torch
 
 import functopk as ft
 from functopk.inplace import split
-from tests.helpers import assert_tree_bitwise_equal, clone_tree
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
 
 
 def tree(seed: int, dtype=torch.float32):
@@ -60,14 +60,15 @@ def pure_steps(tx, params, grads):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_update_matches_pure_bitwise_and_writes_in_place(name):
+def test_update_matches_pure_bitwise_and_writes_in_place(device, name):
     make, in_place = CASES[name]
     tx = make()
     grads = [tree(s) for s in (1, 2, 3)]
     grads[1]["conv"][0, 0, 0] = float("nan")  # NaN and Inf go where the pure step sends them
     grads[2]["block"]["bias"][1] = float("inf")
-    expected_params, expected_state = pure_steps(tx, tree(0), grads)
-    params = tree(0)
+    grads = [to_device(g, device) for g in grads]
+    expected_params, expected_state = pure_steps(tx, to_device(tree(0), device), grads)
+    params = to_device(tree(0), device)
     state = tx.init(params)
     leaves, treedef = optree.tree_flatten(params)
     assert len(split(tx, state, optree.tree_leaves(grads[0]), leaves, treedef)[1]) == in_place
