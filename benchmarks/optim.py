@@ -8,6 +8,8 @@ the parameters; gradients are given, fixed random tensors) in these variants:
   raises), its default per-parameter loop;
 * ``functopk eager pure``: ``tx.update`` then ``ft.apply_updates`` (new tensors);
 * ``functopk eager in-place``: ``tx.update`` then ``ft.apply_updates_`` (into the parameters);
+* ``functopk eager update_``: ``ft.update_(tx, grads, state, params)``, the in-place twin
+  (state and parameters donated; the same numbers as the pure step, bit for bit);
 * ``functopk compiled pure``: the pure step under ``torch.compile(fullgraph=True)``
   (inductor); should that fail (a graph break), the error is recorded and the step
   is compiled and timed again without ``fullgraph``, with its graph breaks counted;
@@ -189,6 +191,13 @@ class FunctopkInplace(FunctopkPure):
         ft.apply_updates_(self.p, updates)
 
 
+class FunctopkTwin(FunctopkPure):
+    name = "functopk eager update_ (donated)"
+
+    def step(self) -> None:
+        ft.update_(self.tx, self.grads, self.state, self.p)
+
+
 class FunctopkCompiled(FunctopkPure):
     name = "functopk compiled pure"
 
@@ -314,7 +323,7 @@ def compiled_notes(v, graphs_before: int) -> list[str]:
 
 
 def run_one(name: str, opt: Opt, params, grads, rounds: int, warmup: int, compile_: bool, sync) -> list[dict]:
-    classes: list[Callable] = [TorchOptim, FunctopkPure, FunctopkInplace]
+    classes: list[Callable] = [TorchOptim, FunctopkPure, FunctopkInplace, FunctopkTwin]
     if compile_:
         classes.append(FunctopkCompiled)
     if torchopt is not None and opt.torch_class in ("SGD", "Adam", "AdamW"):

@@ -20,11 +20,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+VARIANTS = (
+    "functopk eager pure", "functopk eager in-place", "functopk eager update_", "functopk compiled pure", "TorchOpt"
+)
+"""The variants' name prefixes, in the order of the summary's columns and the plot's bars."""
+
+
 def summary(rows: list[dict], optimizers: dict) -> str:
-    """One line per optimizer: the torch baseline and functopk's three ratios to it."""
+    """One line per optimizer: the torch baseline and functopk's four ratios to it."""
     lines = [
-        "| optimizer | functopk | torch.optim baseline | baseline ms | eager pure | eager in-place | compiled pure |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| optimizer | functopk | torch.optim baseline | baseline ms | eager pure | eager in-place | eager update_ "
+        "| compiled pure |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in dict.fromkeys(r["optimizer"] for r in rows):
         mine = [r for r in rows if r["optimizer"] == name]
@@ -32,7 +39,7 @@ def summary(rows: list[dict], optimizers: dict) -> str:
         torch_name = f"`{opt.torch_class}`" if opt.torch_class else "none"
         base = mine[0]
         cells = []
-        for prefix in ("functopk eager pure", "functopk eager in-place", "functopk compiled pure"):
+        for prefix in VARIANTS[:4]:
             hit = [r for r in mine if r["variant"].startswith(prefix)]
             if not hit:
                 cells.append("-")
@@ -53,7 +60,7 @@ def plot(rows: list[dict], path: str, title: str, optimizers: dict) -> None:
     import matplotlib.pyplot as plt
 
     opts = list(dict.fromkeys(r["optimizer"] for r in rows))
-    names = ["functopk eager pure", "functopk eager in-place", "functopk compiled pure", "TorchOpt"]
+    names = list(VARIANTS)
     names = [n for n in names if any(r["variant"].startswith(n) for r in rows)]
     width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(max(9, 0.9 * len(opts) + 3), 4.5))

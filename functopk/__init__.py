@@ -33,6 +33,7 @@ from functopk.compress import (
     threshold,
     topk,
 )
+from functopk.inplace import update_
 from functopk.optim import (
     adadelta,
     adafactor,
@@ -169,6 +170,7 @@ __all__ = [
     "topk_sparsify",
     "trace",
     "tree",
+    "update_",
     "warmup_cosine_decay_schedule",
     "zero_nans",
 ]

@@ -17,6 +17,7 @@ import torch
 
 from functopk._checks import check_state, check_tree, describe, first_difference, path_str
 from functopk.base import GradientTransformation, OptState, Params, Updates, check_transformation, recorded
+from functopk.inplace import register_inplace
 from functopk.tree.maths import PyTree, flatten_like
 
 __all__ = ["MaskOrFn", "MaskedState", "chain", "masked", "named_chain", "partition", "resolve_mask"]
@@ -103,7 +104,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    return register_inplace(GradientTransformation(init, update), transforms)
 
 
 @recorded

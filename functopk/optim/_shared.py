@@ -82,3 +82,8 @@ def check_count(value: Any, name: str, *, minimum: int) -> int | torch.Tensor:
     if isinstance(value, torch.Tensor):
         return check_scalar_tensor(value, name, kind="real", expected="an int or a 0-d tensor")
     return check_int(value, name, minimum=minimum)
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a Python int or float (not a bool, not a tensor): what a foreach ``scalar`` takes."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -20,13 +20,15 @@ import struct
 from collections.abc import Callable
 from typing import NamedTuple
 
+import optree
 import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
 from functopk.build import leafwise
-from functopk.combine import MaskOrFn
-from functopk.optim._shared import Hyper, Leaves, selected, with_mask
+from functopk.combine import MaskOrFn, resolve_mask
+from functopk.inplace import Planned, Stage, fitting, register_inplace
+from functopk.optim._shared import Hyper, Leaves, is_number, selected, with_mask
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
@@ -46,6 +48,13 @@ def ema_sq(avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
     if isinstance(decay, torch.Tensor):  # the foreach ``value`` must be a Python number
         return foreach.addcmul_(new, foreach.mul(grads, 1.0 - decay), grads)
     return foreach.addcmul_(new, grads, grads, value=1.0 - decay)
+
+
+def ema_sq_(avg: list[torch.Tensor], grads: Leaves, decay: float) -> list[torch.Tensor]:
+    """:func:`ema_sq` into ``avg`` (a state's own tensors, for :func:`functopk.update_`): ``mul_``, ``addcmul_``."""
+    torch._foreach_mul_(avg, decay)
+    torch._foreach_addcmul_(avg, list(grads), list(grads), value=1.0 - decay)
+    return avg
 
 
 def _root_plus_eps(square: Leaves, eps: Hyper, eps_in_sqrt: bool) -> Leaves:
@@ -262,9 +271,7 @@ def adam_transform(
             lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
             out = adam_direction(mu, nu if nu_max is None else nu_max, state.count, cfg, lr, grads)
             if decay is not None and decay.decoupled and params is not None and lr is not None:
-                idx = selected(flags, out)
-                coef = foreach.for_leaves(-lr * decay.weight_decay, grads)
-                foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
+                _decay_decoupled(out, grads, params, flags, decay.weight_decay, lr)
             return out, ScaleByAdamState(count=state.count + 1, mu=mu, nu=nu, nu_max=nu_max)
 
         return leafwise(
@@ -272,7 +279,64 @@ def adam_transform(
             needs_params=decay is not None,
         )
 
-    return with_mask(make, decay.mask if decay is not None else None, name)
+    tx = with_mask(make, decay.mask if decay is not None else None, name)
+    return register_inplace(tx, _adam_stage(cfg, learning_rate, decay))
+
+
+def _decay_decoupled(
+    out: Leaves, grads: Leaves, params: Leaves, flags: list[bool] | None, weight_decay: Hyper, lr: Hyper
+) -> None:
+    """AdamW's decay into the fresh updates ``out``: ``-lr * weight_decay * params`` on the leaves the mask keeps."""
+    idx = selected(flags, out)
+    coef = foreach.for_leaves(-lr * weight_decay, grads)
+    foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
+
+
+def _adam_stage(cfg: AdamConfig, learning_rate: ScalarOrSchedule | None, decay: AdamDecay | None) -> Stage:
+    """:func:`adam_transform`'s in-place form (:func:`functopk.update_`): the same kernels, the moments as outputs.
+
+    The moments are updated with ``lerp_``, ``mul_``/``addcmul_`` (and
+    ``maximum_``), the out-of-place kernels' in-place forms, which round alike in
+    float32 and float64; ``b1`` and ``b2`` must be Python numbers (the foreach
+    kernels take no tensor scalar there).
+    """
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        if not (isinstance(state, ScaleByAdamState) and is_number(cfg.b1) and is_number(cfg.b2)):
+            return None
+        if (state.nu_max is not None) != cfg.amsgrad or not _is_count(state.count):
+            return None
+        fields = [fitting(f, treedef, params) for f in (state.mu, state.nu, state.nu_max if cfg.amsgrad else [])]
+        if any(f is None for f in fields[: 3 if cfg.amsgrad else 2]):
+            return None
+        mu, nu, nu_max = (f or [] for f in fields)
+        b1, b2 = float(cfg.b1), float(cfg.b2)  # (numbers)
+        flags = None if decay is None or decay.mask is None else resolve_mask(decay.mask, treedef.unflatten(params))
+
+        def run(g: Leaves) -> Leaves:
+            if cfg.maximize:
+                g = foreach.neg(g)
+            if decay is not None and not decay.decoupled:
+                g = foreach.add_scaled(g, decay.weight_decay, params)
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            ema_sq_(nu, g, b2)
+            if cfg.amsgrad:
+                torch._foreach_maximum_(nu_max, nu)
+            lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, state.count, cfg, lr, g)
+            if decay is not None and decay.decoupled and lr is not None:
+                _decay_decoupled(out, g, params, flags, decay.weight_decay, lr)
+            state.count.add_(1)
+            return out
+
+        return Planned([*mu, *nu, *nu_max, state.count], run)
+
+    return stage
+
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point() and x.layout == torch.strided
 
 
 @recorded
@@ -378,7 +442,30 @@ def scale_by_rms(
         square = nu if mu is None else foreach.addcmul(nu, mu, mu, value=-1.0)
         return foreach.div_into(grads, _root_plus_eps(square, eps, eps_in_sqrt)), ScaleByRmsState(nu=nu, mu=mu)
 
-    return leafwise("scale_by_rms", update, init=init, state=ScaleByRmsState, tree_fields=("nu", "mu"))
+    tx = leafwise("scale_by_rms", update, init=init, state=ScaleByRmsState, tree_fields=("nu", "mu"))
+    return register_inplace(tx, _rms_stage(float(decay), eps, eps_in_sqrt, centered)) if is_number(decay) else tx
+
+
+def _rms_stage(decay: float, eps: Hyper, eps_in_sqrt: bool, centered: bool) -> Stage:
+    """:func:`scale_by_rms`'s in-place form: ``mul_``/``addcmul_`` into ``nu``, ``lerp_`` into ``mu``."""
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        if not isinstance(state, ScaleByRmsState) or (state.mu is not None) != centered:
+            return None
+        nu, mu = fitting(state.nu, treedef, grads), fitting(state.mu, treedef, grads) if centered else []
+        if nu is None or mu is None:
+            return None
+
+        def run(g: Leaves) -> Leaves:
+            ema_sq_(nu, g, decay)
+            if centered:
+                torch._foreach_lerp_(mu, list(g), 1.0 - decay)
+            square = foreach.addcmul(nu, mu, mu, value=-1.0) if centered else nu
+            return foreach.div_into(g, _root_plus_eps(square, eps, eps_in_sqrt))
+
+        return Planned([*nu, *mu], run)
+
+    return stage
 
 
 # --------------------------------------------------------------------------- Adagrad
@@ -438,4 +525,23 @@ def scale_by_rss(
             out = foreach.where_positive(total, out)
         return out, ScaleByRssState(sum_of_squares=total)
 
-    return leafwise("scale_by_rss", update, init=init, state=ScaleByRssState, tree_fields=("sum_of_squares",))
+    tx = leafwise("scale_by_rss", update, init=init, state=ScaleByRssState, tree_fields=("sum_of_squares",))
+    return register_inplace(tx, _rss_stage(eps, eps_in_sqrt))
+
+
+def _rss_stage(eps: Hyper, eps_in_sqrt: bool) -> Stage:
+    """:func:`scale_by_rss`'s in-place form: ``addcmul_`` into the sum."""
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        total = fitting(state.sum_of_squares, treedef, grads) if isinstance(state, ScaleByRssState) else None
+        if total is None:
+            return None
+
+        def run(g: Leaves) -> Leaves:
+            torch._foreach_addcmul_(total, list(g), list(g))
+            out = foreach.div_into(g, _root_plus_eps(total, eps, eps_in_sqrt))
+            return foreach.where_positive(total, out) if eps_in_sqrt else out
+
+        return Planned(list(total), run)
+
+    return stage

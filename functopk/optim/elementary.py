@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from functopk._checks import check_bool, check_callable, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, recorded
 from functopk.build import leafwise
 from functopk.combine import MaskOrFn
-from functopk.optim._shared import Leaves, selected, with_mask
+from functopk.inplace import STATELESS, Planned, Stage, fitting, register_inplace
+from functopk.optim._shared import Leaves, is_number, selected, with_mask
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
@@ -48,7 +50,7 @@ def _scale(step_size: float | torch.Tensor, name: str, *, negate: bool = False) 
     def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
         return foreach.mul(grads, -step_size if negate else step_size), state
 
-    return leafwise(name, update)
+    return register_inplace(leafwise(name, update), STATELESS)
 
 
 @recorded
@@ -203,7 +205,29 @@ def trace(
         out = foreach.add_scaled(grads, decay, buf) if nesterov else buf
         return out, TraceState(trace=buf, count=state.count + 1)
 
-    return leafwise("trace", update, init=init, state=TraceState, tree_fields=("trace",))
+    tx = leafwise("trace", update, init=init, state=TraceState, tree_fields=("trace",))
+    return register_inplace(tx, _trace_stage(float(decay), nesterov)) if is_zero(dampening) and is_number(decay) else tx
+
+
+def _trace_stage(decay: float, nesterov: bool) -> Stage:
+    """:func:`trace`'s in-place form without dampening: the buffer as the output of its one ``add`` per leaf."""
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        if not isinstance(state, TraceState) or not isinstance(state.count, torch.Tensor):
+            return None
+        buf = fitting(state.trace, treedef, grads)
+        if buf is None:
+            return None
+
+        def run(g: Leaves) -> Leaves:
+            foreach.add_scaled_into(g, decay, buf)
+            state.count.add_(1)
+            return foreach.add_scaled(g, decay, buf) if nesterov else buf
+
+        return Planned([*buf, state.count], run)
+
+    return stage
+
 
 
 class WeightDecayScheduleState(NamedTuple):
@@ -288,6 +312,6 @@ def add_decayed_weights(
                 return grads, state
             return _decay(grads, params, flags, weight_decay), state
 
-        return leafwise(name, update, needs_params=True)
+        return register_inplace(leafwise(name, update, needs_params=True), STATELESS)
 
     return with_mask(make_constant, mask, name)

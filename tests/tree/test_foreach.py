@@ -121,3 +121,13 @@ def test_for_leaves_keeps_float64_only_when_a_leaf_needs_it():
     assert foreach.for_leaves(s, [torch.zeros(1)]).dtype == torch.float32
     assert foreach.for_leaves(s, [torch.zeros(1), torch.zeros(1, dtype=torch.float64)]).dtype == torch.float64
     assert foreach.for_leaves(0.5, [torch.zeros(1)]) == 0.5
+
+
+def test_add_scaled_into_writes_add_scaled_into_the_buffers(device):
+    xs = [torch.randn(5, device=device), torch.randn(2, 3, dtype=torch.float64, device=device)]
+    bufs = [torch.randn(5, device=device), torch.randn(2, 3, dtype=torch.float64, device=device)]
+    expected = foreach.add_scaled(xs, 0.9, bufs)
+    ptrs = [b.data_ptr() for b in bufs]
+    out = foreach.add_scaled_into(xs, 0.9, bufs)
+    assert out is bufs and [b.data_ptr() for b in bufs] == ptrs
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(out, expected))

@@ -1,0 +1,177 @@
+"""update_: the in-place twin of ``tx.update`` + ``apply_updates``, against the pure path bit for bit."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+import functopk as ft
+from functopk.inplace import split
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
+
+
+def tree(seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "conv": torch.randn(3, 2, 2, generator=g).to(dtype),
+        "block": {"bias": torch.randn(4, generator=g).to(dtype)},
+        "head": torch.randn(2, 3, generator=g, dtype=torch.float64),
+    }
+
+
+def _no_decay(params):
+    return {"conv": True, "block": {"bias": False}, "head": True}
+
+
+# (transformation, how many of its flattened chain parts run in place: the rest run purely, then are copied)
+CASES = {
+    "sgd": (lambda: ft.sgd(0.1), 1),
+    "sgd-momentum": (lambda: ft.sgd(0.1, momentum=0.9), 2),
+    "sgd-nesterov-decay-maximize": (
+        lambda: ft.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1, maximize=True), 4
+    ),
+    "sgd-dampening": (lambda: ft.sgd(0.1, momentum=0.9, dampening=0.3), 1),
+    "adam-decay-maximize": (lambda: ft.adam(1e-2, weight_decay=0.1, maximize=True), 1),
+    "adamw": (lambda: ft.adamw(1e-2, weight_decay=0.1), 1),
+    "adamw-amsgrad-mask": (lambda: ft.adamw(1e-2, amsgrad=True, mask=_no_decay), 1),
+    "adam-schedule": (lambda: ft.adam(ft.linear_schedule(0.1, 0.01, 3)), 1),
+    "topk-sgd": (lambda: ft.chain(ft.topk(5), ft.sgd(0.1, momentum=0.9, nesterov=True)), 2),
+    "topk-adam": (lambda: ft.chain(ft.topk(5), ft.adam(0.1)), 1),
+    "topk-adamw": (lambda: ft.chain(ft.topk(5), ft.adamw(0.1)), 1),
+    "from-torch-adamw": (lambda: ft.from_torch(torch.optim.AdamW, lr=1e-2), 1),
+    "from-torch-sgd": (lambda: ft.from_torch(torch.optim.SGD, lr=1e-2, momentum=0.5), 2),
+    "rmsprop-centered-momentum": (lambda: ft.rmsprop(1e-2, momentum=0.9, centered=True), 3),
+    "adagrad": (lambda: ft.adagrad(1e-2, initial_accumulator_value=0.1), 2),
+    "scale-by-rms-rss-optax": (lambda: ft.chain(ft.scale_by_rms(), ft.scale_by_rss(eps=0.0), ft.scale(-0.1)), 3),
+    "adagrad-lr-decay-partly": (lambda: ft.adagrad(1e-2, lr_decay=0.1), 0),
+    "fallback-lion": (lambda: ft.lion(1e-3, weight_decay=0.1), 2),
+    "fallback-apply-if-finite": (lambda: ft.apply_if_finite(ft.adam(1e-2), 2), 0),
+    "fallback-inject-hyperparams": (lambda: ft.inject_hyperparams(ft.adam)(learning_rate=1e-2), 0),
+}
+
+
+def pure_steps(tx, params, grads):
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = ft.apply_updates(params, updates)
+    return params, state
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_update_matches_pure_bitwise_and_writes_in_place(device, name):
+    make, in_place = CASES[name]
+    tx = make()
+    grads = [tree(s) for s in (1, 2, 3)]
+    grads[1]["conv"][0, 0, 0] = float("nan")  # NaN and Inf go where the pure step sends them
+    grads[2]["block"]["bias"][1] = float("inf")
+    grads = [to_device(g, device) for g in grads]
+    expected_params, expected_state = pure_steps(tx, to_device(tree(0), device), grads)
+    params = to_device(tree(0), device)
+    state = tx.init(params)
+    leaves, treedef = optree.tree_flatten(params)
+    assert len(split(tx, state, optree.tree_leaves(grads[0]), leaves, treedef)[1]) == in_place
+    given = clone_tree(grads)
+    ptrs = [t.data_ptr() for t in optree.tree_leaves((params, state))]
+    for g in grads:
+        out = ft.update_(tx, g, state, params)
+        assert out[0] is params and out[1] is state
+    assert [t.data_ptr() for t in optree.tree_leaves((params, state))] == ptrs
+    assert_tree_bitwise_equal(params, expected_params)
+    assert_tree_bitwise_equal(state, expected_state)
+    assert_tree_bitwise_equal(grads, given)  # never written
+
+
+def test_narrow_dtypes_fall_back_to_the_pure_step():
+    tx = ft.adam(1e-2)
+    grads = [tree(s, torch.bfloat16) for s in (1, 2)]
+    expected_params, expected_state = pure_steps(tx, tree(0, torch.bfloat16), grads)
+    params = tree(0, torch.bfloat16)
+    state = tx.init(params)
+    for g in grads:
+        ft.update_(tx, g, state, params)
+    assert_tree_bitwise_equal(params, expected_params)
+    assert_tree_bitwise_equal(state, expected_state)
+
+
+def test_module_parameters_that_require_grad():
+    model = torch.nn.Linear(3, 2)
+    params = dict(model.named_parameters())
+    tx = ft.sgd(0.1, momentum=0.9)
+    state = tx.init(params)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    expected = ft.apply_updates({k: v.detach().clone() for k, v in params.items()}, tx.update(grads, state, params)[0])
+    ft.update_(tx, grads, state, params)
+    assert model.weight is params["weight"] and torch.equal(model.weight.detach(), expected["weight"].detach())
+
+
+def _unchanged_after(error, call, params, state, match):
+    p0, s0 = clone_tree(params), clone_tree(state)
+    with pytest.raises(error, match=match):
+        call()
+    assert_tree_bitwise_equal(params, p0)
+    assert_tree_bitwise_equal(state, s0)
+
+
+def test_params_aliasing_state_raises_and_writes_nothing():
+    tx = ft.chain(ft.topk(2), ft.sgd(0.1, momentum=0.9))
+    params = tree(0)
+    state = tx.init(params)
+    state[1][0].trace["head"] = params["head"]  # a state tensor that is a parameter
+    grads = tree(1)
+    _unchanged_after(ValueError, lambda: ft.update_(tx, grads, state, params), params, state, r"params\['head'\]")
+
+
+def test_grads_aliasing_params_raises_and_writes_nothing():
+    tx = ft.adamw(0.1)
+    params = tree(0)
+    state = tx.init(params)
+    _unchanged_after(ValueError, lambda: ft.update_(tx, params, state, params), params, state, "grads")
+
+
+def test_bad_grads_raise_and_write_nothing():
+    tx = ft.adam(0.1)
+    params = tree(0)
+    state = tx.init(params)
+    grads = tree(1)
+    grads["conv"] = torch.ones(5)
+    _unchanged_after(ValueError, lambda: ft.update_(tx, grads, state, params), params, state, r"\['conv'\]")
+
+
+def _fails(updates, params):
+    raise RuntimeError("a later part fails")
+
+
+def test_a_failing_part_after_an_in_place_one_writes_nothing():
+    tx = ft.chain(ft.adam(0.1), ft.stateless(_fails))  # the pure update runs (and fails) before any write
+    params = tree(0)
+    state = tx.init(params)
+    _unchanged_after(RuntimeError, lambda: ft.update_(tx, tree(1), state, params), params, state, "later part")
+
+
+def test_not_a_transformation():
+    with pytest.raises(TypeError, match="tx must be"):
+        ft.update_(object(), {}, (), {})
+
+
+def _counting():
+    def init(params):
+        return {"steps": 0}
+
+    def update(updates, state, params=None):
+        return updates, {"steps": state["steps"] + 1}
+
+    return ft.GradientTransformation(init, update)
+
+
+def test_a_state_that_cannot_be_written_in_place_raises_and_writes_nothing():
+    tx = ft.chain(_counting(), ft.sgd(0.1, momentum=0.9))  # a Python int in the state, changed by each update
+    params = tree(0)
+    state = tx.init(params)
+    p0, s0 = clone_tree(params), clone_tree(state[1])
+    with pytest.raises(ValueError, match=r"opt_state\[0\]\['steps'\] \(0\) is no tensor"):
+        ft.update_(tx, tree(1), state, params)
+    assert state[0] == {"steps": 0}
+    assert_tree_bitwise_equal(params, p0)
+    assert_tree_bitwise_equal(state[1], s0)
