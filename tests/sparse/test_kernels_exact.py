@@ -99,3 +99,22 @@ def test_the_eager_exact_kernel_does_not_compile():
     kernel = torch.compile(lambda x: select_exact([x], 10, torch.float32), fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="data-dependent"):
         kernel(big)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_select_exact_narrow_and_wide_dtypes_with_ties_nan_inf_and_tiny_leaves(dtype):
+    # many tiny leaves and one big one; ties at the k-th magnitude (narrow dtypes have few values);
+    # NaN and +-inf rank first. The scan's words hold 4 (16-bit) or 1 (float64) values.
+    g = torch.Generator().manual_seed(11)
+    flats = [torch.randn(s, generator=g).to(dtype) for s in [1, 2, 3] * 20 + [9000]]
+    flats[-1][[5, 4000]] = math.nan
+    flats[-1][77], flats[7][0] = -math.inf, math.inf
+    flats[-1][100:600] = flats[-1][99]  # a block of ties
+    n = sum(f.numel() for f in flats)
+    config = KernelConfig(exact_min_numel=0, sample_size=256, segment=1024)
+    for k in (1, 3, 40, 300, 2000, n - 1, n):
+        expected = brute_topk(flats, k, dtype)
+        idx, vals = select_exact(flats, k, dtype, config)
+        assert torch.equal(idx, expected[0]), k
+        assert torch.equal(vals.view(torch.int64 if dtype == torch.float64 else torch.int16),
+                           expected[1].view(torch.int64 if dtype == torch.float64 else torch.int16)), k

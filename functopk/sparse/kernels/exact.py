@@ -70,11 +70,9 @@ def top_k_of_candidates(idx: torch.Tensor, vals: torch.Tensor, k: int, t_hi: flo
     """The exact top ``k`` among ``m > k`` sorted candidates (ties: first in flat order)."""
     mags = magnitudes_(vals.clone())
     t = _kth_largest(mags, k, t_hi, band_min)
-    above, at = mags > t, mags == t
-    if int(torch.count_nonzero(above)) + int(torch.count_nonzero(at)) == k:
-        keep = above | at
-    else:
-        keep = tie_mask(above, at, k)
+    keep = mags >= t  # no NaN among the magnitudes: ``>=`` is ``above | at``
+    if int(torch.count_nonzero(keep)) != k:  # ties at the k-th magnitude: the first ones in flat order
+        keep = tie_mask(mags > t, mags == t, k)
     sel = nonzero_1d(keep, 1.0)
     return idx.index_select(0, sel), vals.index_select(0, sel)
 

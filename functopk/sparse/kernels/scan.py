@@ -198,8 +198,9 @@ class Scanner:
         flat = words.view(-1)
         pos = flat.nonzero().view(-1)  # candidates' positions among the hit words' values
         self._count(pos.numel() - words.shape[0])  # the exact count replaces the count of hit words
-        # value ``pos`` is value ``pos % per`` of hit word ``pos // per``
-        idx = first.index_select(0, pos // per).add_(pos % per)
+        # value ``pos`` is value ``pos % per`` of hit word ``pos // per`` (``per`` a power of 2: shifts)
+        shift = per.bit_length() - 1
+        idx = first.index_select(0, pos >> shift).add_(pos & (per - 1)) if shift else first.index_select(0, pos)
         return idx, flat.index_select(0, pos).to(self.dtype)
 
     def _expand_columns(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
