@@ -51,6 +51,7 @@ from functopk.base import GradientTransformation, Params, Updates
 from functopk.distributed.agree import check_agreement, layout_code
 from functopk.distributed.fsdp_torch import compute_local_shape_and_global_offset
 from functopk.distributed.wire import gather_or_fail, local_topk, pack, unpack
+from functopk.sparse.api import topk_indices
 from functopk.sparse.k import resolve_k
 
 __all__ = ["FSDPTopKState", "fsdp_topk"]
@@ -169,20 +170,22 @@ def _update(
         return updates, state._replace(count=state.count + 1)
     shards = _shards(leaves, treedef, "updates")
     kk, n = _k(k, density, shards.numel), shards.numel
-    # Step I: this rank's candidates, in the promoted dtype, indexed in the unsharded model.
-    flat = torch.cat([t.to(shards.dtype) for t in shards.local])
-    if flat.numel():
-        idx, vals = local_topk(flat, min(kk, flat.numel()))
-    else:  # this rank holds no coordinates (more ranks than rows): it sends padding only
-        idx, vals = flat.new_zeros(0, dtype=torch.int64), flat
+    # Step I: this rank's candidates (the library's selection over the local shards as a tree: no concatenation),
+    # indexed in the unsharded model.
     sizes = [t.numel() for t in shards.local]
-    local_starts = torch.tensor([0, *sizes[:-1]], device=flat.device).cumsum(0)
-    to_global = torch.tensor([s + o for s, o in zip(shards.starts, shards.offsets)], device=flat.device)
+    device, local_n = shards.local[0].device, sum(sizes)
+    if local_n:
+        sel = topk_indices([t.detach() for t in shards.local], min(kk, local_n))
+        idx, vals = sel.indices, sel.values.to(shards.dtype)
+    else:  # this rank holds no coordinates (more ranks than rows): it sends padding only
+        idx, vals = torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=shards.dtype, device=device)
+    local_starts = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0)
+    to_global = torch.tensor([s + o for s, o in zip(shards.starts, shards.offsets)], device=device)
     leaf = torch.searchsorted(local_starts, idx, right=True) - 1
     gidx = idx - local_starts[leaf] + to_global[leaf]
     # Step II: every rank's k pairs (padded with index n, value 0).
     packed = pack(gidx, vals, kk, n)
-    gathered = torch.empty(shards.world * packed.numel(), dtype=torch.uint8, device=flat.device)
+    gathered = torch.empty(shards.world * packed.numel(), dtype=torch.uint8, device=device)
     gather_or_fail(gathered, packed, shards.group, f"the candidate all-gather of {_WHAT}")
     pairs = unpack(gathered, shards.world, kk, n, shards.dtype)
     all_idx = torch.cat([i.to(torch.int64) for i, _ in pairs])
@@ -191,7 +194,7 @@ def _update(
     all_idx, order = torch.sort(all_idx, stable=True)
     all_vals = all_vals[order]
     pos, top = local_topk(all_vals, kk)
-    out = _scatter_own(all_idx[pos], top, shards, flat)
+    out = _scatter_own(all_idx[pos], top, shards)
     bad = ~torch.isfinite(all_vals).all()
     new_leaves = [_like(leaf_, piece) for leaf_, piece in zip(leaves, out)]
     return optree.tree_unflatten(treedef, new_leaves), FSDPTopKState(
@@ -199,19 +202,20 @@ def _update(
     )
 
 
-def _scatter_own(gidx: torch.Tensor, vals: torch.Tensor, shards: _Shards, flat: torch.Tensor) -> list[torch.Tensor]:
+def _scatter_own(gidx: torch.Tensor, vals: torch.Tensor, shards: _Shards) -> list[torch.Tensor]:
     """The selected pairs that lie in this rank's shards, written into zeroed local shards (flat, per leaf)."""
     sizes = [t.numel() for t in shards.local]
-    begin = torch.tensor([s + o for s, o in zip(shards.starts, shards.offsets)], device=flat.device)
-    local_starts = torch.tensor([0, *sizes[:-1]], device=flat.device).cumsum(0)
-    size_t = torch.tensor(sizes, device=flat.device)
-    leaf = (torch.searchsorted(torch.tensor(shards.starts, device=flat.device), gidx, right=True) - 1).clamp_(0)
+    device, local_n = vals.device, sum(sizes)
+    begin = torch.tensor([s + o for s, o in zip(shards.starts, shards.offsets)], device=device)
+    local_starts = torch.tensor([0, *sizes[:-1]], device=device).cumsum(0)
+    size_t = torch.tensor(sizes, device=device)
+    leaf = (torch.searchsorted(torch.tensor(shards.starts, device=device), gidx, right=True) - 1).clamp_(0)
     within = gidx - begin[leaf]
     mine = (within >= 0) & (within < size_t[leaf])
     # Not ours (or padding): the scratch slot past the end, dropped.
-    slot = torch.where(mine, local_starts[leaf] + within, torch.full_like(gidx, flat.numel()))
-    out = flat.new_zeros(flat.numel() + 1).index_put_((slot,), vals)
-    return list(out[: flat.numel()].split(sizes))
+    slot = torch.where(mine, local_starts[leaf] + within, torch.full_like(gidx, local_n))
+    out = vals.new_zeros(local_n + 1).index_put_((slot,), vals)
+    return list(out[:local_n].split(sizes))
 
 
 def _like(leaf: torch.Tensor, local: torch.Tensor) -> DTensor:
