@@ -22,7 +22,7 @@ Each variant keeps its own model; every one is warmed up first. Then
 ``--rounds`` rounds visit every variant (order rotated per round) for one
 untimed and ``--steps`` timed steps. A step's time is the slower rank's (an
 all-reduce of the max, outside the timed region); the table gives medians of
-the step and of ``opt.step`` alone, and the ratio to ``dense``.
+the step, of its forward and backward and of ``opt.step`` alone, and the ratio to ``dense``.
 """
 
 from __future__ import annotations
@@ -113,11 +113,13 @@ def rank_main(args) -> None:
         n = sum(p.numel() for p in runs["dense"][0].parameters())
         print(f"{args.model}, {n:,} parameters, {dist.get_world_size()} ranks (gloo, loopback), density "
               f"{args.density:g} (k = {int(n * args.density):,}); {args.rounds} rounds x {args.steps} steps")
-        print("| variant | step median (s) | opt.step median (s) | step / dense |\n| --- | --- | --- | --- |")
+        print("| variant | step median (s) | forward + backward (s) | opt.step (s) | step / dense |\n"
+              "| --- | --- | --- | --- | --- |")
         base = statistics.median(s for s, _ in times["dense"])
         for v in VARIANTS:
             s, o = statistics.median(s for s, _ in times[v]), statistics.median(o for _, o in times[v])
-            print(f"| {v} | {s:.3f} | {o:.3f} | {s / base:.3f} |")
+            fb = statistics.median(s - o for s, o in times[v])
+            print(f"| {v} | {s:.3f} | {fb:.3f} | {o:.3f} | {s / base:.3f} |")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -109,6 +109,26 @@ def _train(rank: int, how: str) -> dict:
     return {"got": got, "expected": expected}
 
 
+def _amp(rank: int) -> dict:
+    """GradScaler with the adapter: an Inf in rank 1's shard at step 1 must skip that step on every rank."""
+    model = shard_model(make_model())
+    opt = ft.optimizer_from_torch(torch.optim.SGD, model.parameters(), lr=0.5, sparsify=fsdp_topk(FSDP_K))
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    changed, scales = [], []
+    for step in range(3):
+        x, y = batch(rank, step)
+        before = full(p.detach() for p in model.parameters())
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        if step == 1 and rank == 1:  # rank 1 holds rows of the first weight at 2 and at 4 ranks
+            next(model.parameters()).grad.to_local().view(-1)[-1] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        changed.append(any(not torch.equal(a, b) for a, b in zip(before, full(p.detach() for p in model.parameters()))))
+        scales.append(scaler.get_scale())
+    return {"changed": changed, "scales": scales}
+
+
 def _mismatch(rank: int) -> str:
     grads = {"w": distribute_tensor(torch.zeros(8, 2), init_device_mesh("cpu", (torch.distributed.get_world_size(),)),
                                     [Shard(0)])}  # fmt: skip
@@ -142,6 +162,7 @@ def fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         results["ties"] = _ties(mesh)
         results["chain"] = _train(rank, "chain")
         results["adapter"] = _train(rank, "adapter")
+        results["amp"] = _amp(rank)
         results["mismatch"] = _mismatch(rank)
 
     if world != 2:

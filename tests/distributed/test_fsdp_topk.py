@@ -54,6 +54,12 @@ def test_fsdp_training_equals_topk_of_the_full_gradient(fsdp_run, how):
         assert any(not torch.equal(a, b) for a, b in zip(rec["got"][0], rec["got"][-1]))
 
 
+def test_grad_scaler_skips_the_step_with_an_inf_on_one_rank_on_every_rank(fsdp_run):
+    for r in range(fsdp_run.world):
+        amp = _rank(fsdp_run, r)["amp"]
+        assert amp == {"changed": [True, False, True], "scales": [256.0, 128.0, 128.0]}, (r, amp)
+
+
 def test_ranks_with_different_k_fail_naming_it(fsdp_run):
     for r in range(fsdp_run.world):
         msg = _rank(fsdp_run, r)["mismatch"]
