@@ -105,8 +105,9 @@ def test_quickstart_example_runs():
     assert "dense sgd (momentum 0.9)" in proc.stdout and "top-200 + sgd (momentum 0.9)" in proc.stdout
 
 
-def torchrun(*args: str, restarts: int = 0, nproc: int = 2) -> tuple[subprocess.CompletedProcess, str]:
-    """examples/ddp_topk.py on ``nproc`` gloo ranks, one short epoch; the process and a report for assertions."""
+def torchrun(*args: str, restarts: int = 0, nproc: int = 2, example: str = "ddp_topk.py"
+             ) -> tuple[subprocess.CompletedProcess, str]:  # fmt: skip
+    """An example (examples/ddp_topk.py) on ``nproc`` gloo ranks, one short epoch; the process and a report."""
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: torchrun's shared store keeps the keys of a failed attempt, and the
     # restarted ranks can read a dead peer's address from it and fail or hang (pytorch/pytorch#135712): one store
     # per attempt.
@@ -114,8 +115,8 @@ def torchrun(*args: str, restarts: int = 0, nproc: int = 2) -> tuple[subprocess.
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         "--max-restarts", str(restarts), os.path.join(ROOT, "examples", "ddp_topk.py"),
-         "--epochs", "1", "--warmup-iters", "2", "--timeout-s", "60", *args],
+         "--max-restarts", str(restarts), os.path.join(ROOT, "examples", example),
+         "--epochs", "1", "--timeout-s", "60", *(["--warmup-iters", "2"] if example == "ddp_topk.py" else []), *args],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     return proc, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -143,6 +144,24 @@ def test_ddp_example_runs_under_torchrun_and_resumes_bit_for_bit_after_a_crash(t
     assert digest and f"parameters sha256 {digest[0]}" in whole.stdout, report + "\nuninterrupted:\n" + whole.stdout
 
 
+@pytest.mark.slow
+def test_fsdp_example_resumes_bit_for_bit_from_its_dcp_checkpoint_after_a_crash(tmp_path):
+    """examples/fsdp_topk.py: DCP checkpoints every 5 of 22 steps; rank 1 dies after step 12 in the second run,
+    both ranks restart from step 10 and end with the very same (unsharded) parameters as the first run."""
+    whole, report = torchrun("--checkpoint-dir", str(tmp_path / "whole"), "--checkpoint-every", "5",
+                             example="fsdp_topk.py")  # fmt: skip
+    assert whole.returncode == 0, report
+    assert "fsdp_topk, k = 500" in whole.stdout and "resumed" not in whole.stdout, report
+    assert sorted(os.listdir(tmp_path / "whole")) == ["latest", "step00000015", "step00000020"], report
+    crashed, report = torchrun("--checkpoint-dir", str(tmp_path / "crashed"), "--checkpoint-every", "5",
+                               "--crash-at-step", "12", restarts=1, example="fsdp_topk.py")  # fmt: skip
+    assert crashed.returncode == 0, report
+    assert "rank 1: crashing after step 12" in crashed.stdout, report
+    assert "resumed from the checkpoint of step 10" in crashed.stdout, report
+    digest = [line.split("parameters sha256 ")[1] for line in crashed.stdout.splitlines() if "sha256" in line]
+    assert digest and f"parameters sha256 {digest[0]}" in whole.stdout, report + "\nuninterrupted:\n" + whole.stdout
+
+
 def test_documented_torchrun_commands_are_the_tested_form():
     """Every documented torchrun command of the DDP example uses --standalone (with torchrun's default static
     rendezvous the first restart failed in 4 of 5 tries), and the restart command also the variable and
@@ -150,13 +169,15 @@ def test_documented_torchrun_commands_are_the_tested_form():
     import inspect
 
     import ddp_topk
+    import fsdp_topk
 
     tested = inspect.getsource(torchrun)
     assert '"--standalone"' in tested and '"--max-restarts"' in tested
     assert 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"' in tested
     with open(os.path.join(ROOT, "docs", "distributed.md")) as f:
         docs = f.read()
-    for where, text in (("docs/distributed.md", docs), ("examples/ddp_topk.py", ddp_topk.__doc__ or "")):
+    for where, text in (("docs/distributed.md", docs), ("examples/ddp_topk.py", ddp_topk.__doc__ or ""),
+                        ("examples/fsdp_topk.py", fsdp_topk.__doc__ or "")):  # fmt: skip
         commands = [line.strip() for line in text.splitlines() if "torchrun --" in line and "--nproc-per-node" in line]
         assert commands and all("torchrun --standalone " in c for c in commands), (where, commands)
         restarts = [c for c in commands if "--max-restarts" in c]

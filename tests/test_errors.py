@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import functopk as ft
-from functopk.distributed import distributed_topk
+from functopk.distributed import distributed_topk, fsdp_topk
 
 NAMED = "pass dict\\(model.named_parameters\\(\\)\\)"
 
@@ -31,8 +31,9 @@ def model_and_params():
         lambda: ft.partition({"a": ft.identity()}, lambda p: ft.tree.map(lambda x: "a", p)),
         lambda: ft.sgd(0.1, momentum=0.9),
         lambda: distributed_topk(k=1),
+        lambda: fsdp_topk(k=1),
     ],
-    ids=["chain", "stateless_chain", "named_chain", "masked", "partition", "sgd", "distributed_topk"],
+    ids=["chain", "stateless_chain", "named_chain", "masked", "partition", "sgd", "distributed_topk", "fsdp_topk"],
 )
 def test_init_with_model_parameters_says_pass_named_parameters(make):
     model, _ = model_and_params()

@@ -37,14 +37,17 @@ data-parallel replicas need in order not to drift apart.
 """
 
 from functopk.distributed.exchange import sparse_allreduce
+from functopk.distributed.fsdp_topk import FSDPTopKState, fsdp_topk
 from functopk.distributed.hook import HookStats, TopKHookState, topk_hook
 from functopk.distributed.transform import DistributedTopKState, distributed_topk
 
 __all__ = [
     "DistributedTopKState",
+    "FSDPTopKState",
     "HookStats",
     "TopKHookState",
     "distributed_topk",
+    "fsdp_topk",
     "sparse_allreduce",
     "topk_hook",
 ]

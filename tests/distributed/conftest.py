@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.common import FORKSERVER_PRELOAD, WATCHDOG_S, WORLD, run_ranks
+from tests.distributed.fsdp_topk_workers import FSDP_WATCHDOG_S, fsdp_worker
 from tests.distributed.tree_workers import TREE_WATCHDOG_S, TREE_WORLD, tree_worker
 from tests.distributed.workers import worker
 
@@ -51,3 +52,16 @@ def tree_run(tmp_path_factory):
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) if (out / f"rank{r}.pt").exists() else {}
                for r in range(TREE_WORLD)]  # fmt: skip
     return SimpleNamespace(results=results, exitcodes=codes, seconds=time.monotonic() - t0)
+
+
+@pytest.fixture(scope="session", params=[2, 4], ids=["P2", "P4"])
+def fsdp_run(request, tmp_path_factory):
+    """The forked FSDP2 runs of ``test_fsdp_topk.py`` on 2 and 4 ranks: per-rank results, exit codes."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"fsdp{world}")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    codes = run_ranks(ctx, fsdp_worker, lambda r: (r, world, str(out / "store"), str(out)), world, FSDP_WATCHDOG_S)
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) if (out / f"rank{r}.pt").exists() else {}
+               for r in range(world)]  # fmt: skip
+    return SimpleNamespace(world=world, results=results, exitcodes=codes)
