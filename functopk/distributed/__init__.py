@@ -37,13 +37,16 @@ data-parallel replicas need in order not to drift apart.
 """
 
 from functopk.distributed.exchange import sparse_allreduce
+from functopk.distributed.fsdp_compress import FSDPCompressState, compress_fsdp
 from functopk.distributed.hook import HookStats, TopKHookState, topk_hook
 from functopk.distributed.transform import DistributedTopKState, distributed_topk
 
 __all__ = [
     "DistributedTopKState",
+    "FSDPCompressState",
     "HookStats",
     "TopKHookState",
+    "compress_fsdp",
     "distributed_topk",
     "sparse_allreduce",
     "topk_hook",
