@@ -3,7 +3,7 @@
 ``fsdp`` (2 ranks): training steps whose every unit reduction is recorded (the
 unit's input, the residual before and after, the reduced shard), one step with
 an Inf injected in rank 1's input, a DCP checkpoint resumed into a fresh model,
-a fingerprint mismatch, and rank 1 dying before a step. ``hsdp`` (4 ranks, a
+two steps under a halved loss scale, a fingerprint mismatch, and rank 1 dying before a step. ``hsdp`` (4 ranks, a
 2x2 ``(replicate, shard)`` mesh): the same recording of the replica hook. The
 workers only record; the assertions live in the test module.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from types import SimpleNamespace
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -115,6 +116,18 @@ def _fsdp(rank: int, world: int, out_dir: str, results: dict) -> None:
     recording(net2, state2, log2, step, rank, hsdp=False)
     train(net2, state2, opt2, range(SAVE_AT, STEPS), rank, step)
     results["resumed"], results["resumed_log"] = snapshot(net2, state2), log2
+    # A loss scale halved between two steps: the residual follows it (a stand-in for GradScaler's _scale).
+    scaler = SimpleNamespace(_enabled=True, _scale=torch.tensor(256.0))
+    net4 = model(0, mesh)
+    state4 = compress_fsdp(net4, density=DENSITY, grad_scaler=scaler)
+    log4: list = []
+    recording(net4, state4, log4, step, rank, hsdp=False)
+    for s in range(2):
+        step[0] = 10 + s
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(7 * s + rank))
+        net4(x).sum().mul(scaler._scale).backward()
+        scaler._scale = scaler._scale / 2
+    results["scaled_log"] = log4
     # Ranks configured differently: every rank raises at the first reduction.
     net3 = model(0, mesh)
     compress_fsdp(net3, density=(0.25, 0.5)[rank])

@@ -44,12 +44,12 @@ def hsdp_run(tmp_path_factory):
     return _launch(tmp_path_factory, "hsdp", 4)
 
 
-def _reference(entries: list[dict], lo: int, size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _reference(entries: list[dict], lo: int, size: int, ratio: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The mean over ranks of each one's top-k of ``input + residual`` (in fp64), sliced to ``[lo, lo+size)``,
     and each rank's new residual; a step with a non-finite value sent keeps the residuals."""
     sent, residuals = [], []
     for e in entries:
-        acc = e["input"] + e["before"]  # fp32, as the comm forms it
+        acc = e["input"] + e["before"] * ratio  # fp32, as the comm forms it (ratio: a power of two, exact)
         k = ExchangeConfig(density=DENSITY).k_for(acc.numel())
         mask = ft.topk_mask(acc, k)
         sent.append(torch.where(mask, acc, 0.0))
@@ -87,6 +87,32 @@ def test_fsdp_reduced_shards_and_residuals_match_the_reference(fsdp_run):
     res = fsdp_run.results[0]
     assert res["residual_numel"] == 48 + 32 and res["shard_numel"] == 4 * 5 + 4 + 2 * 7 + 2
     assert res["layout"]["residual/0"] == ((2, 48), ["S(0)"])
+
+
+def test_fsdp_residuals_follow_the_loss_scale(fsdp_run):
+    logs = [res["scaled_log"] for res in fsdp_run.results]
+    assert [e["step"] for e in logs[0]] == [10, 10, 11, 11]
+    for j in (2, 3):  # the second step's scale is half the first's
+        entries = [log[j] for log in logs]
+        for r, e in enumerate(entries):
+            mean, residuals = _reference(entries, r * e["output"].numel(), e["output"].numel(), ratio=0.5)
+            assert torch.equal(e["after"], residuals[r]) and e["before"].abs().sum() > 0
+            torch.testing.assert_close(e["output"].double(), mean, rtol=1e-6, atol=1e-6)
+
+
+def test_compress_fsdp_rejects_bad_arguments():
+    from torch import nn
+
+    from functopk.distributed import compress_fsdp
+
+    with pytest.raises(ValueError, match="density"):
+        compress_fsdp(nn.Linear(2, 2), density=1.5)
+    with pytest.raises(TypeError, match="k"):
+        compress_fsdp(nn.Linear(2, 2), k=1.5)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        compress_fsdp("model", k=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no FSDP unit"):
+        compress_fsdp(nn.Linear(2, 2), k=1)
 
 
 def test_fsdp_resume_from_dcp_is_bitwise(fsdp_run):
