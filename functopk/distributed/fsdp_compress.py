@@ -30,8 +30,9 @@ bitwise alongside the sharded model and optimizer.
 **Safety.** The first reduction compares a fingerprint of the settings and the
 units' sizes across ranks (:mod:`functopk.distributed.agree`). Top-k ranks NaN
 and Inf first, so a non-finite gradient is sent and reaches the reduced
-gradient (where a ``GradScaler`` sees it); on such a step every rank keeps its
-residual unchanged (the step is skipped). With ``grad_scaler``, residuals (kept
+gradient (where a ``GradScaler`` sees it); a unit whose exchange carries one
+keeps its residual on every rank (the verdict is per unit: the step's other,
+finite units keep their unsent part). With ``grad_scaler``, residuals (kept
 in scaled units) follow loss-scale changes exactly. A collective that fails
 (a rank died, or the process-group timeout passed) raises a ``RuntimeError``
 saying so.

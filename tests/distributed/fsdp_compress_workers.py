@@ -128,6 +128,7 @@ def _fsdp(rank: int, world: int, out_dir: str, results: dict) -> None:
         net4(x).sum().mul(scaler._scale).backward()
         scaler._scale = scaler._scale / 2
     results["scaled_log"] = log4
+    results["amp"] = _amp(rank, mesh)
     # Ranks configured differently: every rank raises at the first reduction.
     net3 = model(0, mesh)
     compress_fsdp(net3, density=(0.25, 0.5)[rank])
@@ -136,6 +137,27 @@ def _fsdp(rank: int, world: int, out_dir: str, results: dict) -> None:
         results["mismatch"] = "no error"
     except ValueError as exc:
         results["mismatch"] = str(exc)
+
+
+def _amp(rank: int, mesh) -> list:
+    """A real GradScaler; rank 1's input holds an Inf at the second step. Per step: (parameters unchanged,
+    the first unit's residual unchanged, the scale after the step)."""
+    net = model(0, mesh)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    state = compress_fsdp(net, density=DENSITY, grad_scaler=scaler)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen = []
+    for s in range(2):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank + 10 * s))
+        x[0, 2] = float("inf") if (s, rank) == (1, 1) else x[0, 2]
+        params, residual = [p.detach().to_local().clone() for p in net.parameters()], state.units["0"].residual.clone()
+        opt.zero_grad()
+        scaler.scale(net(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        seen.append((all(torch.equal(a, p.detach().to_local()) for a, p in zip(params, net.parameters())),
+                     torch.equal(residual, state.units["0"].residual), scaler.get_scale()))  # fmt: skip
+    return seen
 
 
 def _dead(rank: int, mesh, results: dict, path: str) -> None:

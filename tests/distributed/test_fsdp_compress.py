@@ -100,6 +100,11 @@ def test_fsdp_residuals_follow_the_loss_scale(fsdp_run):
             torch.testing.assert_close(e["output"].double(), mean, rtol=1e-6, atol=1e-6)
 
 
+def test_fsdp_grad_scaler_skips_the_step_with_an_inf_on_every_rank(fsdp_run):
+    for res in fsdp_run.results:
+        assert res["amp"] == [(False, False, 256.0), (True, True, 128.0)]
+
+
 def test_compress_fsdp_rejects_bad_arguments():
     from torch import nn
 
