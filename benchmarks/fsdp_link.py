@@ -10,8 +10,8 @@ and shapes it with ``tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency
 train torchvision's model (10 classes, batches of 8 random 3x32x32 images per
 rank) sharded with ``fully_shard`` (one unit per residual block, and the root),
 ``reshard_after_forward=False`` (so a step's collectives are one parameter
-all-gather and the gradient reduction), SGD with momentum 0.9. Variants (a
-list, ``VARIANTS``):
+all-gather and the gradient reduction), SGD with momentum 0.9. Variants
+(``VARIANTS``: a name and what it installs on the sharded model):
 
 * ``dense``: FSDP2's own reduce-scatter;
 * ``topk1`` / ``topk0.1``: ``functopk.distributed.compress_fsdp`` at density 1% / 0.1%.
@@ -41,7 +41,19 @@ from ddp_link_report import loadavg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NETNS_FLAG = "FUNCTOPK_FSDP_LINK_NETNS"
-VARIANTS = {"dense": None, "topk1": 0.01, "topk0.1": 0.001}  # name -> density (None: FSDP2's reduce-scatter)
+
+
+def _compressed(density: float):
+    def install(model):
+        from functopk.distributed import compress_fsdp
+
+        return compress_fsdp(model, density=density)
+
+    return install
+
+
+# Name -> install(sharded model) -> state or None; a state may report residual_numel() and sent_bytes.
+VARIANTS = {"dense": lambda model: None, "topk1": _compressed(0.01), "topk0.1": _compressed(0.001)}
 
 
 def reexec_in_netns(argv: list[str]) -> int:
@@ -54,12 +66,11 @@ def reexec_in_netns(argv: list[str]) -> int:
     raise SystemExit("unshare -rn / -n failed here")
 
 
-def build(arch: str, density: float | None):
-    """``(model, opt, state)``: the model sharded per residual block, compressed at ``density`` unless None."""
+def build(arch: str, install):
+    """``(model, opt, state)``: the model sharded per residual block, then ``install(model)`` (a variant)."""
     import torch
     import torchvision
 
-    from functopk.distributed import compress_fsdp
     from functopk.distributed.fsdp_torch import fully_shard
 
     torch.manual_seed(0)
@@ -68,7 +79,7 @@ def build(arch: str, density: float | None):
         for block in layer:
             fully_shard(block, reshard_after_forward=False)
     fully_shard(model, reshard_after_forward=False)
-    state = None if density is None else compress_fsdp(model, density=density)
+    state = install(model)
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), state
 
 
@@ -130,8 +141,8 @@ def worker(spec: dict) -> dict:
         set_rate("none")
     for name, (model, _, state) in runs.items():
         res[name]["shard_numel"] = sum(p.to_local().numel() for p in model.parameters())
-        res[name]["residual_numel"] = state.residual_numel() if state is not None else 0
-        res[name]["sent_bytes_per_step"] = state.sent_bytes / state_steps(spec) if state is not None else 0
+        res[name]["residual_numel"] = state.residual_numel() if hasattr(state, "residual_numel") else 0
+        res[name]["sent_bytes_per_step"] = getattr(state, "sent_bytes", 0) / state_steps(spec)
     return {"res": res, "load": loads}
 
 
