@@ -291,8 +291,9 @@ def compress_fsdp(
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
             raise TypeError(f"mesh must be a 2-d (replicate, shard) DeviceMesh or None, got {describe(mesh)}")
-        if mesh.get_group(1) is not shard_mesh.get_group(0) and mesh.size(1) != shard_mesh.size(0):
-            raise ValueError("mesh: its dimension 1 is not the mesh the parameters are sharded on")
+        if shard_mesh.mesh.tolist() not in mesh.mesh.tolist():  # a shard group is a row of the 2-d mesh
+            raise ValueError(f"mesh: the parameters are sharded on ranks {shard_mesh.mesh.tolist()}, which is not "
+                             f"a shard group (a row) of the given mesh {mesh.mesh.tolist()}")  # fmt: skip
     if grad_scaler is not None and not isinstance(getattr(grad_scaler, "_enabled", None), bool):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {describe(grad_scaler)}")
     state = FSDPCompressState(config, mesh if mesh is not None else shard_mesh, mesh is not None, grad_scaler)
