@@ -37,6 +37,7 @@ data-parallel replicas need in order not to drift apart.
 """
 
 from functopk.distributed.exchange import sparse_allreduce
+from functopk.distributed.fsdp_compress import FSDPCompressState, compress_fsdp
 from functopk.distributed.fsdp_topk import FSDPTopKState, fsdp_topk
 from functopk.distributed.hook import HookStats, TopKHookState, topk_hook
 from functopk.distributed.transform import DistributedTopKState, distributed_topk
@@ -44,8 +45,10 @@ from functopk.distributed.transform import DistributedTopKState, distributed_top
 __all__ = [
     "DistributedTopKState",
     "FSDPTopKState",
+    "FSDPCompressState",
     "HookStats",
     "TopKHookState",
+    "compress_fsdp",
     "distributed_topk",
     "fsdp_topk",
     "sparse_allreduce",

@@ -23,7 +23,8 @@ DEATH_EXIT_CODE = 17
 # first of the two to start it decides, so both name everything both need):
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "functopk.distributed", "tests.helpers",
                       "tests.distributed.tree_workers", "tests.distributed.hook_tree_workers",
-                      "tests.distributed.resume_workers", "tests.distributed.fsdp_topk_workers"]  # fmt: skip
+                      "tests.distributed.resume_workers", "tests.distributed.fsdp_topk_workers",
+                      "tests.distributed.fsdp_compress_workers"]  # fmt: skip
 GROUPS = ("pair", "world")  # ranks {0, 1}, ranks {0, 1, 2}
 SIZES = {"pair": 2, "world": 3}
 
