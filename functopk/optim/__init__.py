@@ -2,7 +2,7 @@
 
 * :mod:`~functopk.optim.elementary`: ``scale``, ``scale_by_schedule``,
   ``scale_by_learning_rate``, ``trace``, ``add_decayed_weights``;
-* :mod:`~functopk.optim.adaptive`: ``scale_by_adam``, ``scale_by_rms``, ``scale_by_rss``;
+* :mod:`~functopk.optim.adaptive`: ``scale_by_adam``; :mod:`~functopk.optim.rms`: ``scale_by_rms``, ``scale_by_rss``;
 * :mod:`~functopk.optim.clipping`: ``clip``, ``clip_by_global_norm``, ``zero_nans``, ``apply_if_finite``;
 * :mod:`~functopk.optim.alias`: ``sgd``, ``adam``, ``adamw``, ``rmsprop``, ``adagrad``
   at ``torch.optim`` parity;
@@ -21,14 +21,7 @@ classes live here (``ft.optim.TraceState``).
 from functopk.optim.accumulate import MultiStepsState, multi_steps
 from functopk.optim.adafactor import AdafactorState, adafactor
 from functopk.optim.adam_variants import AdamaxState, NadamState, RadamState, adamax, nadam, radam
-from functopk.optim.adaptive import (
-    ScaleByAdamState,
-    ScaleByRmsState,
-    ScaleByRssState,
-    scale_by_adam,
-    scale_by_rms,
-    scale_by_rss,
-)
+from functopk.optim.adaptive import ScaleByAdamState, scale_by_adam
 from functopk.optim.alias import adagrad, adam, adamw, rmsprop, sgd
 from functopk.optim.classic import AdadeltaState, AsgdState, RpropState, adadelta, asgd, rprop
 from functopk.optim.clipping import ApplyIfFiniteState, apply_if_finite, clip, clip_by_global_norm, zero_nans
@@ -46,6 +39,7 @@ from functopk.optim.inject import InjectHyperparamsState, inject_hyperparams
 from functopk.optim.lamb import lamb, scale_by_trust_ratio
 from functopk.optim.lion import ScaleByLionState, lion, scale_by_lion
 from functopk.optim.muon import MuonState, muon
+from functopk.optim.rms import ScaleByRmsState, ScaleByRssState, scale_by_rms, scale_by_rss
 
 __all__ = [
     "AdadeltaState",

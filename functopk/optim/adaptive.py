@@ -1,4 +1,6 @@
-"""Adaptive scalings: Adam's moments, RMSprop's running average of squares, Adagrad's sum.
+"""Adam's scaling: its moments, its bias-corrected direction, and the one Adam kernel.
+
+RMSprop's running average of squares and Adagrad's sum are in :mod:`functopk.optim.rms`.
 
 Each keeps per-coordinate statistics of the gradient in its state and divides by
 them. The update maths follows the foreach implementations in ``torch.optim``
@@ -32,14 +34,7 @@ from functopk.optim._shared import Hyper, Leaves, is_number, selected, with_mask
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
 
-__all__ = [
-    "ScaleByAdamState",
-    "ScaleByRmsState",
-    "ScaleByRssState",
-    "scale_by_adam",
-    "scale_by_rms",
-    "scale_by_rss",
-]
+__all__ = ["ScaleByAdamState", "scale_by_adam"]
 
 
 def ema_sq(avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
@@ -57,14 +52,7 @@ def ema_sq_(avg: list[torch.Tensor], grads: Leaves, decay: float) -> list[torch.
     return avg
 
 
-def _root_plus_eps(square: Leaves, eps: Hyper, eps_in_sqrt: bool) -> Leaves:
-    """Fresh denominators ``sqrt(square + eps)`` (``eps_in_sqrt``) or ``sqrt(square) + eps``."""
-    if eps_in_sqrt:
-        return foreach.sqrt(foreach.add_scalar(square, eps))
-    return foreach.add_scalar_(foreach.sqrt(square), eps)
-
-
-def _check_optional(field: Leaves | None, wanted: bool, owner: str, name: str, option: str) -> None:
+def check_optional(field: Leaves | None, wanted: bool, owner: str, name: str, option: str) -> None:
     """``ValueError`` when an optional state buffer is there without its option, or missing with it."""
     if (field is not None) != wanted:
         has = "has a" if field is not None else "has no"
@@ -262,7 +250,7 @@ def adam_transform(
 
     def make(flags: list[bool] | None) -> GradientTransformation:
         def update(grads: Leaves, state: ScaleByAdamState, params: Leaves | None) -> tuple[Leaves, ScaleByAdamState]:
-            _check_optional(state.nu_max, cfg.amsgrad, name, "nu_max", "amsgrad")
+            check_optional(state.nu_max, cfg.amsgrad, name, "nu_max", "amsgrad")
             if cfg.maximize:
                 grads = foreach.neg(grads)
             if decay is not None and not decay.decoupled and params is not None:
@@ -370,178 +358,3 @@ def scale_by_adam(
         tensor([ 1., -1.])
     """
     return adam_transform(adam_config(b1, b2, eps, eps_root, amsgrad=amsgrad))
-
-
-# --------------------------------------------------------------------------- RMSprop
-
-
-class ScaleByRmsState(NamedTuple):
-    """State of :func:`scale_by_rms`.
-
-    Attributes:
-        nu: Running mean of the squared gradients.
-        mu: With ``centered``, the running mean of the gradients; ``None`` otherwise.
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> ft.scale_by_rms().init({"w": torch.zeros(2)})
-        ScaleByRmsState(nu={'w': tensor([0., 0.])}, mu=None)
-    """
-
-    nu: PyTree
-    mu: PyTree | None
-
-
-@recorded
-def scale_by_rms(
-    decay: Hyper = 0.9,
-    eps: Hyper = 1e-8,
-    initial_scale: Hyper = 0.0,
-    *,
-    eps_in_sqrt: bool = True,
-    centered: bool = False,
-) -> GradientTransformation:
-    """Divide updates by the root of a running mean of their squares (RMSprop, Tieleman & Hinton, 2012).
-
-    ``nu = decay * nu + (1 - decay) * g**2`` and the update is ``g / sqrt(nu + eps)``:
-    optax's ``scale_by_rms``, defaults included. ``eps_in_sqrt=False`` puts ``eps``
-    outside the root (``g / (sqrt(nu) + eps)``), as ``torch.optim.RMSprop`` does
-    (whose ``alpha`` is ``decay``; :func:`functopk.rmsprop` passes that form). With
-    ``centered`` the running mean ``mu`` of the gradients is kept too and
-    ``nu - mu**2`` replaces ``nu`` (Graves, 2013; optax's ``scale_by_stddev``).
-
-    Args:
-        decay: Decay of the running means, in ``[0, 1)``.
-        eps: Keeps the denominator away from zero.
-        initial_scale: The starting value of ``nu``.
-        eps_in_sqrt: Add ``eps`` under the square root (optax) or to it (torch).
-        centered: Subtract the squared running mean of the gradients.
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> tx = ft.scale_by_rms(decay=0.75)
-        >>> updates, _ = tx.update({"w": torch.tensor([2.0])}, tx.init({"w": torch.zeros(1)}))
-        >>> updates["w"]    # 2 / sqrt(0.25 * 4 + 1e-8)
-        tensor([2.])
-    """
-    decay = check_hyperparam(decay, "decay", minimum=0.0, below=1.0)
-    eps = check_hyperparam(eps, "eps", minimum=0.0)
-    initial_scale = check_hyperparam(initial_scale, "initial_scale", minimum=0.0)
-    check_bool(eps_in_sqrt, "eps_in_sqrt")
-    check_bool(centered, "centered")
-
-    def init(params: Leaves) -> ScaleByRmsState:
-        return ScaleByRmsState(
-            nu=foreach.full_like(params, initial_scale), mu=foreach.zeros_like(params) if centered else None
-        )
-
-    def update(grads: Leaves, state: ScaleByRmsState, params: Leaves | None) -> tuple[Leaves, ScaleByRmsState]:
-        _check_optional(state.mu, centered, "scale_by_rms", "mu", "centered")
-        nu = ema_sq(state.nu, grads, decay)
-        mu = None if state.mu is None else foreach.lerp(state.mu, grads, 1.0 - decay)  # present iff centered
-        square = nu if mu is None else foreach.addcmul(nu, mu, mu, value=-1.0)
-        return foreach.div_into(grads, _root_plus_eps(square, eps, eps_in_sqrt)), ScaleByRmsState(nu=nu, mu=mu)
-
-    tx = leafwise("scale_by_rms", update, init=init, state=ScaleByRmsState, tree_fields=("nu", "mu"))
-    return register_inplace(tx, _rms_stage(float(decay), eps, eps_in_sqrt, centered)) if is_number(decay) else tx
-
-
-def _rms_stage(decay: float, eps: Hyper, eps_in_sqrt: bool, centered: bool) -> Stage:
-    """:func:`scale_by_rms`'s in-place form: ``mul_``/``addcmul_`` into ``nu``, ``lerp_`` into ``mu``."""
-
-    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
-        if not isinstance(state, ScaleByRmsState) or (state.mu is not None) != centered:
-            return None
-        nu, mu = fitting(state.nu, treedef, grads), fitting(state.mu, treedef, grads) if centered else []
-        if nu is None or mu is None:
-            return None
-
-        def run(g: Leaves) -> Leaves:
-            ema_sq_(nu, g, decay)
-            if centered:
-                torch._foreach_lerp_(mu, list(g), 1.0 - decay)
-            square = foreach.addcmul(nu, mu, mu, value=-1.0) if centered else nu
-            return foreach.div_into(g, _root_plus_eps(square, eps, eps_in_sqrt))
-
-        return Planned([*nu, *mu], run)
-
-    return stage
-
-
-# --------------------------------------------------------------------------- Adagrad
-
-
-class ScaleByRssState(NamedTuple):
-    """State of :func:`scale_by_rss`: the running sum of squared gradients.
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> ft.scale_by_rss().init({"w": torch.zeros(2)})
-        ScaleByRssState(sum_of_squares={'w': tensor([0.1000, 0.1000])})
-    """
-
-    sum_of_squares: PyTree
-
-
-@recorded
-def scale_by_rss(
-    initial_accumulator_value: Hyper = 0.1, eps: Hyper = 1e-7, *, eps_in_sqrt: bool = True
-) -> GradientTransformation:
-    """Divide updates by the root of the sum of all squared gradients so far (Adagrad, Duchi et al., 2011).
-
-    ``s = s + g**2`` and the update is ``g / sqrt(s + eps)`` where ``s > 0`` and 0
-    where ``s == 0``: optax's ``scale_by_rss``, defaults included.
-    ``eps_in_sqrt=False`` gives ``torch.optim.Adagrad``'s form instead,
-    ``g / (sqrt(s) + eps)`` (:func:`functopk.adagrad` passes it, with torch's
-    defaults ``initial_accumulator_value=0``, ``eps=1e-10``).
-
-    Args:
-        initial_accumulator_value: The starting value of the sum, ``>= 0``.
-        eps: Keeps the denominator away from zero, ``>= 0``.
-        eps_in_sqrt: Add ``eps`` under the square root (optax) or to it (torch).
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> tx = ft.scale_by_rss(initial_accumulator_value=0.0, eps=0.0)
-        >>> state = tx.init({"w": torch.zeros(2)})
-        >>> for g in (3.0, 4.0):
-        ...     updates, state = tx.update({"w": torch.tensor([g, 0.0])}, state)
-        >>> updates["w"]    # 4 / sqrt(9 + 16), and 0 where the sum is 0
-        tensor([0.8000, 0.0000])
-    """
-    initial_accumulator_value = check_hyperparam(
-        initial_accumulator_value, "initial_accumulator_value", minimum=0.0
-    )
-    eps = check_hyperparam(eps, "eps", minimum=0.0)
-    check_bool(eps_in_sqrt, "eps_in_sqrt")
-
-    def init(params: Leaves) -> ScaleByRssState:
-        return ScaleByRssState(sum_of_squares=foreach.full_like(params, initial_accumulator_value))
-
-    def update(grads: Leaves, state: ScaleByRssState, params: Leaves | None) -> tuple[Leaves, ScaleByRssState]:
-        total = foreach.addcmul(state.sum_of_squares, grads, grads)
-        out = foreach.div_into(grads, _root_plus_eps(total, eps, eps_in_sqrt))
-        if eps_in_sqrt:  # 0 where nothing was accumulated (0 / sqrt(0) would be NaN for eps == 0)
-            out = foreach.where_positive(total, out)
-        return out, ScaleByRssState(sum_of_squares=total)
-
-    tx = leafwise("scale_by_rss", update, init=init, state=ScaleByRssState, tree_fields=("sum_of_squares",))
-    return register_inplace(tx, _rss_stage(eps, eps_in_sqrt))
-
-
-def _rss_stage(eps: Hyper, eps_in_sqrt: bool) -> Stage:
-    """:func:`scale_by_rss`'s in-place form: ``addcmul_`` into the sum."""
-
-    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
-        total = fitting(state.sum_of_squares, treedef, grads) if isinstance(state, ScaleByRssState) else None
-        if total is None:
-            return None
-
-        def run(g: Leaves) -> Leaves:
-            torch._foreach_addcmul_(total, list(g), list(g))
-            out = foreach.div_into(g, _root_plus_eps(total, eps, eps_in_sqrt))
-            return foreach.where_positive(total, out) if eps_in_sqrt else out
-
-        return Planned(list(total), run)
-
-    return stage

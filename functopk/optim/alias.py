@@ -27,8 +27,9 @@ from functopk._checks import check_bool, check_hyperparam, check_scalar_or_sched
 from functopk.base import GradientTransformation, ScalarOrSchedule, recorded
 from functopk.combine import MaskOrFn, chain
 from functopk.optim._shared import Hyper
-from functopk.optim.adaptive import AdamDecay, adam_config, adam_transform, scale_by_rms, scale_by_rss
+from functopk.optim.adaptive import AdamDecay, adam_config, adam_transform
 from functopk.optim.elementary import add_decayed_weights, scale, scale_by_learning_rate, scale_by_schedule, trace
+from functopk.optim.rms import scale_by_rms, scale_by_rss
 from functopk.tree.foreach import scalar_dtype
 
 __all__ = ["adagrad", "adam", "adamw", "rmsprop", "sgd"]

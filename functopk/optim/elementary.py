@@ -7,7 +7,7 @@ to the host, and the checks (state type, floating-point leaves, structure and
 shapes, params) are the same everywhere.
 
 The adaptive transformations (``scale_by_adam``, ``scale_by_rms``,
-``scale_by_rss``) live in :mod:`functopk.optim.adaptive`; clipping and
+``scale_by_rss``) live in :mod:`functopk.optim.adaptive` and :mod:`functopk.optim.rms`; clipping and
 non-finite guards in :mod:`functopk.optim.clipping`; gradient accumulation in
 :mod:`functopk.optim.accumulate`.
 """

@@ -413,4 +413,4 @@ def test_docstring_examples_run_in_their_own_process():
         assert set(progress) <= {"."}, proc.stdout[-3000:] + proc.stderr[-3000:]  # no example failed before
         proc = run()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "13 passed" in proc.stdout, proc.stdout[-3000:]  # 7, .tree, .threshold, .config (2), .fsdp_topk (2)
+    assert "15 passed" in proc.stdout, proc.stdout[-3000:]  # 7, tree, threshold, config, fsdp_topk, fsdp_compress
