@@ -93,6 +93,11 @@ def reexec_in_netns(argv: list[str]) -> int:
     raise SystemExit("unshare -rn / -n failed here: run with --no-netns (unthrottled loopback only)")
 
 
+def rotated(items: list, r: int) -> list:
+    """``items`` started at position ``r`` (mod its length): round ``r``'s order, so no variant always goes first."""
+    return items[r % len(items):] + items[: r % len(items)]
+
+
 def set_rate(rate: str) -> None:
     """Shape this namespace's loopback (``none``: remove the shaping)."""
     subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)  # absent at first: ignored
@@ -252,14 +257,13 @@ def timing_worker(spec: dict) -> dict:
             runs[name] = (model, opt, state)
         res = out[arch] = {name: {"times": {}, "hook": {}, "lo": {}} for name in runs}
         for rnd in range(spec["rounds"]):
-            rates = spec["rates"][rnd % len(spec["rates"]):] + spec["rates"][: rnd % len(spec["rates"])]
+            rates = rotated(spec["rates"], rnd)
             for rate in rates:
                 dist.barrier()
                 if rank == 0:
                     set_rate(rate)
                 dist.barrier()
-                names = list(runs)
-                names = names[rnd % len(names):] + names[: rnd % len(names)]
+                names = rotated(list(runs), rnd)
                 for name in names:
                     if name == "nocomm" and rate != rates[0]:
                         continue  # no communication: once per round is enough

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_link import lo_tx_bytes, set_rate  # noqa: E402
+from ddp_link import lo_tx_bytes, rotated, set_rate  # noqa: E402
 from ddp_link_report import loadavg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,13 +123,13 @@ def worker(spec: dict) -> dict:
     res: dict = {name: {"times": {}, "lo": {}} for name in runs}
     loads = []
     for rnd in range(spec["rounds"]):
-        rates = spec["rates"][rnd % len(spec["rates"]):] + spec["rates"][: rnd % len(spec["rates"])]
+        rates = rotated(spec["rates"], rnd)
         for rate in rates:
             dist.barrier()
             if rank == 0:
                 set_rate(rate)
             dist.barrier()
-            names = list(runs)[rnd % len(runs):] + list(runs)[: rnd % len(runs)]
+            names = rotated(list(runs), rnd)
             for name in names:
                 times, lo = chunk(runs[name], batches, spec["skip"], spec["steps"], rank)
                 res[name]["times"].setdefault(rate, []).extend(times)

@@ -155,11 +155,14 @@ def report(model: DDP, state: TopKHookState | None, x_test: torch.Tensor, y_test
                   f"non-finite gradients")  # fmt: skip
 
 
-def main() -> None:
-    parser = build_parser()
+def start_ranks(parser: argparse.ArgumentParser, script: str):
+    """Parse the arguments, join the process group (nccl on CUDA, gloo on CPU), load this rank's digits.
+
+    Returns ``(args, rank, world, device, loader, (x_train, x_test, y_test))``; shared with fsdp_topk.py.
+    """
     args = parser.parse_args()
     if "RANK" not in os.environ:
-        parser.error("launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 examples/ddp_topk.py")
+        parser.error(f"launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 examples/{script}")
     if args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be >= 1")
     use_cuda = torch.cuda.is_available()
@@ -171,11 +174,16 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-
     x_train, x_test, y_train, y_test = digits(args.seed)
     train_set = TensorDataset(x_train, y_train)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    return args, rank, world, device, loader, (x_train, x_test, y_test)
+
+
+def main() -> None:
+    args, rank, world, device, loader, (x_train, x_test, y_test) = start_ranks(build_parser(), "ddp_topk.py")
+    use_cuda = device.type == "cuda"
 
     torch.manual_seed(args.seed)
     model = DDP(make_model().to(device), device_ids=[device.index] if use_cuda else None)
@@ -203,7 +211,7 @@ def main() -> None:
     steps_per_epoch = len(loader)
     start = time.perf_counter()
     for epoch in range(step // steps_per_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # the same batches in the same order, resumed or not
+        loader.sampler.set_epoch(epoch)  # the same batches in the same order, resumed or not
         model.train()
         done = step - epoch * steps_per_epoch  # batches of this epoch already trained on before a restart
         total = resumed_total if done and resumed_total is not None else torch.zeros(2, device=device)

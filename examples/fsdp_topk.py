@@ -31,7 +31,6 @@ checkpoint that every rank completed, bit for bit:
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import itertools
 import os
@@ -42,10 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from quickstart import digits, make_model  # the same data and CNN as the single-process example
+from ddp_topk import start_ranks  # the same start, data and sampler as the DDP example
+from quickstart import make_model  # the same CNN as the single-process example
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import functopk as ft
 from functopk.distributed import fsdp_topk
@@ -136,26 +135,8 @@ def report(model, x_test: torch.Tensor, y_test: torch.Tensor, elapsed: float) ->
 
 
 def main() -> None:
-    parser = build_parser()
-    args = parser.parse_args()
-    if "RANK" not in os.environ:
-        parser.error("launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 examples/fsdp_topk.py")
-    if args.checkpoint_every < 1:
-        parser.error("--checkpoint-every must be >= 1")
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-
-    x_train, x_test, y_train, y_test = digits(args.seed)
-    train_set = TensorDataset(x_train, y_train)
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    args, rank, world, device, loader, (x_train, x_test, y_test) = start_ranks(build_parser(), "fsdp_topk.py")
+    use_cuda = device.type == "cuda"
 
     torch.manual_seed(args.seed)
     model = shard(make_model().to(device))
@@ -173,7 +154,7 @@ def main() -> None:
     steps_per_epoch = len(loader)
     start = time.perf_counter()
     for epoch in range(step // steps_per_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # the same batches in the same order, resumed or not
+        loader.sampler.set_epoch(epoch)  # the same batches in the same order, resumed or not
         model.train()
         done = step - epoch * steps_per_epoch  # batches of this epoch trained on before a restart
         total = resumed_total if done and resumed_total is not None else torch.zeros(2, device=device)
