@@ -10,7 +10,8 @@
 # 3. benchmarks/optim.py --device cuda: optimizer steps against torch.optim (resnet50 tree);
 # 4. benchmarks/compiled_step.py --device cuda --tables 1: eager and compiled resnet18 steps;
 # 5. examples/ddp_topk.py on one GPU (a 1-rank NCCL group, issue 14): straight through, and killed after
-#    step 30 and resumed by torchrun from its checkpoint; the two parameter hashes must agree.
+#    step 30 and resumed by torchrun from its checkpoint; the two parameter hashes must agree;
+# 6. the same for examples/fsdp_topk.py (FSDP2 with fsdp_topk, a DCP checkpoint) on a 1-rank NCCL group.
 # Tables and logs go to benchmarks/results/gpu/ (or $OUT_DIR). Each part has its own time limit,
 # and a failing part does not stop the others; the exit status is that of the tests.
 set -uo pipefail
@@ -41,14 +42,17 @@ timeout 120 $PY benchmarks/compiled_step.py --device cuda --tables 1 --rounds 10
     > "$OUT/compiled_step.log" 2>&1 || echo "compiled_step.py failed or timed out (see $OUT/compiled_step.log)"
 
 ckpt=$(mktemp -d)
-for run in whole crashed; do
-    extra=""; [ "$run" = crashed ] && extra="--crash-at-step 30"
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 45 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
-        --max-restarts 1 examples/ddp_topk.py --epochs 2 --checkpoint-dir "$ckpt/$run" --checkpoint-every 10 $extra \
-        > "$OUT/ddp_nccl_$run.txt" 2>&1 || echo "ddp_topk.py ($run) failed or timed out (see $OUT/ddp_nccl_$run.txt)"
+for example in ddp fsdp; do
+    for run in whole crashed; do
+        extra=""; [ "$run" = crashed ] && extra="--crash-at-step 30"
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 45 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
+            --max-restarts 1 "examples/${example}_topk.py" --epochs 2 --checkpoint-dir "$ckpt/$example-$run" \
+            --checkpoint-every 10 $extra > "$OUT/${example}_nccl_$run.txt" 2>&1 \
+            || echo "${example}_topk.py ($run) failed or timed out (see $OUT/${example}_nccl_$run.txt)"
+    done
 done
 rm -rf "$ckpt"
-grep -h "ranks (\|resumed\|crashing\|sha256" "$OUT"/ddp_nccl_*.txt
+grep -H "ranks (\|resumed\|crashing\|sha256" "$OUT"/ddp_nccl_*.txt "$OUT"/fsdp_nccl_*.txt
 
 echo "gpu_check: $(( $(date +%s) - start )) s; tests exit status $tests_rc; results in $OUT/"
 cat "$OUT"/*.md 2>/dev/null
