@@ -49,6 +49,25 @@ from functopk.distributed import TopKHookState, topk_hook
 LATEST = "latest"  # the file naming the step of the newest checkpoint that every rank finished writing
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training and process-group options this example shares with fsdp_topk.py."""
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="process-group timeout: a rank waiting on a peer that hangs fails after this long "
+                             "(default 300; torch's own default is 30 minutes)")  # fmt: skip
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint cadence and the crash for the restart test, shared with fsdp_topk.py."""
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (default 20)")
+    parser.add_argument("--crash-at-step", type=int, default=None,
+                        help="testing: the last rank exits abruptly after this step, on the first attempt only "
+                             "(TORCHELASTIC_RESTART_COUNT=0), for torchrun --max-restarts to restart the run")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--density", type=float, default=0.01, help="fraction of each bucket sent per step")
@@ -59,19 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="top-k: keep the momentum in the optimizer (plain error feedback) instead of in the "
                              "hook (DGC's momentum correction, TopKHookState(momentum=...), the default)")  # fmt: skip
     parser.add_argument("--dense", action="store_true", help="plain DDP allreduce (no hook), for comparison")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=300.0,
-                        help="process-group timeout: a rank waiting on a peer that hangs fails after this long "
-                             "(default 300; torch's own default is 30 minutes)")  # fmt: skip
+    add_run_arguments(parser)
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save checkpoints here (one file per rank) and resume from the latest one")  # fmt: skip
-    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (default 20)")
-    parser.add_argument("--crash-at-step", type=int, default=None,
-                        help="testing: the last rank exits abruptly after this step, on the first attempt only "
-                             "(TORCHELASTIC_RESTART_COUNT=0), for torchrun --max-restarts to restart the run")
+    add_checkpoint_arguments(parser)
     return parser
 
 

@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from ddp_topk import start_ranks  # the same start, data and sampler as the DDP example
+
+# the same options, start, data and sampler as the DDP example
+from ddp_topk import add_checkpoint_arguments, add_run_arguments, start_ranks
 from quickstart import make_model  # the same CNN as the single-process example
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -57,19 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--k", type=int, default=500, help="coordinates of the whole model updated per step")
     parser.add_argument("--dense", action="store_true", help="plain FSDP2 (no top-k), for comparison")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=300.0,
-                        help="process-group timeout: a rank waiting on a peer that hangs fails after this long "
-                             "(default 300; torch's own default is 30 minutes)")  # fmt: skip
+    add_run_arguments(parser)
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save DCP checkpoints here and resume from the latest one")  # fmt: skip
-    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (default 20)")
-    parser.add_argument("--crash-at-step", type=int, default=None,
-                        help="testing: the last rank exits abruptly after this step, on the first attempt only "
-                             "(TORCHELASTIC_RESTART_COUNT=0), for torchrun --max-restarts to restart the run")
+    add_checkpoint_arguments(parser)
     return parser
 
 
