@@ -23,7 +23,8 @@ Differences: pure - fresh = Python; fresh - reused = allocation (page faults,
 allocator); reused - in place = writing new memory instead of memory the kernel
 just read (each fresh output is read for ownership, then written back, on top of
 the inputs); in place - torch = kernel count and kinds. Page faults per step are
-``ru_minflt`` around the step.
+``ru_minflt`` around the step; trees allocated per step: the bytes the
+allocator hands out during one more step (torch.profiler), over the tree's.
 
 Usage:
     python benchmarks/pure_floor.py --threads 1 --rounds 20
@@ -137,6 +138,27 @@ def faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def trees_allocated(step: Callable[[], None], numel: int) -> float:
+    """Bytes the allocator hands out during one ``step()``, in units of the tree (torch.profiler records)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    total = 0
+
+    def walk(node) -> None:  # noqa: ANN001 (profiler's event node)
+        nonlocal total
+        if node.typed[0] == _EventType.Allocation and node.typed[1].alloc_size > 0:
+            total += node.typed[1].alloc_size
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    return total / (4 * numel)
+
+
 def run_case(case: str, params, grads, rounds: int) -> list[dict]:
     opt = OPTIMIZERS[case]
     variants = [TorchOptim(opt, params, grads), FunctopkPure(opt, params, grads)]
@@ -158,8 +180,10 @@ def run_case(case: str, params, grads, rounds: int) -> list[dict]:
     if not same or not all(torch.equal(pure[k], fresh[k]) for k in pure):
         raise SystemExit(f"{case}: the hand-written kernels no longer give functopk's bits: update this script")
     base = statistics.median(times[variants[0].name])
+    numel = sum(x.numel() for x in params.values())
     return [{"case": case, "variant": v.name, "ms": statistics.median(times[v.name]) * 1e3,
-             "ratio": statistics.median(times[v.name]) / base, "faults": statistics.median(flts[v.name])}
+             "ratio": statistics.median(times[v.name]) / base, "faults": statistics.median(flts[v.name]),
+             "trees": trees_allocated(v.step, numel)}
             for v in variants]
 
 
@@ -180,10 +204,11 @@ def main() -> None:
     print(f"{args.model}, torch {torch.__version__} (functopk {ft.__version__}), {torch.get_num_threads()} threads, "
           f"{args.rounds} interleaved rounds, medians; load average {load} before, "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after; {time.strftime('%Y-%m-%d %H:%M')}\n")
-    print("| optimizer | variant | ms / step | vs torch.optim | page faults / step |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("| optimizer | variant | ms / step | vs torch.optim | page faults / step | trees allocated / step |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['case']} | {r['variant']} | {r['ms']:.1f} | {r['ratio']:.2f}x | {r['faults']:.0f} |")
+        print(f"| {r['case']} | {r['variant']} | {r['ms']:.1f} | {r['ratio']:.2f}x | {r['faults']:.0f} "
+              f"| {r['trees']:.2f} |")
 
 
 if __name__ == "__main__":
