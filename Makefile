@@ -41,6 +41,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/topk.py
 	$(PY) benchmarks/optim.py
+	$(PY) benchmarks/pure_floor.py
 	$(PY) benchmarks/adapter_step.py
 	$(PY) benchmarks/compiled_step.py
 	$(PY) benchmarks/distributed.py
