@@ -22,7 +22,10 @@ in interleaved rounds (medians reported):
 With --dense, only the dense outputs against their parts, interleaved (medians):
 topk_indices (the selection), topk_sparsify and topk_mask (the selection plus
 the dense tree), and zeros_like of every leaf (what a dense tree costs at
-least); the target is sparsify (and mask) <= indices + 1.5 x zeros_like.
+least); the target is sparsify (and mask) <= indices + 1.5 x zeros_like. Also
+the minor page faults per call (median of 5 calls, each result freed when the
+next returns): whether the C library handed the freed output's pages back to
+the system, which moves a 100 MB dense output by tens of ms.
 
 Peak memory: the most CPU memory held at once during one call beyond what
 existed before it (output included), from the allocator records of
@@ -42,6 +45,7 @@ import argparse
 import bisect
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -167,6 +171,16 @@ def measure(fns: dict, rounds: int, budget_s: float) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def page_faults(fn, calls: int = 5) -> float:
+    """Median minor page faults per call of ``fn`` (``ru_minflt``), each call's result kept until the next returns."""
+    counts, out = [], None
+    for _ in range(calls):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        out = fn()  # noqa: F841 (the previous result is freed only now, as in a training loop)
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return statistics.median(counts)
+
+
 def bench_tree(name: str, ks: list, rounds: int, naive_max_k: int, with_memory: bool) -> list[dict]:
     tree = random_tree(model_shapes(name))
     leaves = optree.tree_leaves(tree)
@@ -211,19 +225,22 @@ def bench_dense(name: str, ks: list, rounds: int) -> str:
     leaves = optree.tree_leaves(tree)
     n = sum(x.numel() for x in leaves)
     lines = ["| tree | k | topk_indices | topk_sparsify | topk_mask | zeros_like | (sparsify - indices) / zeros "
-             "| (mask - indices) / zeros |", "|" + "---|" * 8]
+             "| (mask - indices) / zeros | page faults per call: indices / sparsify / mask / zeros |",
+             "|" + "---|" * 9]
     for k in ks:
         k = int(k if k >= 1 else round(k * n))
-        t = measure({
+        fns = {
             "indices": lambda k=k: ft.topk_indices(tree, k),
             "sparsify": lambda k=k: ft.topk_sparsify(tree, k),
             "mask": lambda k=k: ft.topk_mask(tree, k),
             "zeros": lambda: [torch.zeros_like(x) for x in leaves],
-        }, rounds, budget_s=20.0)
+        }
+        t = measure(fns, rounds, budget_s=20.0)
+        faults = {key: page_faults(fn) for key, fn in fns.items()}
         ms = {key: f"{v * 1e3:.1f}" for key, v in t.items()}
         extra = [f"{(t[key] - t['indices']) / t['zeros']:.2f}x" for key in ("sparsify", "mask")]
         lines.append(f"| {name} | {k:,} | {ms['indices']} | {ms['sparsify']} | {ms['mask']} | {ms['zeros']} | "
-                     + " | ".join(extra) + " |")
+                     + " | ".join(extra) + " | " + " / ".join(f"{faults[key]:.0f}" for key in fns) + " |")
         print(f"  {lines[-1]}", file=sys.stderr, flush=True)
     return "\n".join(lines)
 
