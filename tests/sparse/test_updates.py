@@ -229,7 +229,7 @@ def test_zeros_with_writes_the_same_bits_whatever_the_pieces(tree, data):
     leaves = optree.tree_leaves(tree)
     n = numel(tree)
     idx = sorted(data.draw(st.sets(st.integers(0, n - 1), max_size=n), label="idx")) if n else []
-    chunk_bytes = data.draw(st.sampled_from([1, 2, 8, 24, 1 << 20]), label="chunk_bytes")
+    chunk_bytes = data.draw(st.sampled_from([None, 1, 2, 8, 24, 1 << 20]), label="chunk_bytes")
     min_per_chunk = data.draw(st.sampled_from([0, 1, 4]), label="min_per_chunk")
     before = clone_tree(leaves)
     flat = torch.cat([x.reshape(-1).to(common_dtype(leaves)) for x in leaves]) if leaves else torch.zeros(0)
@@ -241,17 +241,22 @@ def test_zeros_with_writes_the_same_bits_whatever_the_pieces(tree, data):
     assert_tree_bitwise_equal(leaves, before)  # pure
 
 
-def test_dense_outputs_of_a_leaf_written_in_pieces_equal_the_static_kernels():
-    """A leaf of 2 MiB hit by 1% of its coordinates is zeroed and written in pieces by default (L2-sized)."""
+def test_dense_outputs_of_a_leaf_hit_by_1_percent_equal_the_static_kernels():
+    """A leaf of 2 MiB hit by 1% of its coordinates: whole (the default) or in L2-sized pieces, the same bits."""
     g = torch.Generator().manual_seed(0)
     tree = {"big": torch.randn(1024, 512, generator=g), "half": torch.randn(300, generator=g).half()}
     tree["big"][7, :100] = math.nan  # NaN ranks first: selected and kept bit for bit
     k = 5243
-    assert k * updates.ZEROS_CHUNK_BYTES // 4 >= updates.ZEROS_MIN_PER_CHUNK * 1024 * 512  # chunked indeed
+    assert k * updates.ZEROS_CHUNK_BYTES // 4 >= updates.ZEROS_MIN_PER_CHUNK * 1024 * 512  # pieces if asked
     for fn in (ft.topk_sparsify, ft.topk_mask):
         assert_tree_bitwise_equal(fn(tree, k), fn(tree, k, method="torch"))
     sparse = ft.topk_indices(tree, k)
     assert_tree_bitwise_equal(sparse.to_dense(tree), ft.topk_sparsify(tree, k, method="torch"))
+    leaves = list(tree.values())
+    for masks in (False, True):
+        whole = zeros_with(leaves, sparse.indices, None, masks=masks)
+        pieces = zeros_with(leaves, sparse.indices, None, masks=masks, chunk_bytes=updates.ZEROS_CHUNK_BYTES)
+        assert_tree_bitwise_equal(whole, pieces)
 
 
 def test_zeros_with_rejects_indices_outside_the_tree():
