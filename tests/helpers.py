@@ -372,3 +372,12 @@ def torch_coordinate(cls, kwargs):
         return p, cls([p], **kwargs, foreach=True)  # the kernels (and roundings) functopk follows
 
     return make
+
+
+def real_device(device) -> torch.device:
+    """The device that tensors made with ``device=device`` report: ``"cuda"`` becomes ``cuda:0`` (the current one).
+
+    ``torch.device("cuda") != torch.device("cuda:0")``, so a test comparing a tensor's device with the
+    ``device`` fixture's name would fail on every GPU.
+    """
+    return torch.empty(0, device=device).device
