@@ -43,7 +43,7 @@ from functopk._checks import check_choice
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 from functopk.sparse.k import KLike, k_on_device, k_on_host
 from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
-from functopk.sparse.kernels.base import common_dtype, flat_magnitudes
+from functopk.sparse.kernels.base import common_dtype, magnitudes_
 from functopk.sparse.kernels.exact import select_exact
 from functopk.sparse.kernels.static import mask_static
 from functopk.sparse.ops import ExactOp
@@ -130,8 +130,8 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
         >>> import torch
         >>> select([torch.tensor([1.0, -3.0, 2.0])], 2, "exact")
         Indices(indices=tensor([1, 2]), values=tensor([-3.,  2.]))
-        >>> select([torch.tensor([1.0, -3.0, 2.0])], torch.tensor(2), "torch")
-        Mask(mask=tensor([False,  True,  True]), k=tensor(2))
+        >>> select([torch.tensor([1.0, -3.0, 2.0])], torch.tensor(2), "torch").mask
+        tensor([False,  True,  True])
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, KernelConfig):
@@ -148,7 +148,8 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
     if method == "exact" and leaves[0].device.type == "cpu" and n >= SLOW_STATIC_NUMEL:
         _warn_static_on_cpu(n)
     if method in ("exact", "torch"):
-        return Mask(mask_static(flat_magnitudes(flats, dtype), k), k)
+        values = torch.cat([f.to(dtype) for f in flats])  # kept: the outputs read it (see Mask)
+        return Mask(mask_static(magnitudes_(values.abs()), k), k, values)
     if method == "approx":
         t = sample_threshold(flats, k, dtype)
     else:
