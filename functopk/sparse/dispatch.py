@@ -141,15 +141,16 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
         return ExactOp(k, None, config) if isinstance(k, int) else ExactOp(0, k, config)
     dtype = common_dtype(leaves)
     n = sum(x.numel() for x in leaves)
-    flats = [x.detach().reshape(-1) for x in leaves]
     if method == "exact" and where == "eager":
-        return Indices(*select_exact(flats, k_on_host(k, n), dtype, config))
+        return Indices(*select_exact([x.detach().reshape(-1) for x in leaves], k_on_host(k, n), dtype, config))
     k = k_on_device(k, n)
     if method == "exact" and leaves[0].device.type == "cpu" and n >= SLOW_STATIC_NUMEL:
         _warn_static_on_cpu(n)
     if method in ("exact", "torch"):
-        values = torch.cat([f.to(dtype) for f in flats])  # kept: the outputs read it (see Mask)
-        return Mask(mask_static(magnitudes_(values.abs()), k), k, values)
+        # kept for the outputs (see Mask), and differentiable, as where() per leaf is
+        values = torch.cat([x.reshape(-1).to(dtype) for x in leaves])
+        return Mask(mask_static(magnitudes_(values.detach().abs()), k), k, values)
+    flats = [x.detach().reshape(-1) for x in leaves]
     if method == "approx":
         t = sample_threshold(flats, k, dtype)
     else:
