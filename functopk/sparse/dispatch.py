@@ -148,7 +148,7 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
         _warn_static_on_cpu(n)
     if method in ("exact", "torch"):
         # kept for the outputs (see Mask), and differentiable, as where() per leaf is
-        values = torch.cat([x.reshape(-1).to(dtype) for x in leaves])
+        values = torch.cat([x.reshape(-1) if x.dtype == dtype else x.reshape(-1).to(dtype) for x in leaves])
         return Mask(mask_static(magnitudes_(values.detach().abs()), k), k, values)
     flats = [x.detach().reshape(-1) for x in leaves]
     if method == "approx":
