@@ -45,7 +45,7 @@ from functopk.sparse.k import KLike, k_on_device, k_on_host
 from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
 from functopk.sparse.kernels.base import common_dtype, magnitudes_
 from functopk.sparse.kernels.exact import select_exact
-from functopk.sparse.kernels.static import mask_static
+from functopk.sparse.kernels.static import mask_static, topk_static
 from functopk.sparse.ops import ExactOp
 from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
 
@@ -149,7 +149,11 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
     if method in ("exact", "torch"):
         # kept for the outputs (see Mask), and differentiable, as where() per leaf is
         values = torch.cat([x.reshape(-1) if x.dtype == dtype else x.reshape(-1).to(dtype) for x in leaves])
-        return Mask(mask_static(magnitudes_(values.detach().abs()), k), k, values)
+        mags = magnitudes_(values.detach().abs())
+        if isinstance(k, int):
+            mask, idx = topk_static(mags, k)
+            return Mask(mask, k, values, idx)
+        return Mask(mask_static(mags, k), k, values)
     flats = [x.detach().reshape(-1) for x in leaves]
     if method == "approx":
         t = sample_threshold(flats, k, dtype)

@@ -91,6 +91,7 @@ class Indices(NamedTuple):
 class Mask(NamedTuple):
     """The exact top-k as a flat boolean mask with exactly ``k`` entries set (the static kernel).
 
+    ``indices``, when the kernel found them (an int ``k``), are the set entries in ascending order.
     ``values``, when the kernel kept it, is the concatenation of the leaves in
     their common dtype: the dense and sparse outputs then read it instead of
     concatenating again or working leaf by leaf (one kernel each instead of one
@@ -100,6 +101,7 @@ class Mask(NamedTuple):
     mask: torch.Tensor
     k: int | torch.Tensor
     values: torch.Tensor | None = None
+    indices: torch.Tensor | None = None  # the set entries in ascending order, when the kernel had them
 
     def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The mask cut into leaf-shaped views (no offsets needed: one ``torch.split``)."""
@@ -114,7 +116,9 @@ class Mask(NamedTuple):
     def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
         """``nonzero`` of the mask; with an int ``k`` of static size ``k`` (``nonzero_static``)."""
         flat = _flat(leaves) if self.values is None else self.values
-        if isinstance(self.k, int):  # exactly k entries are set: the output size is static
+        if self.indices is not None:
+            idx = self.indices
+        elif isinstance(self.k, int):  # exactly k entries are set: the output size is static
             idx = torch.nonzero_static(self.mask, size=self.k).view(-1)
         else:
             idx = self.mask.nonzero().view(-1)
