@@ -59,16 +59,23 @@ import torch
 
 from functopk._checks import check_writable, path_str
 from functopk.base import EmptyState, GradientTransformation, OptState, Params, Updates, check_transformation
+from functopk.tree import chunked
 from functopk.update import paired_leaves
 
 __all__ = ["STATELESS", "Planned", "Stage", "fitting", "register_inplace", "update_"]
 
 
 class Planned(NamedTuple):
-    """A checked in-place step: the tensors it will write, and ``run(updates) -> new updates``."""
+    """A checked in-place step: the tensors it will write, and ``run(updates) -> new updates``.
+
+    ``scale`` marks a stateless multiplication by that number (``run`` is ``updates * scale``): as the
+    last step, :func:`update_` adds ``updates * scale`` into the parameters slice by slice on CPU
+    (:mod:`functopk.tree.chunked`) instead of materialising it.
+    """
 
     written: list[torch.Tensor]
     run: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    scale: float | None = None
 
 
 Stage = Callable[[list[torch.Tensor], Any, list[torch.Tensor], optree.PyTreeSpec], "Planned | None"]
@@ -239,13 +246,19 @@ def _write(
     adds: list[int],
     updates: list[Any],
 ) -> None:
-    """Every write, once everything is checked: the in-place steps, the pure parts' new states, the parameters."""
+    """Every write, once everything is checked: the in-place steps, the pure parts' new states, the parameters.
+
+    A last step that multiplies by a number is fused into the parameters' add on CPU (no update tree; the
+    same two roundings, ``mul`` then ``add``, slice by slice)."""
+    factor = plans[-1].scale if plans and chunked.applies(params) else None
     with torch.no_grad():
-        for planned in plans:
+        for planned in plans if factor is None else plans[:-1]:
             updates = planned.run(updates)
         for old, new, _ in copies:
             old.copy_(new)
-        if params:  # as apply_updates: each update cast to its parameter's dtype
+        if factor is not None:  # (an in-place tail: every update is like its parameter)
+            chunked.add_(params, [updates], lambda s, p, u: torch.mul(u, factor, out=s[0]))
+        elif params:  # as apply_updates: each update cast to its parameter's dtype
             ups = [updates[i] if updates[i].dtype == p.dtype else updates[i].to(p.dtype) for p, i in zip(params, adds)]
             torch._foreach_add_(params, ups)
 

@@ -267,14 +267,16 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             updates, new = result() if callable(result) else result
             if self._sparsify is not None and not callable(result):  # pure maths may keep a gradient as state
                 new = self._sparsify.unshared(new)
-            all_ps += cohort
-            all_us += updates
+            if updates is not None:  # (None: an in-place step that added its updates itself)
+                all_ps += cohort
+                all_us += updates
             for p, e in zip(cohort, new):
                 written.setdefault(p, {}).update(e)
         for p, e in written.items():
             if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
                 self.state[p].update(e)
-        torch._foreach_add_(all_ps, all_us)
+        if all_ps:
+            torch._foreach_add_(all_ps, all_us)
         return loss
 
     @torch._disable_dynamo

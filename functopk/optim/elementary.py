@@ -50,7 +50,22 @@ def _scale(step_size: float | torch.Tensor, name: str, *, negate: bool = False) 
     def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
         return foreach.mul(grads, -step_size if negate else step_size), state
 
-    return register_inplace(leafwise(name, update), STATELESS)
+    tx = leafwise(name, update)
+    if isinstance(step_size, torch.Tensor):
+        return register_inplace(tx, STATELESS)
+    return register_inplace(tx, _scale_stage(-step_size if negate else step_size))
+
+
+def _scale_stage(factor: float) -> Stage:
+    """:func:`scale`'s in-place form for a number: ``updates * factor``, marked so that :func:`functopk.update_`
+    can fuse it into the parameters' add (:class:`functopk.inplace.Planned`'s ``scale``)."""
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        if type(state) is not EmptyState:
+            return None
+        return Planned([], lambda updates: foreach.mul(updates, factor), scale=factor)
+
+    return stage
 
 
 @recorded
