@@ -66,21 +66,31 @@ def add_(
         chunk: Elements per slice (default :data:`CHUNK`).
     """
     chunk = CHUNK if chunk is None else chunk
-    scratch: dict[torch.dtype, torch.Tensor] = {}
-    for i, p in enumerate(params):
-        xs = [leaves[i] for leaves in inputs]
-        if not (p.is_contiguous() and all(x.is_contiguous() for x in xs)):
+    scratch: dict[torch.dtype, list[torch.Tensor]] = {}
+    shaped: dict[tuple[torch.dtype, torch.Size], list[torch.Tensor]] = {}  # rows viewed as a leaf's shape
+    for p, *xs in zip(params, *inputs):
+        n = p.numel()
+        if n <= chunk:  # (most leaves: the whole leaf is one slice, strided or not)
+            s = shaped.get((p.dtype, p.shape))
+            if s is None:
+                s = shaped[p.dtype, p.shape] = [r[:n].view(p.shape) for r in _rows(scratch, p, params, rows, chunk)]
+            p.add_(body(s, p, *xs))
+        elif p.is_contiguous() and all(x.is_contiguous() for x in xs):
+            flat_p, flat_xs, full = p.view(-1), [x.view(-1) for x in xs], _rows(scratch, p, params, rows, chunk)
+            for start in range(0, n, chunk):
+                stop = min(n, start + chunk)
+                part = flat_p[start:stop]
+                part.add_(body([r[: stop - start] for r in full], part, *(x[start:stop] for x in flat_xs)))
+        else:
             p.add_(body([torch.empty_like(p) for _ in range(rows)], p, *xs))
-            continue
-        flat_p, flat_xs, n = p.view(-1), [x.view(-1) for x in xs], p.numel()
-        buf = scratch.get(p.dtype)
-        if buf is None:
-            most = max(q.numel() for q in params if q.dtype == p.dtype)
-            buf = scratch[p.dtype] = torch.empty((rows, min(chunk, most)), dtype=p.dtype, device=p.device)
-        if n <= chunk:  # (most leaves: no slicing)
-            flat_p.add_(body([row[:n] for row in buf], flat_p, *flat_xs))
-            continue
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            part = flat_p[start:stop]
-            part.add_(body([row[: stop - start] for row in buf], part, *(x[start:stop] for x in flat_xs)))
+
+
+def _rows(
+    scratch: dict[torch.dtype, list[torch.Tensor]], p: torch.Tensor, params: Sequence[torch.Tensor], rows: int, chunk: int
+) -> list[torch.Tensor]:
+    """The scratch rows for ``p``'s dtype: ``rows`` of ``min(chunk, largest leaf of that dtype)`` elements."""
+    found = scratch.get(p.dtype)
+    if found is None:
+        most = max(q.numel() for q in params if q.dtype == p.dtype)
+        found = scratch[p.dtype] = list(torch.empty((rows, min(chunk, most)), dtype=p.dtype, device=p.device))
+    return found
