@@ -86,7 +86,11 @@ def add_(
 
 
 def _rows(
-    scratch: dict[torch.dtype, list[torch.Tensor]], p: torch.Tensor, params: Sequence[torch.Tensor], rows: int, chunk: int
+    scratch: dict[torch.dtype, list[torch.Tensor]],
+    p: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    rows: int,
+    chunk: int,
 ) -> list[torch.Tensor]:
     """The scratch rows for ``p``'s dtype: ``rows`` of ``min(chunk, largest leaf of that dtype)`` elements."""
     found = scratch.get(p.dtype)
