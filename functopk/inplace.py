@@ -62,20 +62,30 @@ from functopk.base import EmptyState, GradientTransformation, OptState, Params, 
 from functopk.tree import chunked
 from functopk.update import paired_leaves
 
-__all__ = ["STATELESS", "Planned", "Stage", "fitting", "register_inplace", "update_"]
+__all__ = ["STATELESS", "Planned", "Sliced", "Stage", "fitting", "register_inplace", "update_"]
+
+
+class Sliced(NamedTuple):
+    """A planned step as a slice body: ``body(scratch, updates, *state) -> updates`` on equal slices of the
+    updates and of the ``state`` leaf lists (it may write the state slices and ``scratch[0]``, and returns its
+    result in one of them), with ``finish()`` for what is not elementwise (a step count), run once after."""
+
+    state: list[list[torch.Tensor]]
+    body: Callable[..., torch.Tensor]
+    finish: Callable[[], object]
 
 
 class Planned(NamedTuple):
     """A checked in-place step: the tensors it will write, and ``run(updates) -> new updates``.
 
-    ``scale`` marks a stateless multiplication by that number (``run`` is ``updates * scale``): as the
-    last step, :func:`update_` adds ``updates * scale`` into the parameters slice by slice on CPU
-    (:mod:`functopk.tree.chunked`) instead of materialising it.
+    ``sliced`` is the same step as a :class:`Sliced` body: when the last steps of a tail all have one,
+    :func:`update_` runs them, and the add into the parameters, slice by slice on CPU
+    (:mod:`functopk.tree.chunked`): one pass, no update tree, the same kernels.
     """
 
     written: list[torch.Tensor]
     run: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-    scale: float | None = None
+    sliced: Sliced | None = None
 
 
 Stage = Callable[[list[torch.Tensor], Any, list[torch.Tensor], optree.PyTreeSpec], "Planned | None"]
@@ -248,19 +258,36 @@ def _write(
 ) -> None:
     """Every write, once everything is checked: the in-place steps, the pure parts' new states, the parameters.
 
-    A last step that multiplies by a number is fused into the parameters' add on CPU (no update tree; the
-    same two roundings, ``mul`` then ``add``, slice by slice)."""
-    factor = plans[-1].scale if plans and chunked.applies(params) else None
+    On CPU the last steps that have slice bodies run with the add, slice by slice (see :class:`Planned`)."""
+    n = 0
+    while chunked.applies(params) and n < len(plans) and plans[len(plans) - 1 - n].sliced is not None:
+        n += 1
     with torch.no_grad():
-        for planned in plans if factor is None else plans[:-1]:
+        for planned in plans[: len(plans) - n]:
             updates = planned.run(updates)
         for old, new, _ in copies:
             old.copy_(new)
-        if factor is not None:  # (an in-place tail: every update is like its parameter)
-            chunked.add_(params, [updates], lambda s, p, u: torch.mul(u, factor, out=s[0]))
+        if n:  # (an in-place tail: every update is like its parameter)
+            _sliced_add([p.sliced for p in plans[len(plans) - n :]], params, updates)  # type: ignore[misc]
         elif params:  # as apply_updates: each update cast to its parameter's dtype
             ups = [updates[i] if updates[i].dtype == p.dtype else updates[i].to(p.dtype) for p, i in zip(params, adds)]
             torch._foreach_add_(params, ups)
+
+
+def _sliced_add(steps: list[Sliced], params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+    """``params += steps(updates)``, the steps' bodies composed, slice by slice; then each step's ``finish``."""
+    cuts = [0]
+    for step in steps:
+        cuts.append(cuts[-1] + len(step.state))
+
+    def body(s: list[torch.Tensor], p: torch.Tensor, u: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+        for step, a, b in zip(steps, cuts, cuts[1:]):
+            u = step.body(s, u, *state[a:b])
+        return u
+
+    chunked.add_(params, [updates, *(leaves for step in steps for leaves in step.state)], body)
+    for step in steps:
+        step.finish()
 
 
 def _leaves_like(updates: Any, treedef: optree.PyTreeSpec, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
