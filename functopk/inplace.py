@@ -26,7 +26,11 @@ from :func:`functopk.from_torch`; a :func:`functopk.chain` runs in place the
 longest tail of its parts that have stages (so ``sgd``, ``rmsprop``, ``adagrad``,
 ``chain(topk(k), adam(lr))``), the parts before it purely, copying their new
 states into the old tensors afterwards. Any other transformation runs purely and
-its new state is copied in: the same result, not faster.
+its new state is copied in: the same result, not faster. On CPU, the last planned
+steps that have a :class:`Sliced` body (``trace`` without dampening, a scale by a
+number: ``sgd``'s momentum and learning rate) run with the add into the
+parameters in one pass, slice by slice (:mod:`functopk.tree.chunked`): no update
+tree, one scratch row of at most ``chunked.CHUNK`` elements, the same numbers.
 
 Aliasing rules:
 

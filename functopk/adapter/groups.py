@@ -107,7 +107,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       foreach implementations, ``step()`` writes the new state into these
       tensors (every class but Adafactor and Muon, SGD with momentum, in float32 and
       float64, with number hyperparameters; :mod:`functopk.adapter.inplace`),
-      with the same results as the pure transformation, bit for bit;
+      with the same results as the pure transformation, bit for bit (not
+      ``torch.optim``'s: its fused kernels round once where update-then-add
+      rounds twice); on CPU, SGD, RMSprop and Adamax run their whole step
+      slice by slice into the parameters, without an update tree;
     * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
       torch) are made dense first, at the cost of one dense gradient per sparse
       parameter; complex parameters step as their real pairs (torch's

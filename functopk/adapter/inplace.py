@@ -7,8 +7,11 @@ into the old ones instead of allocating a fresh state and dropping the old one.
 Each step here runs the kernels of the pure transformation that
 :mod:`functopk.adapter.registry` builds for the class, in the same order and with
 the same scalars, with the state as their output: the results are the same bit
-for bit (``tests/adapter/test_inplace.py``). The updates are still fresh tensors,
-added to the parameters by the adapter.
+for bit (``tests/adapter/test_inplace.py``). The updates are fresh tensors, added
+to the parameters by the adapter, except for SGD, RMSprop and Adamax on CPU,
+whose whole step runs slice by slice and adds each update slice into its
+parameter slice itself (:mod:`functopk.adapter.inplace_chunked`; ``run`` then
+returns ``None`` for the updates): no parameter-sized tree per step.
 
 A builder returns ``None`` (the adapter then runs the pure transformation)
 where that equality is not certain: a hyperparameter that is a tensor
