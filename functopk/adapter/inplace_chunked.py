@@ -54,17 +54,20 @@ def sgd_body(h: Mapping[str, Any], factor: torch.Tensor | float | None) -> Body:
         >>> sgd_body(h, None)([torch.empty(2), torch.empty(2)], torch.zeros(2), g, buf), buf
         (tensor([-0.9500, -0.9500]), tensor([1.9000, 1.9000]))
     """
-    lr, momentum, nesterov = h["lr"], h["momentum"], h["nesterov"]
+    momentum, nesterov = h["momentum"], h["nesterov"]
+    prefix = h["maximize"] or h["weight_decay"] != 0
+    lr = -h["lr"]
 
     def body(s: list[torch.Tensor], p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        g = _prefix(s[0], g, p, h)
+        if prefix:
+            g = _prefix(s[0], g, p, h)
         if factor is None:
             torch.add(g, buf, alpha=momentum, out=buf)
         else:
             buf.mul_(momentum).add_(torch.mul(g, factor, out=s[1]))
         if nesterov:
-            return torch.add(g, buf, alpha=momentum, out=s[1]).mul_(-lr)
-        return torch.mul(buf, -lr, out=s[1])
+            return torch.add(g, buf, alpha=momentum, out=s[1]).mul_(lr)
+        return torch.mul(buf, lr, out=s[1])
 
     return body
 
@@ -80,7 +83,8 @@ def rmsprop_body(h: Mapping[str, Any]) -> Body:
         >>> rmsprop_body(h)([torch.empty(1), torch.empty(1)], torch.zeros(1), torch.ones(1), torch.zeros(1))
         tensor([-0.1414])
     """
-    lr, alpha, eps, momentum, centered = h["lr"], h["alpha"], h["eps"], h["momentum"], h["centered"]
+    alpha, eps, momentum, centered = h["alpha"], h["eps"], h["momentum"], h["centered"]
+    lr = -h["lr"]
 
     def body(s: list[torch.Tensor], p: torch.Tensor, g: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         g = _prefix(s[0], g, p, h)
@@ -95,8 +99,8 @@ def rmsprop_body(h: Mapping[str, Any]) -> Body:
         torch.div(g, out, out=out)
         if momentum:
             buf = state[-1]
-            return torch.mul(torch.add(out, buf, alpha=momentum, out=buf), -lr, out=out)
-        return out.mul_(-lr)
+            return torch.mul(torch.add(out, buf, alpha=momentum, out=buf), lr, out=out)
+        return out.mul_(lr)
 
     return body
 
