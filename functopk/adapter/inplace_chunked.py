@@ -56,7 +56,7 @@ def sgd_body(h: Mapping[str, Any], factor: torch.Tensor | float | None) -> Body:
     """
     momentum, nesterov = h["momentum"], h["nesterov"]
     prefix = h["maximize"] or h["weight_decay"] != 0
-    lr = -h["lr"]
+    neg_lr = -h["lr"]
 
     def body(s: list[torch.Tensor], p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         if prefix:
@@ -66,8 +66,8 @@ def sgd_body(h: Mapping[str, Any], factor: torch.Tensor | float | None) -> Body:
         else:
             buf.mul_(momentum).add_(torch.mul(g, factor, out=s[1]))
         if nesterov:
-            return torch.add(g, buf, alpha=momentum, out=s[1]).mul_(lr)
-        return torch.mul(buf, lr, out=s[1])
+            return torch.add(g, buf, alpha=momentum, out=s[1]).mul_(neg_lr)
+        return torch.mul(buf, neg_lr, out=s[1])
 
     return body
 
@@ -84,7 +84,7 @@ def rmsprop_body(h: Mapping[str, Any]) -> Body:
         tensor([-0.1414])
     """
     alpha, eps, momentum, centered = h["alpha"], h["eps"], h["momentum"], h["centered"]
-    lr = -h["lr"]
+    neg_lr = -h["lr"]
 
     def body(s: list[torch.Tensor], p: torch.Tensor, g: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         g = _prefix(s[0], g, p, h)
@@ -99,8 +99,8 @@ def rmsprop_body(h: Mapping[str, Any]) -> Body:
         torch.div(g, out, out=out)
         if momentum:
             buf = state[-1]
-            return torch.mul(torch.add(out, buf, alpha=momentum, out=buf), lr, out=out)
-        return out.mul_(lr)
+            return torch.mul(torch.add(out, buf, alpha=momentum, out=buf), neg_lr, out=out)
+        return out.mul_(neg_lr)
 
     return body
 
