@@ -9,8 +9,9 @@ import torch
 
 from functopk.sparse import KernelConfig
 from functopk.sparse.config import DEFAULT_CONFIG
+from functopk.sparse.kernels import native as native_scan
 from functopk.sparse.kernels.approx import sample_stride
-from functopk.sparse.kernels.exact import ExactStats, select_exact
+from functopk.sparse.kernels.exact import ExactStats, select_exact, top_k_of_candidates
 
 
 def brute_topk(flats, k, dtype):
@@ -120,3 +121,25 @@ def test_select_exact_narrow_and_wide_dtypes_with_ties_nan_inf_and_tiny_leaves(d
             idx, vals = select_exact(flats, k, dtype, config)
             assert torch.equal(idx, expected[0]), (k, native)
             assert torch.equal(vals.view(bits), expected[1].view(bits)), (k, native)
+
+
+@pytest.mark.skipif(native_scan.library() is None, reason="the compiled scan could not be built")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_top_k_of_candidates_compiled_equals_aten(dtype):
+    # candidates as the scan gives them (all above t_lo = 0.5): NaN, inf, ties that straddle the cut or not,
+    # and upper bracket ends that leave fewer or more than k above them (the band and the full selection)
+    g = torch.Generator().manual_seed(2)
+    vals = (0.5 + torch.rand(3000, generator=g) * 4).to(dtype) * torch.where(torch.rand(3000, generator=g) < 0.5, -1, 1)
+    vals[[3, 700]] = math.nan
+    vals[[5, 1500]] = torch.tensor([math.inf, -math.inf], dtype=dtype)
+    vals[2000:2100] = 3.0  # ties
+    idx = torch.arange(3000) * 7 + 11
+    lib = native_scan.library()
+    bits = {torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    for k in (1, 4, 5, 100, 700, 1200, 2999):
+        for t_hi in (None, 1.0, 3.0, 4.4, math.inf):
+            ref = top_k_of_candidates(idx, vals, k, t_hi, 16)
+            got = top_k_of_candidates(idx, vals, k, t_hi, 16, lib)
+            assert torch.equal(got[0], ref[0]), (k, t_hi)
+            assert torch.equal(got[1].view(bits), ref[1].view(bits)), (k, t_hi)
+            assert torch.equal(ref[0], brute_topk([vals], k, dtype)[0] * 7 + 11), (k, t_hi)

@@ -110,3 +110,17 @@ def test_the_scan_builds_in_an_empty_cache(monkeypatch, tmp_path):
     out = torch.empty(1000, dtype=torch.int64), torch.empty(1000)
     written, _ = native.scan_leaf(lib, x, native.threshold_bits(1.0, torch.float32), 0, out)
     assert torch.equal(out[0][:written], brute(x, 1.0))
+
+
+@needs_lib
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "portable"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_scan_leaf_with_an_upper_bound_keeps_t_below_abs_at_most_h(dtype, fast):
+    x = special_leaf(3000, dtype, 1.0, seed=4)
+    for t, h in [(0.0, 1.0), (0.5, 2.0), (1.0, 1.0), (2.0, math.inf)]:
+        out = torch.empty(3000, dtype=torch.int64), torch.empty(3000, dtype=dtype)
+        written, _ = native.scan_leaf(LIB, x, native.threshold_bits(t, dtype), 0, out,
+                                      upper_bits=native.threshold_bits(h, dtype), fast=fast)
+        a = x.double().abs()
+        expected = ((a > t) & (a <= h)).nonzero().view(-1)  # NaN lies above every bound, +inf included
+        assert torch.equal(out[0][:written], expected), (t, h)
