@@ -1,4 +1,4 @@
-"""The compiled candidate scan: one C loop per leaf finds ``|x| > t`` (and NaN) at memory speed.
+"""The compiled candidate scan: one C loop per leaf finds ``|x| > t`` (and NaN) at about memory speed.
 
 The ATen scan (:class:`~functopk.sparse.kernels.scan.Scanner`) needs a
 ``hardshrink`` pass and a ``nonzero`` over the result, and ATen's CPU ``nonzero``
@@ -12,11 +12,18 @@ down into it, :func:`~functopk.sparse.kernels.base.round_down`), ``|x| > t`` or
 unsigned integer, is greater than ``t``'s: non-negative floats are ordered like
 their bit patterns, NaN patterns lie above ``+inf``'s, and ``-0.0`` becomes
 ``+0.0``. So the loop never looks at a float: it works for every dtype of a
-width (16, 32 or 64 bits) and gives the ATen scan's candidates bit for bit.
+width (16, 32 or 64 bits) and gives the ATen scan's candidates bit for bit. An
+optional upper bound ``|x| <= h`` (bits again) serves the exact selection
+among the candidates (:func:`~functopk.sparse.kernels.exact.top_k_of_candidates`).
 
-The loop checks blocks of 16 values with a branch-free test (the compiler
-vectorises it) and, in a block with a candidate, writes every value and index
-and advances the output by the test's result (no mispredicted branches).
+Two loops, the same output. Where the CPU has AVX2 (checked at run time), each
+block of 64 values becomes a 64-bit mask of its candidates (subtract, sign bits,
+``movemask``); the first three set bits are written unconditionally and the
+output advances by the mask's population count, so the blocks without a
+candidate and those with up to three (nearly all of them below a few percent)
+cost no branch at all: 1-1.2x a read pass up to 1%. Elsewhere, the portable
+loop tests blocks of 32 with a branch-free reduction the compiler vectorises
+and, in a block with a candidate, writes every value and advances by the test.
 
 Building: ``$CC`` (default ``cc``) compiles the source into a shared library
 under ``$XDG_CACHE_HOME/functopk`` (default ``~/.cache/functopk``; the
@@ -33,6 +40,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -197,8 +205,9 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     """The shared library for this source and command, compiled unless it is already cached."""
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"scan-{key}.so"
+    # the machine type too: a cache directory shared by different machines (a network home) keeps one per type
+    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, sys.platform, platform.machine()]).encode())
+    target = _cache_dir() / f"scan-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
