@@ -58,6 +58,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="process-group timeout: a rank waiting on a peer that hangs fails after this long "
                              "(default 300; torch's own default is 30 minutes)")  # fmt: skip
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic GPU kernels (torch.use_deterministic_algorithms, cuBLAS workspace): "
+                             "a run killed and resumed then ends bit-identical to a straight one on CUDA too")
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +178,10 @@ def start_ranks(parser: argparse.ArgumentParser, script: str):
         parser.error(f"launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 examples/{script}")
     if args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be >= 1")
+    if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # warn_only: name any op without such a kernel
+        torch.backends.cudnn.benchmark = False
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()

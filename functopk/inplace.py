@@ -26,7 +26,11 @@ from :func:`functopk.from_torch`; a :func:`functopk.chain` runs in place the
 longest tail of its parts that have stages (so ``sgd``, ``rmsprop``, ``adagrad``,
 ``chain(topk(k), adam(lr))``), the parts before it purely, copying their new
 states into the old tensors afterwards. Any other transformation runs purely and
-its new state is copied in: the same result, not faster.
+its new state is copied in: the same result, not faster. On CPU, the last planned
+steps that have a :class:`Sliced` body (``trace`` without dampening, a scale by a
+number: ``sgd``'s momentum and learning rate) run with the add into the
+parameters in one pass, slice by slice (:mod:`functopk.tree.chunked`): no update
+tree, one scratch row of at most ``chunked.CHUNK`` elements, the same numbers.
 
 Aliasing rules:
 
@@ -59,16 +63,33 @@ import torch
 
 from functopk._checks import check_writable, path_str
 from functopk.base import EmptyState, GradientTransformation, OptState, Params, Updates, check_transformation
+from functopk.tree import chunked
 from functopk.update import paired_leaves
 
-__all__ = ["STATELESS", "Planned", "Stage", "fitting", "register_inplace", "update_"]
+__all__ = ["STATELESS", "Planned", "Sliced", "Stage", "fitting", "register_inplace", "update_"]
+
+
+class Sliced(NamedTuple):
+    """A planned step as a slice body: ``body(scratch, updates, *state) -> updates`` on equal slices of the
+    updates and of the ``state`` leaf lists (it may write the state slices and ``scratch[0]``, and returns its
+    result in one of them), with ``finish()`` for what is not elementwise (a step count), run once after."""
+
+    state: list[list[torch.Tensor]]
+    body: Callable[..., torch.Tensor]
+    finish: Callable[[], object]
 
 
 class Planned(NamedTuple):
-    """A checked in-place step: the tensors it will write, and ``run(updates) -> new updates``."""
+    """A checked in-place step: the tensors it will write, and ``run(updates) -> new updates``.
+
+    ``sliced`` is the same step as a :class:`Sliced` body: when the last steps of a tail all have one,
+    :func:`update_` runs them, and the add into the parameters, slice by slice on CPU
+    (:mod:`functopk.tree.chunked`): one pass, no update tree, the same kernels.
+    """
 
     written: list[torch.Tensor]
     run: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    sliced: Sliced | None = None
 
 
 Stage = Callable[[list[torch.Tensor], Any, list[torch.Tensor], optree.PyTreeSpec], "Planned | None"]
@@ -239,15 +260,38 @@ def _write(
     adds: list[int],
     updates: list[Any],
 ) -> None:
-    """Every write, once everything is checked: the in-place steps, the pure parts' new states, the parameters."""
+    """Every write, once everything is checked: the in-place steps, the pure parts' new states, the parameters.
+
+    On CPU the last steps that have slice bodies run with the add, slice by slice (see :class:`Planned`)."""
+    n = 0
+    while chunked.applies(params) and n < len(plans) and plans[len(plans) - 1 - n].sliced is not None:
+        n += 1
     with torch.no_grad():
-        for planned in plans:
+        for planned in plans[: len(plans) - n]:
             updates = planned.run(updates)
         for old, new, _ in copies:
             old.copy_(new)
-        if params:  # as apply_updates: each update cast to its parameter's dtype
+        if n:  # (an in-place tail: every update is like its parameter)
+            _sliced_add([p.sliced for p in plans[len(plans) - n :]], params, updates)  # type: ignore[misc]
+        elif params:  # as apply_updates: each update cast to its parameter's dtype
             ups = [updates[i] if updates[i].dtype == p.dtype else updates[i].to(p.dtype) for p, i in zip(params, adds)]
             torch._foreach_add_(params, ups)
+
+
+def _sliced_add(steps: list[Sliced], params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+    """``params += steps(updates)``, the steps' bodies composed, slice by slice; then each step's ``finish``."""
+    cuts = [0]
+    for step in steps:
+        cuts.append(cuts[-1] + len(step.state))
+
+    def body(s: list[torch.Tensor], p: torch.Tensor, u: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+        for step, a, b in zip(steps, cuts, cuts[1:]):
+            u = step.body(s, u, *state[a:b])
+        return u
+
+    chunked.add_(params, [updates, *(leaves for step in steps for leaves in step.state)], body)
+    for step in steps:
+        step.finish()
 
 
 def _leaves_like(updates: Any, treedef: optree.PyTreeSpec, params: list[torch.Tensor]) -> list[torch.Tensor] | None:

@@ -33,6 +33,16 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(_INT_VIEW[x.dtype]) if x.dtype in _INT_VIEW else x
 
 
+def bits_any_nan(x: torch.Tensor) -> torch.Tensor:
+    """:func:`bits` with every NaN made the canonical quiet NaN.
+
+    For values converted between float dtypes: the payload of a converted NaN
+    depends on the hardware and the torch build (a float16 NaN becomes
+    ``0x7fc00000`` on the CPU and ``0x7fffffff`` on a GPU).
+    """
+    return bits(torch.where(x.isnan(), torch.full((), float("nan"), dtype=x.dtype, device=x.device), x))
+
+
 def assert_tree_bitwise_equal(a, b) -> None:
     """Same structure, shapes, dtypes, devices and bit patterns."""
     la, da = optree.tree_flatten(a)
@@ -372,3 +382,12 @@ def torch_coordinate(cls, kwargs):
         return p, cls([p], **kwargs, foreach=True)  # the kernels (and roundings) functopk follows
 
     return make
+
+
+def real_device(device) -> torch.device:
+    """The device that tensors made with ``device=device`` report: ``"cuda"`` becomes ``cuda:0`` (the current one).
+
+    ``torch.device("cuda") != torch.device("cuda:0")``, so a test comparing a tensor's device with the
+    ``device`` fixture's name would fail on every GPU.
+    """
+    return torch.empty(0, device=device).device

@@ -8,6 +8,7 @@ import torch
 
 import functopk as ft
 from functopk.inplace import split
+from functopk.tree import chunked
 from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
 
 
@@ -175,3 +176,39 @@ def test_a_state_that_cannot_be_written_in_place_raises_and_writes_nothing():
     assert state[0] == {"steps": 0}
     assert_tree_bitwise_equal(params, p0)
     assert_tree_bitwise_equal(state[1], s0)
+
+
+SGD_OPTIONS = [
+    {"momentum": 0.9, "nesterov": n, "dampening": d, "weight_decay": w, "maximize": m}
+    for n in (False, True) for d in (0.0, 0.3) if not (n and d) for w in (0.0, 0.1) for m in (False, True)
+] + [{}]  # fmt: skip
+
+
+@pytest.mark.parametrize("options", SGD_OPTIONS)
+def test_sgd_fuses_its_learning_rate_into_the_parameters_add_bit_for_bit(options, monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK", 5)  # the conv leaf (12 elements) in three slices
+    calls = []
+    add_ = chunked.add_
+    monkeypatch.setattr(chunked, "add_", lambda *a, **k: calls.append(1) or add_(*a, **k))
+    tx = ft.sgd(0.1, **options)
+    grads = [tree(s) for s in (1, 2, 3)]
+    expected_params, expected_state = pure_steps(tx, tree(0), grads)
+    params = tree(0)
+    state = tx.init(params)
+    for g in grads:
+        ft.update_(tx, g, state, params)
+    assert_tree_bitwise_equal(params, expected_params)
+    assert_tree_bitwise_equal(state, expected_state)
+    assert len(calls) == 3  # the last scale, fused into the add at every step
+
+
+def test_sgd_momentum_allocates_no_update_tree(monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK", 256)
+    tx = ft.sgd(0.1, momentum=0.9)
+    params = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    state = tx.init(params)
+    grads = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    ft.update_(tx, grads, state, params)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        ft.update_(tx, grads, state, params)
+    assert max(e.cpu_memory_usage for e in prof.events()) <= 256 * 4 < 64 * 64 * 4  # one scratch row

@@ -107,7 +107,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       foreach implementations, ``step()`` writes the new state into these
       tensors (every class but Adafactor and Muon, SGD with momentum, in float32 and
       float64, with number hyperparameters; :mod:`functopk.adapter.inplace`),
-      with the same results as the pure transformation, bit for bit;
+      with the same results as the pure transformation, bit for bit (not
+      ``torch.optim``'s: its fused kernels round once where update-then-add
+      rounds twice); on CPU, SGD, RMSprop and Adamax run their whole step
+      slice by slice into the parameters, without an update tree;
     * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
       torch) are made dense first, at the cost of one dense gradient per sparse
       parameter; complex parameters step as their real pairs (torch's
@@ -267,14 +270,16 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             updates, new = result() if callable(result) else result
             if self._sparsify is not None and not callable(result):  # pure maths may keep a gradient as state
                 new = self._sparsify.unshared(new)
-            all_ps += cohort
-            all_us += updates
+            if updates is not None:  # (None: an in-place step that added its updates itself)
+                all_ps += cohort
+                all_us += updates
             for p, e in zip(cohort, new):
                 written.setdefault(p, {}).update(e)
         for p, e in written.items():
             if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
                 self.state[p].update(e)
-        torch._foreach_add_(all_ps, all_us)
+        if all_ps:
+            torch._foreach_add_(all_ps, all_us)
         return loss
 
     @torch._disable_dynamo

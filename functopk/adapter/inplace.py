@@ -7,8 +7,11 @@ into the old ones instead of allocating a fresh state and dropping the old one.
 Each step here runs the kernels of the pure transformation that
 :mod:`functopk.adapter.registry` builds for the class, in the same order and with
 the same scalars, with the state as their output: the results are the same bit
-for bit (``tests/adapter/test_inplace.py``). The updates are still fresh tensors,
-added to the parameters by the adapter.
+for bit (``tests/adapter/test_inplace.py``). The updates are fresh tensors, added
+to the parameters by the adapter, except for SGD, RMSprop and Adamax on CPU,
+whose whole step runs slice by slice and adds each update slice into its
+parameter slice itself (:mod:`functopk.adapter.inplace_chunked`; ``run`` then
+returns ``None`` for the updates): no parameter-sized tree per step.
 
 A builder returns ``None`` (the adapter then runs the pure transformation)
 where that equality is not certain: a hyperparameter that is a tensor
@@ -36,8 +39,9 @@ from typing import Any
 
 import torch
 
+from functopk.adapter import inplace_chunked
 from functopk.optim.adaptive import adam_config, adam_direction
-from functopk.tree import foreach
+from functopk.tree import chunked, foreach
 
 __all__ = [
     "MOSTLY_ZERO", "InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "adamax_step", "rmsprop_step",
@@ -45,10 +49,11 @@ __all__ = [
 ]
 
 Entries = list[dict[str, Any]]
-Run = Callable[[], tuple[list[torch.Tensor], Entries]]
+Run = Callable[[], tuple[list[torch.Tensor] | None, Entries]]
 InplaceStep = Callable[[list[torch.Tensor], list[torch.Tensor], Entries], Run | None]
 """``(grads, params, entries) -> run``: checks that the tensors fit (``None`` if not) and changes nothing;
-``run()`` then does the step, returning the updates and the new entries (the same part tensors)."""
+``run()`` then does the step, returning the updates (``None``: it added them into the parameters itself)
+and the new entries (the same part tensors)."""
 InplaceBuilder = Callable[[Mapping[str, Any]], InplaceStep | None]
 """A param group's hyperparameters (torch's keys) -> its in-place step, or ``None`` where there is none."""
 
@@ -156,15 +161,21 @@ def sgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
         if not fits(grads, params, entries, ("momentum_buffer",)):
             return None
 
-        def run() -> tuple[list[torch.Tensor], Entries]:
+        def run() -> tuple[list[torch.Tensor] | None, Entries]:
             buf = [e["momentum_buffer"] for e in entries]
-            g = _prefix(grads, params, h)
             count = entries[0]["count"]
-            if dampening == 0:
-                _momentum_into(g, buf, momentum)
-            else:  # the first step undamped, as in functopk.trace
+            factor = None
+            if dampening != 0:  # the first step undamped, as in functopk.trace
                 one = torch.ones((), dtype=foreach.scalar_dtype(count.device), device=count.device)
-                factor = foreach.for_leaves(torch.where(count == 0, one, 1.0 - dampening), g)
+                factor = foreach.for_leaves(torch.where(count == 0, one, 1.0 - dampening), grads)
+            if chunked.applies(params):  # no update tree: see functopk.adapter.inplace_chunked
+                body = inplace_chunked.sgd_body(h, factor)
+                chunked.add_(params, [grads, buf], body, rows=inplace_chunked.ROWS)
+                return None, with_entry(entries, "count", count + 1)
+            g = _prefix(grads, params, h)
+            if factor is None:
+                _momentum_into(g, buf, momentum)
+            else:
                 torch._foreach_mul_(buf, momentum)
                 torch._foreach_add_(buf, foreach.mul(g, factor))
             # (the state's buffer is scaled into a new tensor; Nesterov's fresh sum, in place)
@@ -200,7 +211,12 @@ def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
         if not fits(grads, params, entries, names):
             return None
 
-        def run() -> tuple[list[torch.Tensor], Entries]:
+        def run() -> tuple[list[torch.Tensor] | None, Entries]:
+            count = entries[0]["step"]
+            if chunked.applies(params):  # no update tree: see functopk.adapter.inplace_chunked
+                state = [[e[n] for e in entries] for n in names]
+                chunked.add_(params, [grads, *state], inplace_chunked.rmsprop_body(h), rows=inplace_chunked.ROWS)
+                return None, with_entry(entries, "step", count + 1)
             g = _prefix(grads, params, h)
             nu = [e["square_avg"] for e in entries]
             torch._foreach_mul_(nu, alpha)
@@ -215,7 +231,7 @@ def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 out = foreach.mul(_momentum_into(out, [e["momentum_buffer"] for e in entries], momentum), -lr)
             else:
                 out = foreach.mul_(out, -lr)
-            return out, with_entry(entries, "step", entries[0]["step"] + 1)
+            return out, with_entry(entries, "step", count + 1)
 
         return run
 
@@ -259,22 +275,25 @@ def adamax_step(h: Mapping[str, Any]) -> InplaceStep | None:
         if not fits(grads, params, entries, ("exp_avg", "exp_inf")):
             return None
 
-        def run() -> tuple[list[torch.Tensor], Entries]:
+        def run() -> tuple[list[torch.Tensor] | None, Entries]:
+            mu, nu = [e["exp_avg"] for e in entries], [e["exp_inf"] for e in entries]
+            count = entries[0]["step"]
+            t = (count + 1).to(foreach.scalar_dtype(count.device))
+            step = foreach.for_leaves((lr / (1.0 - torch.pow(b1, t))) * -1.0, grads)
+            if chunked.applies(params):  # no update tree: see functopk.adapter.inplace_chunked
+                body = inplace_chunked.adamax_body(h, step)
+                chunked.add_(params, [grads, mu, nu], body, rows=inplace_chunked.ROWS)
+                return None, with_entry(entries, "step", count + 1)
             g = foreach.neg(grads) if h["maximize"] else grads
             if h["weight_decay"] != 0:
                 g = foreach.add_scaled(g, h["weight_decay"], params)
-            mu, nu = [e["exp_avg"] for e in entries], [e["exp_inf"] for e in entries]
             torch._foreach_lerp_(mu, g, 1.0 - b1)
             torch._foreach_mul_(nu, b2)
             floor = foreach.add_scalar_(foreach.abs(g), eps)
             torch._foreach_maximum_(nu, floor)
-            count = entries[0]["step"]
-            t = (count + 1).to(foreach.scalar_dtype(count.device))
-            step = (lr / (1.0 - torch.pow(b1, t))) * -1.0
             for m, u, buf in zip(mu, nu, floor):  # m / u into the floor's buffers, done with
                 torch.div(m, u, out=buf)
-            out = foreach.mul_(floor, foreach.for_leaves(step, g))
-            return out, with_entry(entries, "step", count + 1)
+            return foreach.mul_(floor, step), with_entry(entries, "step", count + 1)
 
         return run
 

@@ -23,7 +23,7 @@ from functopk._checks import check_bool, check_callable, check_hyperparam, check
 from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, recorded
 from functopk.build import leafwise
 from functopk.combine import MaskOrFn
-from functopk.inplace import STATELESS, Planned, Stage, fitting, register_inplace
+from functopk.inplace import STATELESS, Planned, Sliced, Stage, fitting, register_inplace
 from functopk.optim._shared import Leaves, is_number, selected, with_mask
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
@@ -50,7 +50,23 @@ def _scale(step_size: float | torch.Tensor, name: str, *, negate: bool = False) 
     def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
         return foreach.mul(grads, -step_size if negate else step_size), state
 
-    return register_inplace(leafwise(name, update), STATELESS)
+    tx = leafwise(name, update)
+    if isinstance(step_size, torch.Tensor):
+        return register_inplace(tx, STATELESS)
+    return register_inplace(tx, _scale_stage(-step_size if negate else step_size))
+
+
+def _scale_stage(factor: float) -> Stage:
+    """:func:`scale`'s in-place form for a number: ``updates * factor``, with its slice body (``mul``), so that
+    :func:`functopk.update_` can fuse it into the parameters' add (:class:`functopk.inplace.Planned`)."""
+
+    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        if type(state) is not EmptyState:
+            return None
+        sliced = Sliced([], lambda s, u: torch.mul(u, factor, out=s[0]), lambda: None)
+        return Planned([], lambda updates: foreach.mul(updates, factor), sliced)
+
+    return stage
 
 
 @recorded
@@ -224,7 +240,11 @@ def _trace_stage(decay: float, nesterov: bool) -> Stage:
             state.count.add_(1)
             return foreach.add_scaled(g, decay, buf) if nesterov else buf
 
-        return Planned([*buf, state.count], run)
+        def body(s: list[torch.Tensor], u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # run's kernels on a slice
+            torch.add(u, b, alpha=decay, out=b)
+            return torch.add(u, b, alpha=decay, out=s[0]) if nesterov else b
+
+        return Planned([*buf, state.count], run, Sliced([buf], body, lambda: state.count.add_(1)))
 
     return stage
 

@@ -43,9 +43,9 @@ from functopk._checks import check_choice
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 from functopk.sparse.k import KLike, k_on_device, k_on_host
 from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
-from functopk.sparse.kernels.base import common_dtype, flat_magnitudes
+from functopk.sparse.kernels.base import common_dtype, magnitudes_
 from functopk.sparse.kernels.exact import select_exact
-from functopk.sparse.kernels.static import mask_static
+from functopk.sparse.kernels.static import mask_static, topk_static
 from functopk.sparse.ops import ExactOp
 from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
 
@@ -130,8 +130,8 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
         >>> import torch
         >>> select([torch.tensor([1.0, -3.0, 2.0])], 2, "exact")
         Indices(indices=tensor([1, 2]), values=tensor([-3.,  2.]))
-        >>> select([torch.tensor([1.0, -3.0, 2.0])], torch.tensor(2), "torch")
-        Mask(mask=tensor([False,  True,  True]), k=tensor(2))
+        >>> select([torch.tensor([1.0, -3.0, 2.0])], torch.tensor(2), "torch").mask
+        tensor([False,  True,  True])
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, KernelConfig):
@@ -141,14 +141,20 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
         return ExactOp(k, None, config) if isinstance(k, int) else ExactOp(0, k, config)
     dtype = common_dtype(leaves)
     n = sum(x.numel() for x in leaves)
-    flats = [x.detach().reshape(-1) for x in leaves]
     if method == "exact" and where == "eager":
-        return Indices(*select_exact(flats, k_on_host(k, n), dtype, config))
+        return Indices(*select_exact([x.detach().reshape(-1) for x in leaves], k_on_host(k, n), dtype, config))
     k = k_on_device(k, n)
     if method == "exact" and leaves[0].device.type == "cpu" and n >= SLOW_STATIC_NUMEL:
         _warn_static_on_cpu(n)
     if method in ("exact", "torch"):
-        return Mask(mask_static(flat_magnitudes(flats, dtype), k), k)
+        # kept for the outputs (see Mask), and differentiable, as where() per leaf is
+        values = torch.cat([x.reshape(-1) if x.dtype == dtype else x.reshape(-1).to(dtype) for x in leaves])
+        mags = magnitudes_(values.detach().abs())
+        if isinstance(k, int):
+            mask, idx = topk_static(mags, k)
+            return Mask(mask, k, values, idx)
+        return Mask(mask_static(mags, k), k, values)
+    flats = [x.detach().reshape(-1) for x in leaves]
     if method == "approx":
         t = sample_threshold(flats, k, dtype)
     else:

@@ -89,27 +89,50 @@ class Indices(NamedTuple):
 
 
 class Mask(NamedTuple):
-    """The exact top-k as a flat boolean mask with exactly ``k`` entries set (the static kernel)."""
+    """The exact top-k as a flat boolean mask with exactly ``k`` entries set (the static kernel).
+
+    ``indices``, when the kernel found them (an int ``k``), are the set entries in ascending order.
+    ``values``, when the kernel kept it, is the concatenation of the leaves in
+    their common dtype: the dense and sparse outputs then read it instead of
+    concatenating again or working leaf by leaf (one kernel each instead of one
+    per leaf, which is what a GPU step pays for).
+    """
 
     mask: torch.Tensor
     k: int | torch.Tensor
+    values: torch.Tensor | None = None
+    indices: torch.Tensor | None = None  # the set entries in ascending order, when the kernel had them
 
     def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The mask cut into leaf-shaped views (no offsets needed: one ``torch.split``)."""
-        return [p.view(x.shape) for p, x in zip(torch.split(self.mask, [x.numel() for x in leaves]), leaves)]
+        return _leaf_views(self.mask, leaves)
 
     def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``where(mask, x, 0)`` per leaf."""
+        """``where(mask, x, 0)``: over ``values`` at once (views of one buffer) when every leaf has its dtype."""
+        if self.values is not None and all(x.dtype == self.values.dtype for x in leaves):
+            return _leaf_views(torch.where(self.mask, self.values, 0.0), leaves)
         return [torch.where(m, x, 0.0) for m, x in zip(self.masks(leaves), leaves)]
 
     def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
         """``nonzero`` of the mask; with an int ``k`` of static size ``k`` (``nonzero_static``)."""
-        flat = _flat(leaves)
-        if isinstance(self.k, int):  # exactly k entries are set: the output size is static
+        flat = _flat(leaves) if self.values is None else self.values
+        if self.indices is not None:
+            idx = self.indices
+        elif isinstance(self.k, int):  # exactly k entries are set: the output size is static
             idx = torch.nonzero_static(self.mask, size=self.k).view(-1)
         else:
             idx = self.mask.nonzero().view(-1)
         return sparse_updates(leaves, idx, flat[idx])
+
+
+def _leaf_views(flat: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into views shaped like ``leaves`` (contiguous, in flat order).
+
+    A 1-d leaf's piece is its view already: skipping ``view`` there saves host time (biases and norms
+    are most of a network's leaves), which is what a GPU call is bound by.
+    """
+    pieces = torch.split(flat, [x.numel() for x in leaves])
+    return [p if x.dim() == 1 else p.view(x.shape) for p, x in zip(pieces, leaves)]
 
 
 def _above(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

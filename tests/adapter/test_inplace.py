@@ -9,6 +9,7 @@ import torch
 
 import functopk as ft
 from functopk.adapter import inplace, registry
+from functopk.tree import chunked
 from tests.helpers import assert_tree_bitwise_equal
 
 SHAPES = [(3, 4), (5,), ()]
@@ -158,3 +159,76 @@ def test_a_tensor_hyperparameter_takes_the_pure_path(cls, key):
     value = h[key]
     h[key] = tuple(torch.tensor(v) for v in value) if isinstance(value, tuple) else torch.tensor(value)
     assert build(h) is None
+
+
+def _option_combinations():
+    """Every option torch.optim has for the three classes whose CPU step runs slice by slice."""
+    flags = (False, True)
+    sgd = [{"lr": 0.1, "momentum": 0.9, "nesterov": n, "dampening": d, "weight_decay": w, "maximize": m}
+           for n in flags for d in (0.0, 0.3) if not (n and d) for w in (0.0, 0.1) for m in flags]  # fmt: skip
+    rms = [{"lr": 0.01, "momentum": mo, "centered": c, "weight_decay": w, "maximize": m}
+           for mo in (0.0, 0.9) for c in flags for w in (0.0, 0.1) for m in flags]  # fmt: skip
+    adamax = [{"lr": 0.01, "weight_decay": w, "maximize": m} for w in (0.0, 0.1) for m in flags]
+    return ([(torch.optim.SGD, k) for k in sgd] + [(torch.optim.RMSprop, k) for k in rms]
+            + [(torch.optim.Adamax, k) for k in adamax])  # fmt: skip
+
+
+def _sliced_params() -> list[torch.Tensor]:
+    """Leaves cut into several slices at ``CHUNK = 7``, one not contiguous, one float64 among float32 ones."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(4, 5), (16,), (3,), ()]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    params += [torch.randn(5, 4, generator=gen).t(), torch.randn(9, generator=gen, dtype=torch.float64)]
+    return [p.requires_grad_() for p in params]
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), _option_combinations())
+def test_sliced_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK", 7)
+    params = _sliced_params()
+    theirs = [p.detach().clone().requires_grad_() for p in params]
+    opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, foreach=True, **kwargs)
+    tx = ft.from_torch(cls, **kwargs)
+    ref = {i: p.detach().clone() for i, p in enumerate(params)}
+    state, first = tx.init(ref), None
+    for step in range(3):
+        grads = _set_grads(params, step)
+        for q, g in zip(theirs, grads):
+            q.grad = g.clone()
+        opt.step()
+        torch_opt.step()
+        updates, state = tx.update(dict(enumerate(grads)), state, ref)
+        ref = ft.apply_updates(ref, updates)
+        assert_tree_bitwise_equal([p.detach() for p in params], list(ref.values()))
+        ptrs = [v.data_ptr() for p in params if p.dim() for v in opt.state[p].values() if v.shape == p.shape]
+        first = first or ptrs
+        assert ptrs == first and len(first) >= len(params) - 1  # written into the same state tensors
+    for p, q in zip(params, theirs):  # torch's fused kernels round once where update-then-add rounds twice
+        rtol = 1e-12 if p.dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+     (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.9, "centered": True}),
+     (torch.optim.Adamax, {"lr": 0.01, "maximize": True})],
+)  # fmt: skip
+def test_sliced_step_allocates_no_parameter_sized_tree_and_resumes(cls, kwargs, monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK", 256)
+    params = [torch.randn(64, 64, requires_grad=True), torch.randn(64, requires_grad=True)]
+    opt = ft.optimizer_from_torch(cls, params, **kwargs)
+    _set_grads(params, 0)
+    opt.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest <= 2 * 256 * 4 < params[0].numel() * 4  # the two scratch rows, not a 64 x 64 tree
+    again = [p.detach().clone().requires_grad_() for p in params]
+    resumed = ft.optimizer_from_torch(cls, again, **kwargs)
+    resumed.load_state_dict(opt.state_dict())
+    for o, ps in ((opt, params), (resumed, again)):
+        _set_grads(ps, 1)
+        o.step()
+    assert_tree_bitwise_equal([p.detach() for p in params], [q.detach() for q in again])
+    assert_tree_bitwise_equal(opt.state_dict()["state"], resumed.state_dict()["state"])

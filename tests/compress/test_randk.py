@@ -16,7 +16,7 @@ import torch
 import functopk as ft
 from functopk.compress.randk import _fmix32, _mul32, randk_keys
 from tests.compress.helpers import check_compiled, tree_of
-from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, real_device, to_device
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_mul32_and_fmix32_match_python_integer_arithmetic(device):
 
 def test_keys_are_distinct_32_bit_values(device):
     keys = randk_keys(1 << 17, seed=123, step=9, device=torch.device(device))
-    assert keys.dtype == torch.int64 and keys.device == torch.device(device)
+    assert keys.dtype == torch.int64 and keys.device == real_device(device)
     assert int(keys.min()) >= 0 and int(keys.max()) < 2**32
     assert keys.unique().numel() == keys.numel()  # a bijection of the index: no ties, a unique top-k set
     # identical on every device, with the step an int or a tensor on the device
@@ -109,7 +109,7 @@ def test_randk_transform_equals_mask_and_counts_steps(device):
     params = to_device(tree_of((6, 5), (4,)), device)
     tx = ft.randk(density=0.25, seed=9)
     state = tx.init(params)
-    assert state.count.device == torch.device(device)
+    assert state.count.device == real_device(device)
     k = ft.sparse.k_from_density(0.25, 34)
     for step in range(4):
         grads = to_device(tree_of((6, 5), (4,), seed=step + 1), device)

@@ -70,6 +70,11 @@ def ours_for(kwargs):
 
 @pytest.mark.parametrize("kwargs", CASES.values(), ids=CASES.keys())
 def test_parity_float64(device, kwargs):
+    if kwargs.get("adjust_lr_fn") == "spectral_unclamped":
+        try:
+            torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs)
+        except ValueError as e:  # torch 2.11 has no spectral_unclamped (functopk needs 2.13; GPU images may lag)
+            pytest.skip(f"this torch's Muon: {e}")
     p0 = start(device)
     theirs, opt, tp = run_torch(p0, **kwargs)
     ours, state = run_ours(ours_for(kwargs), p0)

@@ -71,6 +71,21 @@ def test_eager_and_static_result_types_give_the_same_outputs(method):
         assert se.numel == ss.numel == 62 and se.sizes == ss.sizes == (40, 15, 7)
 
 
+def test_the_static_route_is_differentiable():
+    """Leaves that require grad take the static kernel; the dense and sparse outputs pass gradients back."""
+    leaves = [x.clone().requires_grad_() for x in _leaves()]
+    sel = dispatch.select(leaves, 9, "exact")
+    assert type(sel) is Mask
+    weights = [torch.randn_like(x) for x in leaves]
+    sum((w * o).sum() for w, o in zip(weights, sel.dense(leaves))).backward()
+    for x, w, m in zip(leaves, weights, sel.masks(leaves)):
+        assert torch.equal(x.grad, torch.where(m, w, 0.0))  # d/dx of where(mask, x, 0): the mask
+    x0 = leaves[0].detach().clone().requires_grad_()
+    one = dispatch.select([x0], 3, "torch").sparse([x0])
+    one.values.sum().backward()
+    assert int(x0.grad.sum()) == 3 and torch.equal(x0.grad[one.indices], torch.ones(3))
+
+
 def test_select_returns_one_type_on_every_route(monkeypatch):
     """Eager, static and compiling (the operator) routes all return a Selection; ExactOp selects like Indices."""
     assert typing.get_type_hints(dispatch.select)["return"] is Selection

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functopk.sparse.kernels.base import flat_magnitudes
-from functopk.sparse.kernels.static import mask_static, radix_kth_key, select_static
+from functopk.sparse.kernels.static import mask_static, radix_kth_key, select_static, topk_static
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -49,3 +49,13 @@ def test_select_static_sorted_indices_and_values_with_ties_by_index(device):
     idx, vals = select_static(flats, 3, torch.float64)
     assert idx.tolist() == [1, 2, 4] and vals.dtype == torch.float64 and vals.device == flats[0].device
     assert vals[:2].tolist() == [-3.0, 3.0] and math.isnan(vals[2])
+
+
+def test_topk_static_breaks_ties_by_lowest_index(device):
+    """torch.topk may pick any of the values tied with the k-th: topk_static keeps the lowest indices."""
+    for values in ([2.0, 5.0, 2.0, 2.0, 7.0, 2.0, 5.0], [0.0] * 6 + [1.0], [math.inf, 1.0, math.inf, math.inf]):
+        mags = torch.tensor(values, device=device)
+        for k in range(1, len(values) + 1):
+            expected = sorted(sorted(range(len(values)), key=lambda i: (-values[i], i))[:k])
+            mask, idx = topk_static(mags, k)
+            assert idx.tolist() == expected and mask.nonzero().view(-1).tolist() == expected

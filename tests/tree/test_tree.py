@@ -9,20 +9,20 @@ from hypothesis import strategies as st
 
 import functopk as ft
 from functopk._checks import check_same_structure
-from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device, trees_st
+from tests.helpers import assert_tree_bitwise_equal, clone_tree, real_device, to_device, trees_st
 
 
 @given(trees_st())
 def test_ravel_unravel_roundtrip(device, tree):
     tree = to_device(tree, device)
     layout = ft.tree.FlatLayout.from_tree(tree)
-    assert layout.device == torch.device(device)
+    assert layout.device == real_device(device)
     leaves = ft.tree.leaves(tree)
     assert layout.numel == sum(x.numel() for x in leaves)
     assert layout.num_leaves == len(leaves)
     assert layout.offsets[0] == 0 and layout.offsets[-1] == layout.numel
     flat = layout.ravel(tree)
-    assert flat.dim() == 1 and flat.dtype == layout.common_dtype and flat.device == torch.device(device)
+    assert flat.dim() == 1 and flat.dtype == layout.common_dtype and flat.device == real_device(device)
     # the flat vector is the leaves concatenated in optree order
     expected = [x.reshape(-1).to(layout.common_dtype) for x in leaves]
     assert torch.equal(flat, torch.cat(expected)) if expected else flat.numel() == 0

@@ -131,7 +131,10 @@ def gaussian_threshold_flat(
     norms = torch._foreach_norm(list(flats), 2, dtype=acc)
     sumsq = torch.stack(norms).to(torch.float64).square().sum()
     rms = torch.sqrt(sumsq / n)
-    density = torch.as_tensor(density, dtype=torch.float64, device=rms.device)
+    if isinstance(density, torch.Tensor):
+        density = density.to(device=rms.device, dtype=torch.float64)
+    else:  # a fill kernel: as_tensor of a Python number copies from the host, which synchronises a GPU
+        density = torch.full((), float(density), dtype=torch.float64, device=rms.device)
     density = torch.nan_to_num(density, nan=1.0).clamp(0.0, 1.0)
     z = torch.special.ndtri(1.0 - density / 2.0)
     big = torch.finfo(dtype).max

@@ -14,7 +14,7 @@ import torch
 
 from functopk.sparse.kernels.base import INT_OF, magnitudes_, nonzero_1d
 
-__all__ = ["mask_static", "radix_kth_key", "select_static", "tie_mask"]
+__all__ = ["mask_static", "radix_kth_key", "select_static", "tie_mask", "topk_static"]
 
 _MAGNITUDE_BITS = {torch.float16: 15, torch.bfloat16: 15, torch.float32: 31, torch.float64: 63}
 
@@ -93,8 +93,34 @@ def mask_static(mags: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
         keys = _keys(mags)
         t = radix_kth_key(keys, k, _MAGNITUDE_BITS[mags.dtype])
         return tie_mask(keys > t, keys == t, k)
-    t = torch.topk(mags, k, sorted=False).values.min()
-    return tie_mask(mags > t, mags == t, k)
+    return topk_static(mags, k)[0]
+
+
+def topk_static(mags: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of ``mags`` (NaN-free magnitudes) as a boolean mask and its indices in ascending order.
+
+    ``torch.topk``'s own indices, except that among the values equal to the
+    k-th largest, ``t``, it may pick any: those picks are replaced by the
+    lowest-index ties (``nonzero_static`` over ``mags == t``). Besides
+    ``torch.topk`` that reads ``mags`` once more and sorts ``2 k`` indices,
+    where :func:`tie_mask` runs several passes over all ``n`` (an int64
+    cumulative sum among them). Static shapes, no host reads.
+
+    Example:
+        >>> import torch
+        >>> topk_static(torch.tensor([1.0, 3.0, 2.0, 3.0, 3.0]), 2)
+        (tensor([False,  True, False,  True, False]), tensor([1, 3]))
+    """
+    n = mags.numel()
+    vals, idx = torch.topk(mags, k, sorted=False)
+    t = vals.min()
+    above = vals > t
+    sure = torch.where(above, idx, n)  # every value above t is among topk's k; n sorts last
+    room = k - above.sum()  # how many values equal to t are in
+    ties = torch.nonzero_static(mags == t, size=k, fill_value=n).view(-1)  # the first k ties, ascending
+    ties = torch.where(torch.arange(k, device=mags.device) < room, ties, n)
+    chosen = torch.sort(torch.cat([sure, ties])).values[:k]  # exactly k entries are below n
+    return torch.zeros(n, dtype=torch.bool, device=mags.device).index_fill_(0, chosen, True), chosen
 
 
 def select_static(flats: Sequence[torch.Tensor], k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
