@@ -19,6 +19,12 @@ in interleaved rounds (medians reported):
   sgd-sparse    ft.apply_sparse_updates(p, ft.topk_indices(g, k), -lr)  (a whole plain SGD step)
   sgd-dense     chain(topk(k), sgd(lr)).update + apply_updates          (the same step, dense)
 
+With --selection, only ft.topk_indices against the read pass (d), at k = 1e3, 1e4,
+1e5 and 1% n: each round times the read pass and then the selection, back to
+back, for every k; the table gives the medians and the median of the rounds'
+ratios (robust to load that drifts between rounds); --aten adds the same
+selection with the ATen scan (KernelConfig(native=False)) to every round.
+
 With --dense, only the dense outputs against their parts, interleaved (medians):
 topk_indices (the selection), topk_sparsify and topk_mask (the selection plus
 the dense tree), and zeros_like of every leaf (what a dense tree costs at
@@ -40,6 +46,7 @@ Usage:
     python benchmarks/topk.py --quick --no-memory --trees squeezenet1_0 --threads 1 --out /tmp/t.png   # smoke run
     python benchmarks/topk.py --out some.png --rounds 7 --threads 2 --trees resnet50 --no-memory
     python benchmarks/topk.py --dense --trees resnet50 --threads 1 --rounds 15   # the dense outputs, k = 1e3 and 1% n
+    python benchmarks/topk.py --selection --aten --trees resnet50 --threads 1 --rounds 41   # against the read pass
 """
 
 from __future__ import annotations
@@ -251,6 +258,44 @@ def bench_dense(name: str, ks: list, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def bench_selection(name: str, rounds: int, aten: bool) -> str:
+    """--selection: topk_indices (and with --aten the ATen scan) against the read pass; a markdown table."""
+    tree = random_tree(model_shapes(name))
+    leaves = optree.tree_leaves(tree)
+    n = sum(x.numel() for x in leaves)
+    ks = [1000, 10_000, 100_000, round(0.01 * n)]
+    variants = {"compiled": None} | ({"aten": ft.sparse.KernelConfig(native=False)} if aten else {})
+    times: dict = {("floor", k): [] for k in ks} | {(v, k): [] for v in variants for k in ks}
+    ratios: dict = {(v, k): [] for v in variants for k in ks}
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    for k in ks:  # warm-up
+        for config in variants.values():
+            ft.topk_indices(tree, k, config=config)
+    for _ in range(rounds):
+        for k in ks:
+            floor = timed(lambda: torch._foreach_norm(leaves))
+            times["floor", k].append(floor)
+            for v, config in variants.items():
+                t = timed(lambda config=config: ft.topk_indices(tree, k, config=config))
+                times[v, k].append(t)
+                ratios[v, k].append(t / floor)
+    med = {key: statistics.median(v) * 1e3 for key, v in times.items()}
+    head = ["threads", "k", "(d) read pass ms"] + [f"{v} ms" for v in variants] + [f"{v} / (d)" for v in variants]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for k in ks:
+        cells = [str(torch.get_num_threads()), f"{k:,}", f"{med['floor', k]:.1f}"]
+        cells += [f"{med[v, k]:.1f}" for v in variants]
+        cells += [f"{statistics.median(ratios[v, k]):.1f}x" for v in variants]
+        lines.append("| " + " | ".join(cells) + " |")
+        print(f"  {lines[-1]}", file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
 COLUMNS = [
     "(a) cat+topk+scatter+split",
     "(b) naive python mapping",
@@ -323,6 +368,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--dense", action="store_true", help="only the dense outputs (k = 1e3, 1%% n)")
+    parser.add_argument("--selection", action="store_true", help="only topk_indices against the read pass")
+    parser.add_argument("--aten", action="store_true", help="with --selection: also the ATen scan")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     parser.add_argument("--trees", nargs="+", default=None, help="torchvision model names (default: resnet18 resnet50)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "topk.png")
@@ -336,6 +383,9 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, jax {jax.__version__ if jax else 'not installed'}", file=sys.stderr)
     if args.dense:
         print("\n\n".join(bench_dense(tree, [1000, 0.01], rounds) for tree in trees))
+        return
+    if args.selection:
+        print("\n\n".join(bench_selection(tree, rounds, args.aten) for tree in trees))
         return
     rows = []
     for tree in trees:

@@ -43,6 +43,9 @@ class KernelConfig:
             bracket predicts: a misleading sample costs at most about the static
             kernel, never a pathological candidate set.
         abandon_factor: See ``abandon_min``.
+        native: Scan with the compiled loop of :mod:`functopk.sparse.kernels.native`
+            where it could be built (CPU leaves); ``False``: always the ATen scan
+            (its strategies are what the other fields tune).
 
     Example:
         >>> import torch, functopk as ft
@@ -64,6 +67,7 @@ class KernelConfig:
     column_block: int = 1 << 21
     abandon_min: int = 1 << 16
     abandon_factor: float = 8.0
+    native: bool = True
 
 
 DEFAULT_CONFIG = KernelConfig()

@@ -67,7 +67,8 @@ def config_values(config: KernelConfig) -> list[float]:
 
 def _config(values: list[float]) -> KernelConfig:
     """The :class:`KernelConfig` that :func:`config_values` flattened (int fields come back as ints)."""
-    kw: dict[str, Any] = {f.name: (int(v) if f.type in ("int", int) else v) for f, v in zip(_FIELDS, values)}
+    cast = {"int": int, "bool": bool}
+    kw: dict[str, Any] = {f.name: cast.get(str(f.type), float)(v) for f, v in zip(_FIELDS, values)}
     return KernelConfig(**kw)
 
 

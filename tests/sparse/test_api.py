@@ -38,11 +38,13 @@ from tests.helpers import (
 # of this module: EXACT_CONFIGS / EXACT_RUNS.)
 EXACT_CONFIGS = {
     "columns": KernelConfig(exact_min_numel=0, segment=40, sample_size=16, min_columns=2, max_rows=4,
-                            column_max_fraction=1.0, band_min=4),
-    "direct": KernelConfig(exact_min_numel=0, segment=24, sample_size=8, column_max_fraction=0.0, band_min=4),
+                            column_max_fraction=1.0, band_min=4, native=False),
+    "direct": KernelConfig(exact_min_numel=0, segment=24, sample_size=8, column_max_fraction=0.0, band_min=4,
+                           native=False),
     "fallback": KernelConfig(exact_min_numel=0, segment=32, sample_size=16, margin=-2.0, min_columns=2, max_rows=4,
-                             column_max_fraction=1.0),
+                             column_max_fraction=1.0, native=False),
     "abandon": KernelConfig(exact_min_numel=0, segment=24, sample_size=8, abandon_min=0, abandon_factor=0.0),
+    "native": KernelConfig(exact_min_numel=0, sample_size=16, band_min=4),  # the compiled scan, where it is built
 }
 EXACT_RUNS = [("torch", None), ("exact", None)] + [("exact", config) for config in EXACT_CONFIGS.values()]
 EXACT_IDS = ["torch", "exact-default"] + [f"exact-{name}" for name in EXACT_CONFIGS]

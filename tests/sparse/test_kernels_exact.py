@@ -9,8 +9,9 @@ import torch
 
 from functopk.sparse import KernelConfig
 from functopk.sparse.config import DEFAULT_CONFIG
+from functopk.sparse.kernels import native as native_scan
 from functopk.sparse.kernels.approx import sample_stride
-from functopk.sparse.kernels.exact import ExactStats, select_exact
+from functopk.sparse.kernels.exact import ExactStats, select_exact, top_k_of_candidates
 
 
 def brute_topk(flats, k, dtype):
@@ -30,8 +31,9 @@ def test_select_exact_on_a_real_sized_case_with_fallbacks(k):
     flats[2][:4000] = flats[2][0]  # a block of ties
     expected = brute_topk(flats, k, torch.float32)
     for margin in (4.0, -4.0):  # -4: the bracket is too tight and the fallback must run
-        for max_fraction in (0.0, 1.0):
-            config = KernelConfig(exact_min_numel=0, sample_size=256, margin=margin, column_max_fraction=max_fraction)
+        for max_fraction, native in ((0.0, False), (1.0, False), (0.0, True)):  # direct, columns, compiled
+            config = KernelConfig(exact_min_numel=0, sample_size=256, margin=margin, column_max_fraction=max_fraction,
+                                  native=native)
             idx, vals = select_exact(flats, k, torch.float32, config)
             assert torch.equal(idx, expected[0]) and torch.equal(vals, expected[1])
 
@@ -51,7 +53,7 @@ def test_select_exact_adversarial_sample_misses_the_large_values():
         assert torch.equal(idx, ref[0]) and torch.equal(vals, ref[1])
 
 
-@pytest.mark.parametrize("scan", ["direct", "columns"])
+@pytest.mark.parametrize("scan", ["direct", "columns", "native"])
 def test_misleading_sample_abandons_the_scan_early_and_stays_exact(scan):
     """The pathology of issue 11 (25M fp32, k=1000: 94% of coordinates candidates), scaled down.
 
@@ -63,7 +65,7 @@ def test_misleading_sample_abandons_the_scan_early_and_stays_exact(scan):
     """
     n = 1 << 17
     config = KernelConfig(exact_min_numel=0, sample_size=1 << 10, segment=4096, abandon_min=1000,
-                          column_max_fraction=1.0 if scan == "columns" else 0.0)
+                          column_max_fraction=1.0 if scan == "columns" else 0.0, native=scan == "native")
     stride = sample_stride(n, config.sample_size)
     g = torch.Generator().manual_seed(0)
     x = 100.0 + torch.rand(n, generator=g)  # the large values
@@ -75,7 +77,7 @@ def test_misleading_sample_abandons_the_scan_early_and_stays_exact(scan):
         assert torch.equal(idx, ref[0]) and torch.equal(vals, ref[1])
         assert stats.path == "abandoned", stats
         assert stats.limit < stats.candidates < 0.5 * n  # stopped early: ~99% of n are candidates
-        if scan == "direct":
+        if scan != "columns":
             assert stats.candidates <= stats.limit + config.segment
 
 
@@ -111,10 +113,33 @@ def test_select_exact_narrow_and_wide_dtypes_with_ties_nan_inf_and_tiny_leaves(d
     flats[-1][77], flats[7][0] = -math.inf, math.inf
     flats[-1][100:600] = flats[-1][99]  # a block of ties
     n = sum(f.numel() for f in flats)
-    config = KernelConfig(exact_min_numel=0, sample_size=256, segment=1024)
+    bits = torch.int64 if dtype == torch.float64 else torch.int16
     for k in (1, 3, 40, 300, 2000, n - 1, n):
         expected = brute_topk(flats, k, dtype)
-        idx, vals = select_exact(flats, k, dtype, config)
-        assert torch.equal(idx, expected[0]), k
-        assert torch.equal(vals.view(torch.int64 if dtype == torch.float64 else torch.int16),
-                           expected[1].view(torch.int64 if dtype == torch.float64 else torch.int16)), k
+        for native in (False, True):  # the ATen scan and the compiled one
+            config = KernelConfig(exact_min_numel=0, sample_size=256, segment=1024, native=native)
+            idx, vals = select_exact(flats, k, dtype, config)
+            assert torch.equal(idx, expected[0]), (k, native)
+            assert torch.equal(vals.view(bits), expected[1].view(bits)), (k, native)
+
+
+@pytest.mark.skipif(native_scan.library() is None, reason="the compiled scan could not be built")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_top_k_of_candidates_compiled_equals_aten(dtype):
+    # candidates as the scan gives them (all above t_lo = 0.5): NaN, inf, ties that straddle the cut or not,
+    # and upper bracket ends that leave fewer or more than k above them (the band and the full selection)
+    g = torch.Generator().manual_seed(2)
+    vals = (0.5 + torch.rand(3000, generator=g) * 4).to(dtype) * torch.where(torch.rand(3000, generator=g) < 0.5, -1, 1)
+    vals[[3, 700]] = math.nan
+    vals[[5, 1500]] = torch.tensor([math.inf, -math.inf], dtype=dtype)
+    vals[2000:2100] = 3.0  # ties
+    idx = torch.arange(3000) * 7 + 11
+    lib = native_scan.library()
+    bits = {torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    for k in (1, 4, 5, 100, 700, 1200, 2999):
+        for t_hi in (None, 1.0, 3.0, 4.4, math.inf):
+            ref = top_k_of_candidates(idx, vals, k, t_hi, 16)
+            got = top_k_of_candidates(idx, vals, k, t_hi, 16, lib)
+            assert torch.equal(got[0], ref[0]), (k, t_hi)
+            assert torch.equal(got[1].view(bits), ref[1].view(bits)), (k, t_hi)
+            assert torch.equal(ref[0], brute_topk([vals], k, dtype)[0] * 7 + 11), (k, t_hi)

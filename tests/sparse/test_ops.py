@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 # small constants so that the operator runs the sampled scan (columns and direct) on small trees
 COLUMNS = KernelConfig(exact_min_numel=0, segment=40, sample_size=16, min_columns=2, max_rows=4,
-                       column_max_fraction=1.0, band_min=4)
-DIRECT = KernelConfig(exact_min_numel=0, segment=24, sample_size=8, column_max_fraction=0.0, band_min=4)
+                       column_max_fraction=1.0, band_min=4, native=False)
+DIRECT = KernelConfig(exact_min_numel=0, segment=24, sample_size=8, column_max_fraction=0.0, band_min=4, native=False)
 
 
 def _all_outputs(tree, k, kt, config):

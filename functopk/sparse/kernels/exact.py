@@ -13,6 +13,7 @@ and host reads: eager mode only.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -20,8 +21,9 @@ from collections.abc import Sequence
 import torch
 
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.kernels import native
 from functopk.sparse.kernels.approx import sample_stride, systematic_sample
-from functopk.sparse.kernels.base import magnitudes_, nonzero_1d
+from functopk.sparse.kernels.base import INT_OF, magnitudes_, nonzero_1d
 from functopk.sparse.kernels.scan import Abandoned, Scanner
 from functopk.sparse.kernels.static import select_static, tie_mask
 
@@ -66,8 +68,48 @@ def _kth_largest(mags: torch.Tensor, k: int, t_hi: float | None, band_min: int) 
     return torch.kthvalue(mags, m - k + 1).values
 
 
-def top_k_of_candidates(idx: torch.Tensor, vals: torch.Tensor, k: int, t_hi: float | None, band_min: int):
-    """The exact top ``k`` among ``m > k`` sorted candidates (ties: first in flat order)."""
+def _top_k_native(lib: ctypes.CDLL, idx: torch.Tensor, vals: torch.Tensor, k: int, t_hi: float | None, band_min: int):
+    """:func:`top_k_of_candidates` with the compiled scan doing the compares and the compaction.
+
+    The candidates' magnitudes are compared as bit patterns (see
+    :mod:`~functopk.sparse.kernels.native`; NaN lies above ``+inf`` there, as it
+    ranks here). Every candidate is above the bracket's lower end ``>= 0``, so
+    none has all magnitude bits 0, and "above 0" selects every candidate.
+    Returns ``None`` when ties straddle the k-th magnitude (the ATen path then
+    picks the first of them in flat order).
+    """
+    m, dtype = vals.numel(), vals.dtype
+
+    def scan(lo: int, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=dtype)
+        written, _ = native.scan_leaf(lib, vals, lo, 0, out, upper_bits=hi)
+        return out[0][:written], out[1][:written]
+
+    if t_hi is not None and m > band_min and math.isfinite(t_hi):
+        # the candidates at most t_hi: a few percent of them, and the k-th largest is among them if fewer
+        # than k are above t_hi
+        band = scan(0, native.threshold_bits(t_hi, dtype))[1]
+        a = m - band.numel()
+        mags = magnitudes_(band) if a < k else magnitudes_(vals.clone())
+        t = torch.kthvalue(mags, mags.numel() - (k - a) + 1 if a < k else m - k + 1).values
+    else:
+        t = torch.kthvalue(magnitudes_(vals.clone()), m - k + 1).values
+    # magnitudes >= t, i.e. bits above bits(t) - 1 (t > 0: it is a candidate's magnitude)
+    pos, kept = scan(int(t.view(INT_OF[dtype]).item()) - 1)
+    if pos.numel() != k:
+        return None
+    return idx.index_select(0, pos), kept
+
+
+def top_k_of_candidates(
+    idx: torch.Tensor, vals: torch.Tensor, k: int, t_hi: float | None, band_min: int, lib: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact top ``k`` among ``m > k`` sorted candidates (ties: first in flat order).
+
+    ``lib``: the compiled scan (:func:`~functopk.sparse.kernels.native.library`), or ``None`` for ATen only.
+    """
+    if lib is not None and (out := _top_k_native(lib, idx, vals, k, t_hi, band_min)) is not None:
+        return out
     mags = magnitudes_(vals.clone())
     t = _kth_largest(mags, k, t_hi, band_min)
     keep = mags >= t  # no NaN among the magnitudes: ``>=`` is ``above | at``
@@ -135,4 +177,5 @@ def select_exact(
         return select_static(flats, k, dtype)
     if idx.numel() == k:
         return idx, vals
-    return top_k_of_candidates(idx, vals, k, t_hi, config.band_min)
+    lib = native.library() if config.native and vals.device.type == "cpu" else None
+    return top_k_of_candidates(idx, vals, k, t_hi, config.band_min, lib)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.kernels import native
 from functopk.sparse.kernels.base import nonzero_1d, round_down
 
 __all__ = ["Abandoned", "Scanner", "column_rows", "merge_sorted", "scan_above"]
@@ -288,14 +289,63 @@ class Scanner:
         if pending:
             self._packed(pending, pending_start)
 
+    def _native(self, flats: Sequence[torch.Tensor], lib) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The compiled scan (:mod:`~functopk.sparse.kernels.native`): one sorted pair per leaf dtype.
+
+        Each leaf dtype has an output (indices, values in the leaf dtype) sized
+        for the expected candidates; a full output is kept as a chunk and a twice
+        larger one continues the leaf. The output offered is never more than one
+        past the limit, so an abandoned scan stops at its limit + 1.
+        """
+        sizes: dict[torch.dtype, int] = {}
+        for f in flats:
+            sizes[f.dtype] = sizes.get(f.dtype, 0) + f.numel()
+        outs: dict[torch.dtype, list] = {}  # leaf dtype -> [full chunks, (indices, values), used, threshold bits]
+        offset = 0
+        for f in flats:
+            n, read = f.numel(), 0
+            if n and f.dtype not in outs:
+                cap = min(sizes[f.dtype], int(1.25 * self.fraction * sizes[f.dtype]) + 4096)
+                t_bits = native.threshold_bits(self._limit(f.dtype), f.dtype)
+                outs[f.dtype] = [[], (torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=f.dtype)), 0, t_bits]
+            while read < n:
+                out = outs[f.dtype]
+                room = out[1][0].numel() - out[2]
+                if room == 0:  # full: keep it, continue in a twice larger output
+                    out[0].append(out[1])
+                    cap = 2 * sum(c[0].numel() for c in out[0])
+                    out[1], out[2] = (torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=f.dtype)), 0
+                    continue
+                room = int(min(room, self.limit - self.found + 1))
+                written, done = native.scan_leaf(lib, f[read:] if read else f, out[3], offset + read, out[1], out[2],
+                                                 room)
+                out[2] += written
+                read += done
+                self._count(written)
+            offset += n
+        parts = []
+        for chunks, (idx, vals), used, _ in outs.values():
+            chunks.append((idx[:used], vals[:used]))
+            idx = torch.cat([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
+            vals = torch.cat([c[1] for c in chunks]) if len(chunks) > 1 else chunks[0][1]
+            parts.append((idx, vals.to(self.dtype)))
+        return parts
+
     def run(self, flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Sorted flat indices and values (in ``dtype``) of the candidates; :class:`Abandoned` above ``limit``."""
+        lib = native.library() if self.config.native and self.device.type == "cpu" and self.t >= 0 else None
+        if lib is not None:  # the compiled scan: the same candidates (``t >= 0`` is False for NaN)
+            parts = self._native([f if f.is_contiguous() else f.contiguous() for f in flats], lib)
+            return self._merged(parts)
         self._scan(flats)
         parts = [self._expand_words(d) for d in list(self.words)]
         if self.dense:  # in flat order, and never mixed with words or columns (both need a small fraction)
             parts.append((torch.cat([p[0] for p in self.dense]), torch.cat([p[1] for p in self.dense])))
         if self.blocks:
             parts += self._expand_columns()
+        return self._merged(parts)
+
+    def _merged(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         if not any(p[0].numel() for p in parts):
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return empty, torch.zeros(0, dtype=self.dtype, device=self.device)
