@@ -43,10 +43,18 @@ Body = Callable[..., torch.Tensor]
 """``body(scratch_rows, p, *xs) -> update``: elementwise, on equal-shaped slices; may write its state slices."""
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def applies(params: Sequence[torch.Tensor]) -> bool:
-    """Whether chunking pays: every parameter on the CPU (elsewhere the caching allocator makes fresh trees cheap
-    and a foreach kernel per operation beats a kernel per slice)."""
-    return bool(params) and all(p.device.type == "cpu" for p in params)
+    """Whether chunking pays and works: every parameter a plain tensor on the CPU.
+
+    Elsewhere a foreach kernel per operation beats a kernel per slice; tensor
+    subclasses (an FSDP2 ``DTensor`` shard) take the foreach path, whose
+    kernels they dispatch, not slices with plain scratch rows.
+    """
+    return bool(params) and all(type(p) in _PLAIN and p.device.type == "cpu" for p in params)
+
 
 
 def add_(

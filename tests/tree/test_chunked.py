@@ -59,3 +59,13 @@ def test_applies_on_cpu_only():
     assert chunked.applies([torch.zeros(2)])
     assert not chunked.applies([])
     assert not chunked.applies([torch.zeros(2, device="meta")])
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_applies_to_plain_tensors_only():
+    """A tensor subclass (an FSDP2 DTensor shard, say) takes the foreach path: scratch rows are plain tensors."""
+    assert chunked.applies([torch.nn.Parameter(torch.zeros(2))])
+    assert not chunked.applies([torch.zeros(2), torch.zeros(2).as_subclass(_Subclass)])
