@@ -58,7 +58,10 @@ def test_sparse_apply_equals_dense_apply(device, tree, data):
     ptrs = [x.data_ptr() for x in optree.tree_leaves(inplace)]
     assert ft.apply_sparse_updates_(inplace, sparse, -lr) is inplace
     assert [x.data_ptr() for x in optree.tree_leaves(inplace)] == ptrs
-    assert_tree_bitwise_equal(inplace, new)
+    if device == "cpu" or dtypes <= {torch.float32, torch.float64}:
+        assert_tree_bitwise_equal(inplace, new)
+    else:  # CUDA's half-float index_add_ adds in pairs: an untouched -0.0 beside a target may become +0.0
+        assert_tree_close(inplace, new, rtol=0.0, atol=0.0)
     assert_tree_bitwise_equal(sparse.to_dense(tree), ft.topk_sparsify(tree, k))
 
 
