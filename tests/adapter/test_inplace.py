@@ -56,16 +56,19 @@ def _set_grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize(("cls", "kwargs"), CASES)
-def test_inplace_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, dtype):
-    params = _params(dtype)
+def _steps_against_pure(cls, kwargs, params, steps):
+    """The adapter's steps on ``params``, each checked bit for bit against the pure transformation's.
+
+    Returns ``(opt, torch_opt, theirs, ptrs)``: the adapter, torch's foreach optimizer (which stepped
+    copies of the same parameters with the same gradients), and after each step the data pointers
+    of the adapter's parameter-shaped state tensors.
+    """
     theirs = [p.detach().clone().requires_grad_() for p in params]
     opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, foreach=True, **kwargs)
     tx = ft.from_torch(cls, **kwargs)
     ref = {i: p.detach().clone() for i, p in enumerate(params)}
-    state, first = tx.init(ref), {}
-    for step in range(7 if cls is torch.optim.RAdam else 3):
+    state, ptrs = tx.init(ref), []
+    for step in range(steps):
         grads = _set_grads(params, step)
         for q, g in zip(theirs, grads):
             q.grad = g.clone()
@@ -74,10 +77,17 @@ def test_inplace_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, dtype)
         updates, state = tx.update(dict(enumerate(grads)), state, ref)
         ref = ft.apply_updates(ref, updates)
         assert_tree_bitwise_equal([p.detach() for p in params], list(ref.values()))
-        ptrs = {(i, n): v.data_ptr() for i, p in enumerate(params) if p.dim()
-                for n, v in opt.state[p].items() if v.shape == p.shape}  # fmt: skip
-        first = first or ptrs
-        assert ptrs == first and len(first) >= 2  # the in-place step ran: the same state tensors
+        ptrs.append({(i, n): v.data_ptr() for i, p in enumerate(params) if p.dim()
+                     for n, v in opt.state[p].items() if v.shape == p.shape})  # fmt: skip
+    return opt, torch_opt, theirs, ptrs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("cls", "kwargs"), CASES)
+def test_inplace_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, dtype):
+    params = _params(dtype)
+    opt, torch_opt, theirs, ptrs = _steps_against_pure(cls, kwargs, params, 7 if cls is torch.optim.RAdam else 3)
+    assert all(p == ptrs[0] for p in ptrs) and len(ptrs[0]) >= 2  # the in-place step ran: the same state tensors
     rtol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close([p.detach() for p in params], [q.detach() for q in theirs], rtol=rtol, atol=0.0)
     ours, torchs = opt.state[params[0]], torch_opt.state[theirs[0]]
@@ -186,23 +196,8 @@ def _sliced_params() -> list[torch.Tensor]:
 def test_sliced_step_is_the_pure_transformation_bit_for_bit(cls, kwargs, monkeypatch):
     monkeypatch.setattr(chunked, "CHUNK", 7)
     params = _sliced_params()
-    theirs = [p.detach().clone().requires_grad_() for p in params]
-    opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, foreach=True, **kwargs)
-    tx = ft.from_torch(cls, **kwargs)
-    ref = {i: p.detach().clone() for i, p in enumerate(params)}
-    state, first = tx.init(ref), None
-    for step in range(3):
-        grads = _set_grads(params, step)
-        for q, g in zip(theirs, grads):
-            q.grad = g.clone()
-        opt.step()
-        torch_opt.step()
-        updates, state = tx.update(dict(enumerate(grads)), state, ref)
-        ref = ft.apply_updates(ref, updates)
-        assert_tree_bitwise_equal([p.detach() for p in params], list(ref.values()))
-        ptrs = [v.data_ptr() for p in params if p.dim() for v in opt.state[p].values() if v.shape == p.shape]
-        first = first or ptrs
-        assert ptrs == first and len(first) >= len(params) - 1  # written into the same state tensors
+    _, _, theirs, ptrs = _steps_against_pure(cls, kwargs, params, 3)
+    assert all(p == ptrs[0] for p in ptrs) and len(ptrs[0]) >= len(params) - 1  # the same state tensors
     for p, q in zip(params, theirs):  # torch's fused kernels round once where update-then-add rounds twice
         rtol = 1e-12 if p.dtype == torch.float64 else 1e-5
         torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=1e-7)
