@@ -174,7 +174,7 @@ def sgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 return None, with_entry(entries, "count", count + 1)
             g = _prefix(grads, params, h)
             if factor is None:
-                _momentum_into(g, buf, momentum)
+                foreach.add_scaled_into(g, momentum, buf)
             else:
                 torch._foreach_mul_(buf, momentum)
                 torch._foreach_add_(buf, foreach.mul(g, factor))
@@ -185,13 +185,6 @@ def sgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
         return run
 
     return check
-
-
-def _momentum_into(updates: list[torch.Tensor], buf: list[torch.Tensor], momentum: float) -> list[torch.Tensor]:
-    """``buf = updates + momentum * buf`` in ``buf`` (:func:`functopk.trace`'s kernel), returned."""
-    for u, b in zip(updates, buf):  # (_foreach_add.List_out computes into fresh tensors and copies)
-        torch.add(u, b, alpha=momentum, out=b)
-    return buf
 
 
 def _prefix(grads: list[torch.Tensor], params: list[torch.Tensor], h: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -228,7 +221,7 @@ def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 square = foreach.addcmul(nu, mu, mu, value=-1.0)
             out = div_each_into(g, foreach.add_scalar_(foreach.sqrt(square), eps))
             if momentum:  # the state's buffer, scaled into a new tensor; else the fresh quotient, in place
-                out = foreach.mul(_momentum_into(out, [e["momentum_buffer"] for e in entries], momentum), -lr)
+                out = foreach.mul(foreach.add_scaled_into(out, momentum, [e["momentum_buffer"] for e in entries]), -lr)
             else:
                 out = foreach.mul_(out, -lr)
             return out, with_entry(entries, "step", count + 1)

@@ -126,14 +126,19 @@ def div_into(xs: Leaves, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     if not xs:
         return buffers
+    if _eager_accelerator(buffers[0]):
+        return list(torch._foreach_div(list(xs), buffers))
     if torch.compiler.is_compiling():
         torch.ops.aten._foreach_div.List_out(list(xs), buffers, out=buffers)
-    elif buffers[0].device.type == "cpu":
+    else:
         for x, b in zip(xs, buffers):
             torch.div(x, b, out=b)
-    else:
-        return list(torch._foreach_div(list(xs), buffers))
     return buffers
+
+
+def _eager_accelerator(x: torch.Tensor) -> bool:
+    """Whether ``x`` is off the CPU and the code runs eagerly: where one kernel per leaf costs a launch each."""
+    return x.device.type != "cpu" and not torch.compiler.is_compiling()
 
 
 def sqrt(xs: Leaves) -> list[torch.Tensor]:
@@ -303,8 +308,14 @@ def where_positive(conds: Leaves, xs: Leaves) -> list[torch.Tensor]:
 def add_scaled_into(xs: Leaves, scalar: float, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """``x + scalar * b`` written into ``buffers`` (``b`` read first), returned: :func:`add_scaled`'s numbers.
 
-    One ``add(out=)`` per leaf: ``_foreach_add.List_out`` computes into fresh tensors and copies.
+    On the CPU (and compiled) one ``add(out=)`` per leaf: ``_foreach_add.List_out``
+    computes into fresh tensors and copies. Eagerly on an accelerator, where each
+    per-leaf kernel costs a launch, :func:`add_scaled`'s own foreach kernel and one
+    ``_foreach_copy_`` into the buffers (the same numbers by construction).
     """
+    if buffers and _eager_accelerator(buffers[0]):
+        torch._foreach_copy_(buffers, torch._foreach_add(list(xs), buffers, alpha=scalar))
+        return buffers
     for x, b in zip(xs, buffers):
         torch.add(x, b, alpha=scalar, out=b)
     return buffers

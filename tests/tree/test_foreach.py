@@ -134,3 +134,15 @@ def test_add_scaled_into_writes_add_scaled_into_the_buffers(device):
     out = foreach.add_scaled_into(xs, 0.9, bufs)
     assert out is bufs and [b.data_ptr() for b in bufs] == ptrs
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(out, expected))
+
+
+def test_the_accelerator_forms_of_the_into_kernels_give_the_same_numbers(monkeypatch):
+    """Eagerly off the CPU, div_into and add_scaled_into use foreach kernels (forced here on the CPU)."""
+    xs, ys = on("cpu")
+    per_leaf_div = foreach.div_into(xs, [y.clone() for y in ys])
+    per_leaf_add = foreach.add_scaled_into(xs, 0.5, [y.clone() for y in ys])
+    monkeypatch.setattr(foreach, "_eager_accelerator", lambda x: True)
+    same(foreach.div_into(xs, [y.clone() for y in ys]), per_leaf_div)
+    bufs = [y.clone() for y in ys]
+    assert foreach.add_scaled_into(xs, 0.5, bufs) is bufs  # written into the buffers (the state) all the same
+    same(bufs, per_leaf_add)
