@@ -98,6 +98,18 @@ def rotated(items: list, r: int) -> list:
     return items[r % len(items):] + items[: r % len(items)]
 
 
+def at_each_rate(rates: list, r: int, rank: int):
+    """Round ``r``'s rates in :func:`rotated` order, each set on the link by rank 0 between two barriers."""
+    import torch.distributed as dist
+
+    for rate in rotated(rates, r):
+        dist.barrier()
+        if rank == 0:
+            set_rate(rate)
+        dist.barrier()
+        yield rate
+
+
 def set_rate(rate: str) -> None:
     """Shape this namespace's loopback (``none``: remove the shaping)."""
     subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)  # absent at first: ignored
@@ -257,15 +269,10 @@ def timing_worker(spec: dict) -> dict:
             runs[name] = (model, opt, state)
         res = out[arch] = {name: {"times": {}, "hook": {}, "lo": {}} for name in runs}
         for rnd in range(spec["rounds"]):
-            rates = rotated(spec["rates"], rnd)
-            for rate in rates:
-                dist.barrier()
-                if rank == 0:
-                    set_rate(rate)
-                dist.barrier()
-                names = rotated(list(runs), rnd)
-                for name in names:
-                    if name == "nocomm" and rate != rates[0]:
+            first = rotated(spec["rates"], rnd)[0]
+            for rate in at_each_rate(spec["rates"], rnd, rank):
+                for name in rotated(list(runs), rnd):
+                    if name == "nocomm" and rate != first:
                         continue  # no communication: once per round is enough
                     times, hook, lo = time_chunk(*runs[name], batches, spec["skip"], spec["steps"], rank)
                     key = "none" if name == "nocomm" else rate

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_link import lo_tx_bytes, rotated, set_rate  # noqa: E402
+from ddp_link import at_each_rate, lo_tx_bytes, rotated, set_rate  # noqa: E402
 from ddp_link_report import loadavg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,14 +123,8 @@ def worker(spec: dict) -> dict:
     res: dict = {name: {"times": {}, "lo": {}} for name in runs}
     loads = []
     for rnd in range(spec["rounds"]):
-        rates = rotated(spec["rates"], rnd)
-        for rate in rates:
-            dist.barrier()
-            if rank == 0:
-                set_rate(rate)
-            dist.barrier()
-            names = rotated(list(runs), rnd)
-            for name in names:
+        for rate in at_each_rate(spec["rates"], rnd, rank):
+            for name in rotated(list(runs), rnd):
                 times, lo = chunk(runs[name], batches, spec["skip"], spec["steps"], rank)
                 res[name]["times"].setdefault(rate, []).extend(times)
                 res[name]["lo"].setdefault(rate, []).append(lo)

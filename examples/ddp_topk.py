@@ -198,6 +198,68 @@ def start_ranks(parser: argparse.ArgumentParser, script: str):
     return args, rank, world, device, loader, (x_train, x_test, y_test)
 
 
+def checkpoint_saver(args, model: DDP, opt, state: TopKHookState | None):
+    """``save(step, total)`` for :func:`train_epochs`: this rank's checkpoint of the model, optimizer and hook."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def save(step: int, total: torch.Tensor) -> None:
+        save_checkpoint(args.checkpoint_dir, step, rank, args.checkpoint_every, {
+            "step": step, "world": world, "model": model.module.state_dict(), "optimizer": opt.state_dict(),
+            "hook": None if state is None else state.state_dict(), "epoch_total": total.clone(),
+        })  # fmt: skip
+
+    return save
+
+
+def bytes_note(state: TopKHookState | None):
+    """``note()`` for :func:`train_epochs`: the bytes the hook has sent so far, against dense."""
+
+    def note() -> str:
+        if state is None:
+            return ""
+        t = state.total
+        return f"  sent so far {t.bytes_sent / 1e6:7.3f} MB (dense: {t.bytes_dense / 1e6:7.3f} MB)"
+
+    return note
+
+
+def train_epochs(model, opt, loader, device, args, step: int, resumed_total, save, note=lambda: "") -> float:
+    """The training loop, shared with fsdp_topk.py; returns its seconds.
+
+    Starts at ``step`` (0, or a checkpoint's), skipping the batches of the
+    current epoch already trained on (the sampler's order depends only on the
+    seed and the epoch); calls ``save(step, total)`` every
+    ``--checkpoint-every`` steps with ``--checkpoint-dir``; at
+    ``--crash-at-step`` the last rank exits abruptly, on torchrun's first
+    attempt only; rank 0 prints each epoch's mean loss, then ``note()``.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    steps_per_epoch = len(loader)
+    start = time.perf_counter()
+    for epoch in range(step // steps_per_epoch, args.epochs):
+        loader.sampler.set_epoch(epoch)  # the same batches in the same order, resumed or not
+        model.train()
+        done = step - epoch * steps_per_epoch  # batches of this epoch already trained on before a restart
+        total = resumed_total if done and resumed_total is not None else torch.zeros(2, device=device)
+        for x, y in itertools.islice(loader, done, None):
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            total += torch.stack([loss.detach(), torch.ones((), device=device)])  # sum of losses, batches
+            if args.checkpoint_dir and step % args.checkpoint_every == 0:
+                save(step, total)
+            if step == args.crash_at_step and rank == world - 1 and first_attempt:
+                print(f"rank {rank}: crashing after step {step} (--crash-at-step)", flush=True)
+                os._exit(13)
+        dist.all_reduce(total)
+        if rank == 0:
+            print(f"epoch {epoch + 1:2d}  train loss {float(total[0] / total[1]):.4f}{note()}", flush=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     args, rank, world, device, loader, (x_train, x_test, y_test) = start_ranks(build_parser(), "ddp_topk.py")
     use_cuda = device.type == "cuda"
@@ -223,44 +285,14 @@ def main() -> None:
               f"{len(x_train)} train / {len(x_test)} test images")  # fmt: skip
 
     step, resumed_total = resume(args.checkpoint_dir, model, opt, state)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
-    steps_per_epoch = len(loader)
-    start = time.perf_counter()
-    for epoch in range(step // steps_per_epoch, args.epochs):
-        loader.sampler.set_epoch(epoch)  # the same batches in the same order, resumed or not
-        model.train()
-        done = step - epoch * steps_per_epoch  # batches of this epoch already trained on before a restart
-        total = resumed_total if done and resumed_total is not None else torch.zeros(2, device=device)
-        for x, y in itertools.islice(loader, done, None):
-            x, y = x.to(device), y.to(device)
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            total += torch.stack([loss.detach(), torch.ones((), device=device)])  # sum of losses, batches
-            if args.checkpoint_dir and step % args.checkpoint_every == 0:
-                save_checkpoint(args.checkpoint_dir, step, rank, args.checkpoint_every, {
-                    "step": step, "world": world, "model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                    "hook": None if state is None else state.state_dict(), "epoch_total": total.clone(),
-                })  # fmt: skip
-            if step == args.crash_at_step and rank == world - 1 and first_attempt:
-                print(f"rank {rank}: crashing after step {step} (--crash-at-step)", flush=True)
-                os._exit(13)
-        dist.all_reduce(total)
-        if rank == 0:
-            line = f"epoch {epoch + 1:2d}  train loss {float(total[0] / total[1]):.4f}"
-            if state is not None:
-                t = state.total
-                line += f"  sent so far {t.bytes_sent / 1e6:7.3f} MB (dense: {t.bytes_dense / 1e6:7.3f} MB)"
-            print(line, flush=True)
-    elapsed = time.perf_counter() - start
+    save, note = checkpoint_saver(args, model, opt, state), bytes_note(state)
+    elapsed = train_epochs(model, opt, loader, device, args, step, resumed_total, save, note)
 
     report(model, state, x_test, y_test, elapsed)
     # leave together: a rank tearing gloo down while its peer still talks to it can abort at exit; and
     # release DDP's reducer (which holds the process group and the hook state) before destroying the group
-    del model, state, opt
+    del model, state, opt, save, note
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()

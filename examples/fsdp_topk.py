@@ -32,18 +32,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import os
 import shutil
-import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 
 # the same options, start, data and sampler as the DDP example
-from ddp_topk import add_checkpoint_arguments, add_run_arguments, start_ranks
+from ddp_topk import add_checkpoint_arguments, add_run_arguments, start_ranks, train_epochs
 from quickstart import make_model  # the same CNN as the single-process example
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -143,30 +140,12 @@ def main() -> None:
               f"{len(x_test)} test images")  # fmt: skip
 
     step, resumed_total = resume(args.checkpoint_dir, model, opt, device)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    steps_per_epoch = len(loader)
-    start = time.perf_counter()
-    for epoch in range(step // steps_per_epoch, args.epochs):
-        loader.sampler.set_epoch(epoch)  # the same batches in the same order, resumed or not
-        model.train()
-        done = step - epoch * steps_per_epoch  # batches of this epoch trained on before a restart
-        total = resumed_total if done and resumed_total is not None else torch.zeros(2, device=device)
-        for x, y in itertools.islice(loader, done, None):
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            total += torch.stack([loss.detach(), torch.ones((), device=device)])  # sum of losses, batches
-            if args.checkpoint_dir and step % args.checkpoint_every == 0:
-                save_checkpoint(args.checkpoint_dir, step, args.checkpoint_every, model, opt, total)
-            if step == args.crash_at_step and rank == world - 1 and first_attempt:
-                print(f"rank {rank}: crashing after step {step} (--crash-at-step)", flush=True)
-                os._exit(13)
-        dist.all_reduce(total)
-        if rank == 0:
-            print(f"epoch {epoch + 1:2d}  train loss {float(total[0] / total[1]):.4f}", flush=True)
-    report(model, x_test, y_test, time.perf_counter() - start)
+
+    def save(step: int, total: torch.Tensor) -> None:
+        save_checkpoint(args.checkpoint_dir, step, args.checkpoint_every, model, opt, total)
+
+    elapsed = train_epochs(model, opt, loader, device, args, step, resumed_total, save)
+    report(model, x_test, y_test, elapsed)
     dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks to it can abort
     dist.destroy_process_group()
 
