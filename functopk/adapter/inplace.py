@@ -91,13 +91,6 @@ def with_entry(entries: Entries, name: str, value: torch.Tensor) -> Entries:
     return [{**e, name: value} for e in entries]
 
 
-def div_each_into(xs: Sequence[torch.Tensor], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``x / b`` into ``buffers`` (fresh), one ``div`` per leaf: ``_foreach_div.List_out`` allocates and copies."""
-    for x, b in zip(xs, buffers):
-        torch.div(x, b, out=b)
-    return buffers
-
-
 MOSTLY_ZERO = "functopk: mostly-zero gradients"
 """A key of the hyperparameters given to a builder: ``True`` when most gradient coordinates are zero.
 
@@ -137,7 +130,7 @@ def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | No
             if cfg.amsgrad:
                 torch._foreach_maximum_(nu_max, nu)
             count = entries[0]["step"]
-            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, count, cfg, lr, mu, div_each_into, mostly_zero)
+            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, count, cfg, lr, mu, mostly_zero)
             if wd != 0 and decoupled:
                 foreach.add_scaled_(out, foreach.for_leaves(-lr * wd, g), params)
             return out, with_entry(entries, "step", count + 1)
@@ -219,7 +212,7 @@ def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 mu = [e["grad_avg"] for e in entries]
                 torch._foreach_lerp_(mu, g, 1.0 - alpha)
                 square = foreach.addcmul(nu, mu, mu, value=-1.0)
-            out = div_each_into(g, foreach.add_scalar_(foreach.sqrt(square), eps))
+            out = foreach.div_into(g, foreach.add_scalar_(foreach.sqrt(square), eps))
             if momentum:  # the state's buffer, scaled into a new tensor; else the fresh quotient, in place
                 out = foreach.mul(foreach.add_scaled_into(out, momentum, [e["momentum_buffer"] for e in entries]), -lr)
             else:
@@ -245,7 +238,7 @@ def adagrad_step(h: Mapping[str, Any]) -> InplaceStep | None:
             g = _prefix(grads, params, h)
             total = [e["sum"] for e in entries]
             torch._foreach_addcmul_(total, g, g)
-            out = div_each_into(g, foreach.add_scalar_(foreach.sqrt(total), eps))
+            out = foreach.div_into(g, foreach.add_scalar_(foreach.sqrt(total), eps))
             count = entries[0]["step"]
             if lr_decay == 0:
                 return foreach.mul_(out, -lr), with_entry(entries, "step", count + 1)
@@ -284,9 +277,8 @@ def adamax_step(h: Mapping[str, Any]) -> InplaceStep | None:
             torch._foreach_mul_(nu, b2)
             floor = foreach.add_scalar_(foreach.abs(g), eps)
             torch._foreach_maximum_(nu, floor)
-            for m, u, buf in zip(mu, nu, floor):  # m / u into the floor's buffers, done with
-                torch.div(m, u, out=buf)
-            return foreach.mul_(floor, step), with_entry(entries, "step", count + 1)
+            # m / u into the floor's buffers, done with
+            return foreach.mul_(foreach.div_into(mu, floor), step), with_entry(entries, "step", count + 1)
 
         return run
 

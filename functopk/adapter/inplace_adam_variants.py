@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from functopk.adapter.inplace import Entries, InplaceStep, Run, all_numbers, div_each_into, fits, with_entry
+from functopk.adapter.inplace import Entries, InplaceStep, Run, all_numbers, fits, with_entry
 from functopk.optim import adam_variants
 
 __all__ = ["nadam_step", "radam_step"]
@@ -93,7 +93,7 @@ def radam_step(h: Mapping[str, Any]) -> InplaceStep | None:
         def run() -> tuple[list[torch.Tensor], Entries]:
             g, m, v = _moments_(grads, params, entries, cfg)
             count = entries[0]["step"]
-            out = adam_variants.radam_direction(g, m, v, count, params, cfg, div_each_into)
+            out = adam_variants.radam_direction(g, m, v, count, params, cfg)
             return out, with_entry(entries, "step", count + 1)
 
         return run

@@ -42,8 +42,6 @@ __all__ = [
 
 # --------------------------------------------------------------------------- shared pieces
 
-DivInto = Callable[[Leaves, list[torch.Tensor]], list[torch.Tensor]]
-
 
 class _Config(NamedTuple):
     """The checked hyperparameters the three optimizers share."""
@@ -328,17 +326,16 @@ def radam(
 
 
 def radam_direction(
-    g: Leaves, m: Leaves, v: Leaves, count: torch.Tensor, params: Leaves | None, cfg: _Config,
-    div_into: DivInto = foreach.div_into,
+    g: Leaves, m: Leaves, v: Leaves, count: torch.Tensor, params: Leaves | None, cfg: _Config
 ) -> list[torch.Tensor]:
     """RAdam's update from the gradient ``g`` and the new moments ``m``, ``v``, in fresh buffers.
 
-    Shared by :func:`radam` and the adapter's in-place step (whose ``div_into`` is one ``div`` per leaf).
+    Shared by :func:`radam` and the adapter's in-place step.
     """
     lr = _learning_rate(cfg, count)
     adaptive, plain = _radam_coefficients(cfg, count, lr)
     denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)
-    out = foreach.mul_(div_into(m, denom), foreach.for_leaves(adaptive, g))
+    out = foreach.mul_(foreach.div_into(m, denom), foreach.for_leaves(adaptive, g))
     out = foreach.addcmul_(out, m, [cast(torch.Tensor, foreach.for_leaves(plain, g))] * len(out))  # 0 * m if rectified
     return _decoupled_decay_(out, params, lr, cfg, g)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable
 from typing import NamedTuple
 
 import optree
@@ -179,7 +178,6 @@ def adam_direction(
     cfg: AdamConfig,
     lr: Hyper | None,
     like: Leaves,
-    div_into: Callable[[Leaves, list[torch.Tensor]], list[torch.Tensor]] = foreach.div_into,
     floor_zeros: bool = False,
 ) -> Leaves:
     """``mu_hat / (sqrt(nu_hat + eps_root) + eps)``, times ``-lr`` when given, in fresh buffers.
@@ -188,8 +186,7 @@ def adam_direction(
     with the outer division, ``1 / bc1`` and ``-lr`` folded into one final
     multiply: the same number up to rounding, four kernels (``sqrt``, ``add``,
     ``div``, ``mul``; one more with ``eps_root``). The result is written into the
-    denominator's buffers: one allocation fewer per step, by ``div_into`` (the
-    adapter's in-place step passes one ``div`` per leaf, the same quotients).
+    denominator's buffers where that is cheaper (:func:`~functopk.tree.foreach.div_into`).
     ``floor_zeros`` (for mostly-zero ``nu``, as after a top-k) floors ``nu`` by
     :func:`sqrt_floor` first where that changes no bit: one more kernel, and
     ``sqrt`` avoids its slow path for zeros.
@@ -212,7 +209,7 @@ def adam_direction(
     step = bc2_sqrt / bc1
     if lr is not None:
         step = step * -lr
-    return foreach.mul_(div_into(mu, denom), foreach.for_leaves(step, like))
+    return foreach.mul_(foreach.div_into(mu, denom), foreach.for_leaves(step, like))
 
 
 def adam_transform(

@@ -56,7 +56,6 @@ def applies(params: Sequence[torch.Tensor]) -> bool:
     return bool(params) and all(type(p) in _PLAIN and p.device.type == "cpu" for p in params)
 
 
-
 def add_(
     params: Sequence[torch.Tensor],
     inputs: Sequence[Sequence[torch.Tensor]],
