@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -86,26 +87,55 @@ def test_native_scanner_equals_the_aten_scanner_on_mixed_trees(fraction):
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1].view(torch.int64), ref[1].view(torch.int64)), t
 
 
-def test_without_a_compiler_the_aten_scan_runs(monkeypatch, tmp_path):
+@pytest.fixture()
+def first_use(monkeypatch):
+    """:func:`native.library` as at its first call in a process (its result is cached), cached again afterwards."""
+    native.library.cache_clear()
+    monkeypatch.setattr(native, "build_error", native.build_error)  # restored after the test
+    yield
+    native.library.cache_clear()  # the next call builds or loads with the test's settings undone
+
+
+def test_without_a_compiler_the_aten_scan_runs_and_a_warning_says_why_once(monkeypatch, tmp_path, first_use):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("FUNCTOPK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "build_error", native.build_error)  # restored after the test
-    assert native.library.__wrapped__() is None
-    assert "no-such-compiler" in str(native.build_error)
-    monkeypatch.setattr(native, "library", lambda: None)  # what every caller then sees
     flats = [special_leaf(3000, torch.float32, 1.0, seed=1)]
-    idx, vals = Scanner(1.0, torch.float32, CPU, 0.3).run(flats)
+    with pytest.warns(UserWarning, match="compiled top-k scan is unavailable .*no-such-compiler.*FUNCTOPK_NATIVE=0") \
+            as record:
+        assert native.library() is None
+        idx, vals = Scanner(1.0, torch.float32, CPU, 0.3).run(flats)  # asks for the library again
+        assert native.library() is None
+    assert len(record) == 1
+    assert "no-such-compiler" in str(native.build_error)
     assert torch.equal(idx, brute(flats[0], 1.0))
     assert torch.equal(vals.view(torch.int32), flats[0][idx].view(torch.int32))
 
 
+def test_the_environment_variable_turns_the_compiled_scan_off(monkeypatch, tmp_path, first_use):
+    monkeypatch.setenv("FUNCTOPK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FUNCTOPK_NATIVE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # chosen, so no warning
+        assert native.library() is None
+    assert native.build_error == "turned off by FUNCTOPK_NATIVE='0'"
+    assert not (tmp_path / "cache").exists()  # nothing was built
+    native.library.cache_clear()
+    monkeypatch.setenv("FUNCTOPK_NATIVE", "maybe")
+    with pytest.raises(ValueError, match="FUNCTOPK_NATIVE='maybe': expected 0 .* or 1"):
+        native.library()
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_the_scan_builds_in_an_empty_cache(monkeypatch, tmp_path):
-    monkeypatch.delenv("CC", raising=False)
+def test_the_scan_builds_without_warnings_in_an_empty_cache_with_a_compiler_given_with_arguments(
+        monkeypatch, tmp_path, first_use):
+    # -Werror: any warning of -Wall -Wextra fails the build; CC with arguments used to mean "no compiler"
+    monkeypatch.setenv("CC", f"{shutil.which('cc')} -Werror")
     monkeypatch.setenv("FUNCTOPK_CACHE_DIR", str(tmp_path))
-    lib = native.library.__wrapped__()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lib = native.library()
     assert lib is not None, native.build_error
-    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # one library, no leftover build files
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".lock", ".sha256", ".so"]  # no leftover build files
     x = special_leaf(1000, torch.float32, 1.0, seed=2)
     out = torch.empty(1000, dtype=torch.int64), torch.empty(1000)
     written, _ = native.scan_leaf(lib, x, native.threshold_bits(1.0, torch.float32), 0, out)

@@ -6,8 +6,11 @@
   (``torch.topk`` or a radix select), compiles with ``fullgraph=True``;
 * :mod:`~functopk.sparse.kernels.scan`: the candidate scan (coordinates above a
   threshold, without concatenating the leaves);
-* :mod:`~functopk.sparse.kernels.native`: the same scan as a small C loop,
-  compiled at first use (the ATen scan runs where it cannot be built);
+* :mod:`~functopk.sparse.kernels.native`: the same scan as a small C loop
+  (``native.c``), compiled at first use (the ATen scan runs where it cannot be
+  built);
+* :mod:`~functopk.sparse.kernels.libcache`: where that loop is compiled and kept,
+  a private cache folder whose files are checked before they are loaded;
 * :mod:`~functopk.sparse.kernels.exact`: the eager exact kernel (sampled bracket,
   scan, exact selection among the candidates, bounded fallbacks);
 * :mod:`~functopk.sparse.kernels.approx`: the systematic sample and the approximate
