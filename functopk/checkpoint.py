@@ -44,7 +44,6 @@ import ctypes
 import hashlib
 import io
 import os
-import tempfile
 import warnings
 from typing import IO, Any, Union
 
@@ -52,6 +51,7 @@ import optree
 import torch
 
 from functopk._checks import describe, listed
+from functopk.files import write_atomically
 from functopk.tree.maths import PyTree
 
 __all__ = ["CheckpointError", "load_state", "read_state_dict", "save_state", "state_from_dict", "state_to_dict"]
@@ -360,12 +360,19 @@ def save_state(f: FileLike, state: PyTree) -> None:
     """``torch.save(state_to_dict(state), f)``; a path is written atomically.
 
     A path is written to a temporary file in the same directory, then renamed,
-    so a crash mid-write never leaves a truncated checkpoint under ``f``. The
-    file is sealed: a SHA-256 of all its bytes is written in the zip archive's
-    comment (``torch.load`` reads the file as usual), and :func:`load_state` and
-    :func:`read_state_dict` check it, so that a change to any byte raises
-    :class:`CheckpointError`. The digests (the leaves' and the file's) cost
-    about 0.35 s per 100 MB of state; see the module's docstring.
+    so a crash mid-write never leaves a truncated checkpoint under ``f``
+    (:func:`functopk.files.write_atomically`). As with ``torch.save``, an
+    existing file keeps its mode (a new one gets ``0666`` less the umask), and
+    a symbolic link such as ``latest.pt -> step-100.pt`` stays a link: its
+    target is replaced, in the target's folder; a device or a pipe is written
+    in place.
+
+    The file is sealed: a SHA-256 of all its bytes is written in the zip
+    archive's comment (``torch.load`` reads the file as usual), and
+    :func:`load_state` and :func:`read_state_dict` check it, so that a change
+    to any byte raises :class:`CheckpointError`. The digests (the leaves' and
+    the file's) cost about 0.35 s per 100 MB of state; see the module's
+    docstring.
 
     Args:
         f: A path or a writable binary file object.
@@ -386,18 +393,12 @@ def save_state(f: FileLike, state: PyTree) -> None:
         _seal_(buffer)
         f.write(buffer.getbuffer())
         return
-    path = os.fspath(f)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".functopk-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w+b") as fh:
-            torch.save(sd, fh)
-            _seal_(fh)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    def write(fh: IO[bytes]) -> None:
+        torch.save(sd, fh)
+        _seal_(fh)
+
+    write_atomically(f, write)
 
 
 def read_state_dict(f: FileLike) -> dict[str, Any]:

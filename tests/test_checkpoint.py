@@ -92,6 +92,27 @@ def test_pure_and_file_helpers(tmp_path):
     assert_tree_bitwise_equal(template, template_before)
 
 
+def test_save_state_keeps_modes_and_links_as_torch_save_does(tmp_path):
+    tx, state = trained_state()
+    saves = {"torch": lambda path: torch.save(ft.state_to_dict(state), path),
+             "ft": lambda path: ft.save_state(path, state)}
+    for writer, save in saves.items():  # the same three situations, written by torch.save and by save_state
+        folder = tmp_path / writer
+        folder.mkdir()
+        (folder / "shared.pt").write_bytes(b"")
+        (folder / "shared.pt").chmod(0o664)  # a group-writable file stays group-writable
+        (folder / "real.pt").write_bytes(b"")
+        (folder / "latest.pt").symlink_to("real.pt")
+        for name in ("new.pt", "shared.pt", "latest.pt"):
+            save(folder / name)
+    modes = {w: {n: os.stat(tmp_path / w / n).st_mode & 0o7777 for n in ("new.pt", "shared.pt", "real.pt")}
+             for w in saves}
+    assert modes["ft"] == modes["torch"] and modes["ft"]["shared.pt"] == 0o664
+    assert os.readlink(tmp_path / "ft" / "latest.pt") == "real.pt"  # still a link, its target written
+    assert_tree_bitwise_equal(ft.load_state(tmp_path / "ft" / "real.pt", tx.init(PARAMS)), state)
+    assert sorted(os.listdir(tmp_path / "ft")) == ["latest.pt", "new.pt", "real.pt", "shared.pt"]
+
+
 def test_python_scalar_leaves_and_empty_states():
     tree = {"n": 3, "flag": True, "x": torch.arange(3.0), "empty": ft.EmptyState()}
     restored = ft.state_from_dict(tree, roundtrip(ft.state_to_dict(tree)))
