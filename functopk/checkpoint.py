@@ -259,6 +259,14 @@ def _short(text: str, limit: int = 400) -> str:
 def _structure_mismatch(saved: list[str], paths: list[str], saved_structure: Any, treedef: optree.PyTreeSpec) -> str:
     """Where the saved leaves first differ from the template's (not both structures in full)."""
     first = next((i for i, (a, b) in enumerate(zip(saved, paths)) if a != b), min(len(saved), len(paths)))
+    head = "checkpoint structure does not match the current state: "
+    if first < len(paths) and sorted(saved) == sorted(paths):  # every leaf is there, in another order
+        where = f"its leaf {first} is {saved[first]}, the current state's is {paths[first]}"
+        if saved_structure == str(treedef):
+            return (head + f"the checkpoint has the same leaves in another order ({where}): its 'leaves' dict was "
+                    "reordered after state_to_dict made it; put them back in the order state_to_dict lists them")
+        return (head + f"the checkpoint has the same leaves in another order ({where}), because its containers "
+                f"order their entries otherwise: saved {_short(str(saved_structure))}, expected {_short(str(treedef))}")
     if first < max(len(saved), len(paths)):
         where = f"leaf {first} is {saved[first] if first < len(saved) else 'absent'} in the checkpoint"
         detail = [f"{where} but {paths[first] if first < len(paths) else 'absent'} in the current state"]
@@ -271,7 +279,7 @@ def _structure_mismatch(saved: list[str], paths: list[str], saved_structure: Any
         detail.append(f"missing leaves: {listed(missing, _MAX_LISTED)}")
     if unexpected:
         detail.append(f"unexpected leaves: {listed(unexpected, _MAX_LISTED)}")
-    return "checkpoint structure does not match the current state: " + "; ".join(detail)
+    return head + "; ".join(detail)
 
 
 def state_from_dict(template: PyTree, state_dict: dict[str, Any]) -> PyTree:

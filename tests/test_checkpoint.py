@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 
@@ -111,6 +112,21 @@ def test_save_state_keeps_modes_and_links_as_torch_save_does(tmp_path):
     assert os.readlink(tmp_path / "ft" / "latest.pt") == "real.pt"  # still a link, its target written
     assert_tree_bitwise_equal(ft.load_state(tmp_path / "ft" / "real.pt", tx.init(PARAMS)), state)
     assert sorted(os.listdir(tmp_path / "ft")) == ["latest.pt", "new.pt", "real.pt", "shared.pt"]
+
+
+def test_the_same_leaves_in_another_order_are_named_as_such():
+    tx = ft.adam(0.1)
+    params = [torch.zeros(2), torch.zeros(3)]
+    sd = ft.state_to_dict(tx.init(params))
+    reordered = {**sd, "leaves": dict(reversed(list(sd["leaves"].items())))}
+    with pytest.raises(CheckpointError, match=r"the same leaves in another order \(its leaf 0 is nu\[1\], the "
+                       r"current state's is count\): its 'leaves' dict was reordered"):
+        ft.state_from_dict(tx.init(params), reordered)
+    fields = {"x": torch.zeros(1), "y": torch.zeros(2)}  # containers that keep another order: OrderedDicts
+    saved = ft.state_to_dict(collections.OrderedDict(fields))
+    with pytest.raises(CheckpointError, match=r"another order .*containers order their entries otherwise: "
+                       r"saved PyTreeSpec\(OrderedDict\(\{'x'"):
+        ft.state_from_dict(collections.OrderedDict(reversed(fields.items())), saved)
 
 
 def test_python_scalar_leaves_and_empty_states():
