@@ -230,6 +230,20 @@ def test_the_cache_folder_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FUNCTOPK_CACHE_DIR", "mine")
     assert libcache.cache_dir() == tmp_path / "mine"
+    monkeypatch.setenv("FUNCTOPK_CACHE_DIR", "")
+    monkeypatch.setenv("HOME", "relative")  # not the current directory either
+    with pytest.raises(libcache.UntrustedCache, match="the home folder 'relative' is not an absolute path"):
+        libcache.cache_dir()
+
+
+def test_without_a_home_folder_the_library_is_built_privately(monkeypatch, tmp_path, cc):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FUNCTOPK_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", "relative")
+    lib, note = libcache.load(SOURCE, "t", cc.command())
+    assert lib.answer() == 42 and "home folder" in note
+    assert sorted(os.listdir(tmp_path)) == ["cc.log", "cc.sh"]  # nothing in the current directory
 
 
 def test_the_compiler_command_is_split_like_a_shell_command(monkeypatch):

@@ -8,7 +8,8 @@ and it is the file this user's build wrote:
 * **Where:** ``$FUNCTOPK_CACHE_DIR``, else ``$XDG_CACHE_HOME/functopk``, else
   ``~/.cache/functopk``. An empty variable counts as unset (never the current
   directory), and so does a relative ``XDG_CACHE_HOME``, as the XDG spec says;
-  a relative ``FUNCTOPK_CACHE_DIR`` is taken from the current directory.
+  a relative ``FUNCTOPK_CACHE_DIR`` is taken from the current directory. A
+  home folder that is not an absolute path is not used (a private build, below).
 * **The folder** (and any missing folder above it) is created with mode
   ``0700`` whatever the umask. It is used only if it is a directory, not a
   symbolic link, owned by the current user and not writable by group or
@@ -65,6 +66,9 @@ class UntrustedCache(RuntimeError):
 def cache_dir() -> Path:
     """The cache folder the environment names (see the module's docstring); nothing is created.
 
+    Raises :class:`UntrustedCache` where no variable names one and the home
+    folder is unknown.
+
     Example:
         >>> from unittest import mock
         >>> with mock.patch.dict(os.environ, {"FUNCTOPK_CACHE_DIR": "", "XDG_CACHE_HOME": "/var/cache/me"}):
@@ -74,7 +78,13 @@ def cache_dir() -> Path:
     if os.environ.get("FUNCTOPK_CACHE_DIR"):
         return Path(os.path.abspath(os.environ["FUNCTOPK_CACHE_DIR"]))
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "functopk"
+    if os.path.isabs(xdg):
+        return Path(xdg) / "functopk"
+    home = os.path.expanduser("~")  # HOME, else the user database; a relative HOME is refused below
+    if not os.path.isabs(home):
+        raise UntrustedCache(f"no cache folder: the home folder {home!r} is not an absolute path; set "
+                             "FUNCTOPK_CACHE_DIR to a folder only you can write")
+    return Path(home) / ".cache" / "functopk"
 
 
 def compiler_command() -> list[str]:
@@ -252,7 +262,9 @@ def _from_cache(folder: Path, dir_fd: int, name: str, source: bytes, command: Se
         lib = ctypes.CDLL(_fd_path(fd, str(folder / name)))
     except OSError as exc:
         os.close(fd)
-        raise BuildError(f"{folder / name} could not be loaded ({exc}); delete it to rebuild it") from None
+        # the file is the one the build wrote (its digest matched): the folder's filesystem is the likely cause
+        raise BuildError(f"{folder / name} could not be loaded ({exc}); if its filesystem forbids running code "
+                         "(noexec), set FUNCTOPK_CACHE_DIR to a folder on another one") from None
     # the loader remembers a library by the name it was loaded under and hands the same library out for that
     # name again: the descriptor stays open, so that no later library gets its /proc/self/fd name
     _KEPT_OPEN.append(fd)
@@ -290,9 +302,9 @@ def load(source: bytes, stem: str, command: Sequence[str]) -> tuple[ctypes.CDLL,
         ...     assert "compiler" in str(exc)
         >>> del os.environ["FUNCTOPK_CACHE_DIR"]; shutil.rmtree(folder)
     """
-    folder = cache_dir()
     name = f"{stem}-{_key(source, command)}.so"
     try:
+        folder = cache_dir()
         dir_fd = _open_cache(folder)
         try:
             return _from_cache(folder, dir_fd, name, source, command), None
