@@ -143,6 +143,19 @@ def test_the_scan_builds_without_warnings_in_an_empty_cache_with_a_compiler_give
 
 
 @needs_lib
+def test_a_cache_folder_others_can_write_gives_a_private_build_and_a_warning(monkeypatch, tmp_path, first_use):
+    # the folder's rules are tested in test_kernels_libcache.py; here: what a user of the scan sees
+    tmp_path.chmod(0o777)
+    monkeypatch.setenv("FUNCTOPK_CACHE_DIR", str(tmp_path))
+    with pytest.warns(UserWarning, match=f"{tmp_path} is writable by group or others .*chmod 700 .*each process "
+                      "compiles the top-k scan again") as record:
+        lib = native.library()
+        assert native.library() is lib
+    assert len(record) == 1 and lib is not None and native.has_fast(lib) in (True, False)
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_lib
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "portable"])
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_scan_leaf_with_an_upper_bound_keeps_t_below_abs_at_most_h(dtype, fast):
