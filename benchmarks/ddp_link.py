@@ -1,4 +1,4 @@
-"""DDP training steps over an emulated link: dense allreduce, fp16, PowerSGD and top-k (issue 14's benchmark).
+"""DDP training steps over an emulated link: dense allreduce, fp16, PowerSGD and top-k.
 
     python benchmarks/ddp_link.py --rounds 6 --accuracy cnn --accuracy-seeds cnn=10 \
         --variants dense,fp16,powersgd1,powersgd4,topk0.1,topk1,topk0.1mc,topk1mc,topk1mc-overlap

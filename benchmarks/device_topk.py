@@ -1,4 +1,4 @@
-"""Global top-k on one device (CUDA first): functopk against torch.topk, the issue-12 CUDA targets.
+"""Global top-k on one device (CUDA first): functopk against torch.topk and cat + topk + scatter.
 
 Trees, filled with standard normal values on the device: the resnet50
 parameter shapes (25.6M coordinates) and a 100M-coordinate tree (40 leaves of
@@ -10,7 +10,7 @@ synchronised after each call):
   ft.topk_indices        functopk, SparseUpdates out
   ft.topk_sparsify       functopk, dense tree out
 
-Targets (issue 12): ft.topk_indices within 2x of the floor and faster than
+Targets: ft.topk_indices within 2x of the floor and faster than
 cat+topk+scatter. Runs on the CPU too (a smoke run).
 
 Usage:
