@@ -223,9 +223,63 @@ def user_docs():
 
 
 def test_user_docs_cite_no_project_history():
-    """No "issue 12", "#19" or "this session": a user cannot see them. Other projects' issues are links."""
+    """No issue numbers ("issue" or "#" and a number) or "this session": a user cannot see them. Other projects'
+    issues are links."""
     history = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w/.-])#\d+\b|\bsessions?\b|\bthis issue\b|\bthe issue\b")
     found = [f"{where}: {m.group(0)!r}" for where, text in user_docs().items() for m in history.finditer(text)]
+    assert found == [], found
+
+
+# Pages of docs/ that are records of measurements (dated runs); every other page describes the code as it is.
+RECORD_PAGES = ("distributed-measurements.md",)
+# What a user of the repository reads: the package, its docs, examples, benchmarks and their results, the tests.
+USER_FILES = ("README.md", "CHANGELOG.md", "Makefile", "pyproject.toml", "mkdocs.yml", "functopk", "docs",
+              "examples", "benchmarks", "tests", "requirements")  # fmt: skip
+TEXT_SUFFIXES = {".py", ".md", ".c", ".sh", ".txt", ".toml", ".yml", ".cfg", ""}
+
+
+def test_benchmarks_page_is_a_reference_with_records_apart():
+    """docs/benchmarks.md holds one current table per claim; dated runs live in benchmarks/results/ beside their
+    outputs. It stays short, and each of its sections links to where its runs are recorded."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) <= 320, "docs/benchmarks.md grows: move older runs to a record in benchmarks/results/"
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert len(sections) >= 8
+    unlinked = [section.splitlines()[0] for section in sections if "](../benchmarks/results/" not in section]
+    assert unlinked == [], f"sections that link to no result or record under benchmarks/results/: {unlinked}"
+
+
+def test_guides_carry_no_dates():
+    """Guides and reference pages describe the code, not when something was measured: ISO dates only in the pages
+    that are records (RECORD_PAGES) and under benchmarks/results/."""
+    date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+    pages = [ROOT / "README.md", ROOT / "tests" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    records = {ROOT / "docs" / name for name in RECORD_PAGES}
+    assert all(record.exists() for record in records)
+    found = [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()[:80]}"
+        for page in pages
+        if page not in records
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if date.search(line)
+    ]
+    assert found == [], found
+
+
+def test_no_issue_numbers_in_the_repository():
+    """The tracker's issue numbers mean nothing to a user: none in code, docs, benchmarks, results or tests."""
+    history = re.compile(r"\b[Ii]ssues?[ -]#?\d+")
+    files = []
+    for name in USER_FILES:
+        path = ROOT / name
+        files += [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file()]
+    files = [f for f in files if f.suffix in TEXT_SUFFIXES and "__pycache__" not in f.parts]
+    assert len(files) > 100
+    found = [
+        f"{file.relative_to(ROOT)}: {m.group(0)!r}"
+        for file in files
+        for m in history.finditer(file.read_text(errors="replace"))
+    ]
     assert found == [], found
 
 
