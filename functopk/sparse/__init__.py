@@ -13,7 +13,8 @@
 * :mod:`~functopk.sparse.streaming`: :class:`StreamingTopK`, the same exact
   selection made while backward runs, each gradient freed once folded;
 * :mod:`~functopk.sparse.optimizer`: :func:`sparse_optimizer`, a coordinate-wise
-  optimizer on ``k`` coordinates with state of size ``k``;
+  optimizer on ``k`` coordinates with state of size ``k``
+  (:class:`SparseOptState`, :mod:`~functopk.sparse.opt_state`);
 * ``sparse_optimizer_from_torch``: its ``torch.optim`` form (:mod:`functopk.adapter.sparse_state`,
   in the interop layer, hence imported when first used);
 * :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
@@ -27,7 +28,8 @@ from functopk.sparse.api import gaussian_threshold, topk_indices, topk_mask, top
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.dispatch import SlowPathWarning
 from functopk.sparse.k import k_from_density, resolve_k
-from functopk.sparse.optimizer import SparseOptimizer, SparseOptState, sparse_optimizer
+from functopk.sparse.opt_state import SparseOptState
+from functopk.sparse.optimizer import SparseOptimizer, sparse_optimizer
 from functopk.sparse.streaming import StreamingTopK
 from functopk.sparse.updates import SparseUpdates, apply_sparse_updates, apply_sparse_updates_
 
