@@ -11,7 +11,8 @@
   ``Mask``, ``Threshold``, ``HostThreshold`` of :mod:`~functopk.sparse.selection`,
   or ``ExactOp`` of :mod:`~functopk.sparse.ops`);
 * :mod:`~functopk.sparse.streaming`: :class:`StreamingTopK`, the same exact
-  selection made while backward runs, each gradient freed once folded;
+  selection made while backward runs, each gradient freed once folded, through
+  the weakly held hooks of :mod:`~functopk.sparse.hooks`;
 * :mod:`~functopk.sparse.optimizer`: :func:`sparse_optimizer`, a coordinate-wise
   optimizer on ``k`` coordinates with state of size ``k``
   (:class:`SparseOptState`, :mod:`~functopk.sparse.opt_state`);
