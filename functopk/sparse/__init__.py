@@ -16,7 +16,7 @@
 * :mod:`~functopk.sparse.optimizer`: :func:`sparse_optimizer`, a coordinate-wise
   optimizer on ``k`` coordinates with state of size ``k``
   (:class:`SparseOptState`, :mod:`~functopk.sparse.opt_state`);
-* ``sparse_optimizer_from_torch``: its ``torch.optim`` form (:mod:`functopk.adapter.sparse_state`,
+* ``sparse_optimizer_from_torch``: its ``torch.optim`` form (:mod:`functopk.adapter.sparse_classes`,
   in the interop layer, hence imported when first used);
 * :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
 * :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
@@ -57,7 +57,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # the torch.optim form lives in the interop layer, which imports this package: imported on first use
     if name == "sparse_optimizer_from_torch":
-        from functopk.adapter.sparse_state import sparse_optimizer_from_torch
+        from functopk.adapter.sparse_classes import sparse_optimizer_from_torch
 
         return sparse_optimizer_from_torch
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
