@@ -76,6 +76,11 @@ def sparse_optimizer_from_torch(
     ``p.grad`` is ``None``, and the state is ``k`` indices plus one value per
     coordinate and buffer (16 bytes per coordinate for AdamW in float32).
 
+    Lifetime: the stream's hooks live as long as the optimizer. ``opt.remove()``
+    (or ``with sparse_optimizer_from_torch(...) as opt:``) removes them, and so
+    does deleting it; a second one on the same parameters raises ``ValueError``
+    until then. ``opt.zero_grad()`` after a backward skips that batch.
+
     What differs from ``torch.optim`` is listed in :class:`SparseStateOptimizer`.
 
     Args:
@@ -95,7 +100,8 @@ def sparse_optimizer_from_torch(
         TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass, a keyword is unknown to it,
             or ``k``/``density``/``refresh_every`` has the wrong type.
         ValueError: ``optimizer_class`` is not coordinate-wise (``Adafactor``, ``Muon``, ``LBFGS``,
-            ``SparseAdam``), torch rejects a value, ``refresh_every < 1``, or ``k`` exceeds the coordinates.
+            ``SparseAdam``), torch rejects a value, ``refresh_every < 1``, ``k`` exceeds the coordinates,
+            the parameters are on the meta device, or a live sparse optimizer (or stream) holds one of them.
 
     Example:
         >>> import torch, functopk as ft

@@ -44,7 +44,8 @@ class SparseOptState(NamedTuple):
             first refresh, the first ``k`` coordinates.
         inner: The inner optimizer's state for the coordinates of ``S``, in
             ``indices`` order: each of its leaves is a ``k``-vector (its scalars,
-            such as the step count, one per coordinate).
+            such as the step count, one per coordinate), but those of
+            :func:`shared_fields` (``inject_hyperparams``'s), 0-d: one for all.
         score: With ``score="accumulated"``, ``sum |g|`` since the last refresh, a tree
             like the parameters; ``None`` otherwise.
 

@@ -297,14 +297,21 @@ def sparse_optimizer(
     compiles with ``torch.compile(fullgraph=True)`` (``refresh`` is a Python
     bool: one graph for each value). In eager mode on CPU the gathers read a
     few integers on the host, as :func:`~functopk.apply_sparse_updates` does.
+    ``update`` checks the state it is given before any maths: everything that
+    shows without reading values (``indices`` of shape ``(k,)`` for this ``k``,
+    the inner state's structure, shapes and dtypes), and, where it reads the
+    indices on the host anyway (eager on CPU), that they are ascending and in
+    range (:mod:`functopk.sparse.opt_state`).
 
     Args:
         inner: A coordinate-wise transformation: ``ft.sgd``, ``ft.adam``,
             ``ft.adamw``, ``ft.rmsprop``, ``ft.adagrad``, ``ft.nadam``, ``ft.radam``,
             ``ft.adamax``, ``ft.adadelta``, ``ft.rprop``, ``ft.lion``, ``ft.from_torch``
-            of their torch classes, or a ``chain`` of elementwise pieces. A learning
-            rate that changes is a 0-d tensor changed in place (a schedule would see
-            each coordinate's own step count, so it is refused).
+            of their torch classes, ``ft.inject_hyperparams`` of one of them, or a
+            ``chain`` of elementwise pieces. A learning rate that changes is a 0-d
+            tensor changed in place, or an injected one (one value for all
+            coordinates, kept through refreshes); a schedule would see each
+            coordinate's own step count, so it is refused.
         k: How many coordinates to train (an int; give exactly one of ``k`` and ``density``).
         density: The fraction of the coordinates to train, in ``(0, 1]``.
         score: ``"gradient"`` or ``"accumulated"``: what a refresh ranks.

@@ -382,3 +382,25 @@ def test_the_first_coordinate_set_starts_from_its_own_groups_state():
         opt.step()
     expected = reference(torch.optim.ASGD, [([start[0]], hyper[0]), ([start[1]], hyper[1])], coefficients, 6, 2)
     torch.testing.assert_close(torch.cat([b.detach(), w.detach().reshape(-1)]), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_momentum_turned_off_then_on_restarts_the_buffer_where_torch_continues_its_old_one():
+    """A documented difference: the state keeps the names of the groups' current maths only."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref_w = torch.nn.Parameter(w.detach().clone())
+    opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, [w], k=6, lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD([ref_w], lr=0.1, momentum=0.9, foreach=True)
+    for momentum in (0.9, 0.9, 0.0, 0.9, 0.9):
+        opt.param_groups[0]["momentum"] = ref.param_groups[0]["momentum"] = momentum
+        if momentum == 0.0:
+            ref.state[ref_w].pop("momentum_buffer")  # what functopk does: the buffer starts again afterwards
+            assert sorted(opt.state_dict()["state"]["inner"]) == ["count", "momentum_buffer"]
+        c = torch.randn(6, generator=gen, dtype=torch.float64)
+        for param, optimizer in ((w, opt), (ref_w, ref)):
+            optimizer.zero_grad()
+            (param * c).sum().backward()
+            optimizer.step()
+        if momentum == 0.0:
+            assert opt.state_dict()["state"]["inner"] == {}
+    torch.testing.assert_close(w.detach(), ref_w.detach(), rtol=1e-12, atol=1e-12)
