@@ -120,10 +120,11 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         self._sizes = [p.numel() for p in self._params]
         n = sum(self._sizes)
         self.k = k_on_host(resolve_k(k, density, n, name="params"), n)
-        # checks: float leaves, listed once, autograd leaves; with score="accumulated" it keeps the n-sized sum
-        self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
         self._steps = 0  # step() calls that stepped: refresh when a multiple of refresh_every (no host read)
         self._sparse = self._init_state(self.param_groups)
+        # last (hooks on the parameters): float leaves, listed once, autograd leaves, no other live stream on them;
+        # with score="accumulated" it keeps the n-sized sum
+        self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
 
     # ------------------------------------------------------------------ the groups' transformations
 
@@ -141,9 +142,9 @@ class SparseStateOptimizer(torch.optim.Optimizer):
     def _init_state(self, groups: list[dict[str, Any]]) -> SparseOptState:
         """The state before the first step: each coordinate's own group's fresh state, by name."""
         built = [self._optimizer(group) for group in groups]
-        state = built[0][0].init(self._params)  # torch refuses an optimizer without param groups
-        fresh = [per_param.split(opt.init(self._params).inner, layout)[0] for opt, layout in built]
-        return state._replace(inner=self._merged(state.indices, built, fresh))
+        states = [opt.init(self._params) for opt, _ in built]  # torch refuses an optimizer without param groups
+        fresh = [per_param.split(state.inner, layout)[0] for state, (_, layout) in zip(states, built)]
+        return states[0]._replace(inner=self._merged(states[0].indices, built, fresh))
 
     def _merged(
         self,
