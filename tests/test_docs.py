@@ -78,12 +78,13 @@ def test_faq_examples_run():
 
 def test_sparse_training_examples_run():
     """docs/sparse_training.md's blocks run in order: k coordinates move per step, the accumulated step frees .grad,
-    the sparse-state loop trains 20 coordinates with 16 bytes of state each."""
+    a skipped batch, a stream's lifetime, the sparse-state loop trains 20 coordinates with 16 bytes of state each,
+    the adapter's state dict continues in a new optimizer and a dense one trains after it."""
     import torch
 
     text = (ROOT / "docs" / "sparse_training.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 6
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, "docs/sparse_training.md", "exec"), namespace)
@@ -94,6 +95,8 @@ def test_sparse_training_examples_run():
     assert int(state.count) == 12 and int(state.inner.count.min()) == 12 - 10  # joined at the last refresh, step 10
     tensors = [state.indices, *namespace["ft"].tree.leaves(state.inner)]
     assert sum(t.numel() * t.element_size() for t in tensors) == 16 * 20
+    saved, again = namespace["saved"], namespace["again"].state_dict()
+    assert int(again["state"]["count"]) == int(saved["state"]["count"]) == 3
 
 
 def test_readme_example_moves_exactly_k_coordinates_every_step():

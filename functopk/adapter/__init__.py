@@ -17,15 +17,17 @@ door's older names, kept. The modules behind the doors:
 * :mod:`~functopk.adapter.views`: sparse gradients and complex parameters as dense real tensors;
 * :mod:`~functopk.adapter.checkpoint`: :class:`ParamGroupOptimizer`'s state dicts in torch's
   layout, checked whole before loading;
-* :mod:`~functopk.adapter.sparse_state`: :func:`~functopk.sparse_optimizer_from_torch`, a
-  ``torch.optim`` optimizer on ``k`` coordinates with state of size ``k`` (also ``ft.sparse``'s);
+* :mod:`~functopk.adapter.sparse_classes`: :func:`~functopk.sparse_optimizer_from_torch`, a
+  ``torch.optim`` optimizer on ``k`` coordinates with state of size ``k`` (also ``ft.sparse``'s),
+  whose behaviour is :class:`SparseStateOptimizer`'s (:mod:`~functopk.adapter.sparse_state`);
 * :mod:`~functopk.adapter.recut`: ``TorchOptimizer``'s state when the set of parameters changes.
 """
 
 from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
 from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.registry import from_torch
-from functopk.adapter.sparse_state import SparseStateOptimizer, sparse_optimizer_from_torch
+from functopk.adapter.sparse_classes import sparse_optimizer_from_torch
+from functopk.adapter.sparse_state import SparseStateOptimizer
 
 __all__ = [
     "ParamGroupOptimizer",

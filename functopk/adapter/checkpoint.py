@@ -37,7 +37,7 @@ import torch
 
 from functopk._checks import describe, listed
 from functopk.adapter import per_param
-from functopk.sparse.optimizer import SparseOptState
+from functopk.sparse.opt_state import SparseOptState
 
 __all__ = [
     "Expected", "check_group_sizes", "expected_entries", "filled_group", "loaded_entry", "loaded_scores",

@@ -1,6 +1,8 @@
-"""``ft.sparse_optimizer_from_torch``: a ``torch.optim`` optimizer training ``k`` coordinates, with state of size ``k``.
+""":class:`SparseStateOptimizer`: a ``torch.optim`` optimizer training ``k`` coordinates, with state of size ``k``.
 
-The adapter form of :func:`functopk.sparse.sparse_optimizer`. A
+What :func:`~functopk.sparse_optimizer_from_torch` makes
+(:mod:`functopk.adapter.sparse_classes`): the adapter form of
+:func:`functopk.sparse.sparse_optimizer`. A
 :class:`~functopk.sparse.StreamingTopK` over all the optimizer's parameters
 (flat order: the ``param_groups`` order) folds each gradient during backward
 and frees it, so no dense gradient and no dense optimizer state ever exists:
@@ -16,9 +18,16 @@ and frees it, so no dense gradient and no dense optimizer state ever exists:
 
 The state is kept once for the ``k`` coordinates, as named ``k``-vectors
 (torch's names: ``exp_avg``, ``step``, ...): groups whose transformations keep
-different state (SGD with and without weight decay chain different pieces)
-share the names they have in common, and a coordinate only ever reads the
-names of its own group.
+different state (SGD with and without momentum) share the names they have in
+common. A coordinate only ever holds its own group's values: where its group
+keeps no such name (SGD without momentum has no ``momentum_buffer``), the
+value is the fresh one, as if the name were not there, so that a group that
+gains the name later starts it afresh, as ``torch.optim`` does.
+
+Lifetime: the stream's hooks hold it weakly (:mod:`functopk.sparse.hooks`), so
+an optimizer that is deleted leaves the parameters as it found them;
+:meth:`SparseStateOptimizer.remove` (or the end of a ``with`` block) removes
+them at once.
 """
 
 from __future__ import annotations
@@ -37,7 +46,6 @@ from functopk._checks import (
     one_device,
 )
 from functopk.adapter import checkpoint, per_param
-from functopk.adapter.classes import shadows
 from functopk.adapter.registry import (
     add_checked_group,
     check_implementation_flags,
@@ -45,36 +53,14 @@ from functopk.adapter.registry import (
     torch_hyperparams,
 )
 from functopk.sparse.k import k_on_host, resolve_k
-from functopk.sparse.optimizer import (
-    SCORES,
-    TORCH_COORDINATEWISE,
-    SparseOptimizer,
-    SparseOptState,
-    sparse_optimizer,
-)
+from functopk.sparse.opt_state import SparseOptState
+from functopk.sparse.optimizer import SCORES, TORCH_COORDINATEWISE, SparseOptimizer, trusted_sparse_optimizer
 from functopk.sparse.streaming import StreamingTopK
-from functopk.sparse.updates import SparseUpdates, apply_sparse_updates_
+from functopk.sparse.updates import SparseUpdates, apply_sparse_updates_, shift_indices
 
-__all__ = ["SparseStateOptimizer", "sparse_optimizer_from_torch"]
+__all__ = ["SparseStateOptimizer"]
 
 _NOT_HYPER = ("params", "param_names")
-
-
-def over_all(sparse: SparseUpdates, present: list[bool], sizes: list[int]) -> SparseUpdates:
-    """A selection over the leaves that had a gradient (``present``), re-indexed over all the leaves."""
-    if all(present):
-        return sparse
-    compact_starts, shifts, at, offset = [], [], 0, 0
-    for here, size in zip(present, sizes):
-        if here:
-            compact_starts.append(at)
-            shifts.append(offset - at)
-            at += size
-        offset += size
-    idx = sparse.indices
-    leaf = torch.searchsorted(torch.tensor(compact_starts, device=idx.device), idx, right=True) - 1
-    idx = idx + torch.tensor(shifts, device=idx.device).index_select(0, leaf)
-    return SparseUpdates(idx, sparse.values, offset, tuple(sizes))
 
 
 class SparseStateOptimizer(torch.optim.Optimizer):
@@ -88,8 +74,12 @@ class SparseStateOptimizer(torch.optim.Optimizer):
       without gradients); a second backward before ``step()`` raises
       ``RuntimeError`` out of ``backward``: for gradient accumulation run
       every micro-batch but the last under ``with opt.paused():``;
-      ``zero_grad()`` clears ``.grad`` (already ``None``) but does not undo a
-      backward already folded (call it before the backward, or after ``step()``);
+      ``zero_grad()`` discards a backward already folded, as torch discards
+      ``.grad`` (skip a batch with ``backward(); zero_grad()``);
+    * its gradient hooks live as long as the optimizer: :meth:`remove` (or
+      ``with ... as opt:``) removes them, and so does deleting the optimizer;
+      one per parameter: a second one on the same parameters raises ``ValueError``
+      until the first is removed or deleted;
     * a parameter without a gradient in a step between refreshes counts as a
       zero gradient at its coordinates of the set (they still step, with their
       momentum and weight decay), where ``torch.optim`` skips the parameter;
@@ -123,16 +113,18 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         self.refresh_every = check_int(refresh_every, "refresh_every", minimum=1)
         self.score = check_choice(score, "score", SCORES)
         self._stream: StreamingTopK | None = None  # set once the groups are: add_param_group refuses after that
+        self._removed = False  # remove() was called: the stream's hooks are gone
         super().__init__(params, torch_hyperparams(optimizer_class, defaults))
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._device = one_device(self._params, "params")
         self._sizes = [p.numel() for p in self._params]
         n = sum(self._sizes)
         self.k = k_on_host(resolve_k(k, density, n, name="params"), n)
-        # checks: float leaves, listed once, autograd leaves; with score="accumulated" it keeps the n-sized sum
-        self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
         self._steps = 0  # step() calls that stepped: refresh when a multiple of refresh_every (no host read)
         self._sparse = self._init_state(self.param_groups)
+        # last (hooks on the parameters): float leaves, listed once, autograd leaves, no other live stream on them;
+        # with score="accumulated" it keeps the n-sized sum
+        self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
 
     # ------------------------------------------------------------------ the groups' transformations
 
@@ -144,19 +136,41 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         tx = self._spec.build({**group, **{key: self.defaults[key] for key in self._spec.from_defaults}})
         # the names of the inner state's k-vectors (torch's: exp_avg, step); the structure does not depend on k
         layout = per_param.layout_of(tx.init([torch.zeros(1)]), 1, self._spec.state_names)
-        return sparse_optimizer(tx, k=self.k), layout
+        # the class was checked to be coordinate-wise; its pieces (a step counter) are not all recorded as such
+        return trusted_sparse_optimizer(tx, k=self.k), layout
 
     def _init_state(self, groups: list[dict[str, Any]]) -> SparseOptState:
-        """The state before the first step: every group's fresh state, by name (the groups share equal names)."""
-        named: dict[str, torch.Tensor] = {}
-        state = None
-        for group in groups:
-            opt, layout = self._optimizer(group)
-            state = opt.init(self._params)
-            for name, value in per_param.split(state.inner, layout)[0].items():
-                named.setdefault(name, value)
-        assert state is not None  # torch refuses an optimizer without param groups
-        return state._replace(inner=named)
+        """The state before the first step: each coordinate's own group's fresh state, by name."""
+        built = [self._optimizer(group) for group in groups]
+        states = [opt.init(self._params) for opt, _ in built]  # torch refuses an optimizer without param groups
+        fresh = [per_param.split(state.inner, layout)[0] for state, (_, layout) in zip(states, built)]
+        return states[0]._replace(inner=self._merged(states[0].indices, built, fresh))
+
+    def _merged(
+        self,
+        indices: torch.Tensor,
+        built: list[tuple[SparseOptimizer, per_param.EntryLayout]],
+        named: list[dict[str, torch.Tensor]],
+    ) -> dict[str, torch.Tensor]:
+        """Each group's named state (``named``) as one: every coordinate of ``indices`` holds its own group's values.
+
+        Where a coordinate's group keeps no such name, the name's fresh value (from a group that keeps it).
+        """
+        if len(named) == 1:
+            return dict(named[0])
+        members = self._memberships(indices)
+        out = {}
+        for name in dict.fromkeys(n for entries in named for n in entries):
+            having = [(m, entries[name]) for m, entries in zip(members, named) if name in entries]
+            if len(having) == len(named):  # every coordinate is covered: start from any group's
+                value, rest = having[0][1], having[1:]
+            else:
+                opt, layout = next(b for b, entries in zip(built, named) if name in entries)
+                value, rest = per_param.split(opt.init(self._params).inner, layout)[0][name], having
+            for member, v in rest:
+                value = torch.where(member, v, value)
+            out[name] = value
+        return out
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group while constructing (as ``torch.optim``); refused afterwards.
@@ -175,11 +189,9 @@ class SparseStateOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ stepping
 
-    def _memberships(self, indices: torch.Tensor) -> list[torch.Tensor | None]:
-        """For each group, which of the ``k`` coordinates are its parameters' (``None``: all, one group)."""
-        if len(self.param_groups) == 1:
-            return [None]
-        out: list[torch.Tensor | None] = []
+    def _memberships(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        """For each group, which of the ``k`` coordinates are its parameters'."""
+        out: list[torch.Tensor] = []
         lo = 0
         for group in self.param_groups:
             hi = lo + sum(p.numel() for p in group["params"])
@@ -187,14 +199,23 @@ class SparseStateOptimizer(torch.optim.Optimizer):
             lo = hi
         return out
 
-    def _gradients(self) -> SparseUpdates | None:
+    def _live_stream(self, method: str) -> StreamingTopK:
+        """The stream, unless :meth:`remove` took it (``RuntimeError``)."""
+        if self._removed or self._stream is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{method}() after remove(): its gradient hooks are gone; make a new optimizer "
+                "(load this one's state_dict() into it to continue)"
+            )
+        return self._stream
+
+    def _gradients(self, stream: StreamingTopK) -> SparseUpdates | None:
         """The step's gradient at ``k`` coordinates over all parameters; ``None`` when no backward ran."""
-        stream = self._stream
-        assert stream is not None
         if not stream.started and all(p.grad is None for p in self._params):
             return None
         sparse = stream.result()
-        return over_all(sparse, [x is not None for x in stream.selected_from], self._sizes)
+        present = [x is not None for x in stream.selected_from]
+        idx = shift_indices(sparse.indices, self._sizes, present, to_all=True)
+        return SparseUpdates(idx, sparse.values, sum(self._sizes), tuple(self._sizes))
 
     def _entries(self, opt: SparseOptimizer, layout: per_param.EntryLayout) -> dict[str, torch.Tensor]:
         """The named state, with a fresh value for each name of ``layout`` it lacks (a group's new structure)."""
@@ -217,35 +238,32 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
+        stream = self._live_stream("step")
         for group in self.param_groups:
             check_implementation_flags(group)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = self._gradients()
+        grads = self._gradients(stream)
         if grads is None:
             return loss
         refresh = self._steps % self.refresh_every == 0
-        values: torch.Tensor | None = None
-        named: dict[str, torch.Tensor] = {}
-        new, update = self._sparse, None
-        for group, member in zip(self.param_groups, self._memberships(grads.indices)):
+        built: list[tuple[SparseOptimizer, per_param.EntryLayout]] = []
+        named: list[dict[str, torch.Tensor]] = []
+        values: list[torch.Tensor] = []
+        for group in self.param_groups:  # each group's maths on all k coordinates; each coordinate keeps its own
             opt, layout = self._optimizer(group)
             inner = per_param.join([self._entries(opt, layout)], layout)
             update, new = opt.update(grads, self._sparse._replace(inner=inner), self._params, refresh=refresh)
-            # each coordinate keeps its own group's update and state
-            if values is None or member is None:
-                values = update.values
-            else:
-                values = torch.where(member, update.values, values)
-            for name, value in per_param.split(new.inner, layout)[0].items():
-                if name in named and member is not None:
-                    value = torch.where(member, value, named[name])
-                named[name] = value
-        assert values is not None and update is not None
-        apply_sparse_updates_(self._params, update._replace(values=values))
-        self._sparse = new._replace(inner=named)
+            built.append((opt, layout))
+            named.append(per_param.split(new.inner, layout)[0])
+            values.append(update.values)
+        members = self._memberships(update.indices) if len(values) > 1 else []
+        for member, v in zip(members[1:], values[1:]):
+            values[0] = torch.where(member, v, values[0])
+        apply_sparse_updates_(self._params, update._replace(values=values[0]))
+        self._sparse = new._replace(inner=self._merged(update.indices, built, named))
         self._steps += 1
         self._arm()
         return loss
@@ -255,6 +273,57 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         assert self._stream is not None
         if self._steps % self.refresh_every:
             self._stream.gather(self._sparse.indices)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the step's gradients: ``.grad`` as ``torch.optim`` does, and what backward has folded.
+
+        So ``loss.backward(); opt.zero_grad()`` without a ``step()`` skips the
+        batch, as with ``torch.optim``. A coordinate set kept between refreshes
+        stays (:meth:`functopk.sparse.StreamingTopK.discard`).
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> w = torch.zeros(3, requires_grad=True)
+            >>> opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, [w], k=1, lr=1.0)
+            >>> (w * torch.tensor([9.0, 0.0, 0.0])).sum().backward()     # a batch to skip
+            >>> opt.zero_grad()
+            >>> (w * torch.tensor([0.0, 2.0, 0.0])).sum().backward()
+            >>> opt.step(); w
+            tensor([ 0., -2.,  0.], requires_grad=True)
+        """
+        if not self._removed and self._stream is not None:
+            self._stream.discard()
+        super().zero_grad(set_to_none)
+
+    def remove(self) -> None:
+        """Remove the gradient hooks from the parameters: later backward passes leave ``.grad`` to autograd.
+
+        What the end of a ``with`` block does, and what deleting the optimizer
+        does (its hooks hold it weakly). Frees the parameters for another
+        optimizer or stream; ``step()`` and ``paused()`` raise ``RuntimeError``
+        afterwards, ``state_dict()`` still works. A second call does nothing.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with ft.sparse_optimizer_from_torch(torch.optim.SGD, model.parameters(), k=1, lr=0.1) as opt:
+            ...     model(torch.ones(1, 2)).sum().backward()
+            ...     opt.step()
+            >>> saved = opt.state_dict()
+            >>> dense = torch.optim.SGD(model.parameters(), lr=0.1)   # the parameters are free again
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> model.bias.grad
+            tensor([1.])
+        """
+        if self._stream is not None:
+            self._stream.remove()
+        self._removed = True
+
+    def __enter__(self) -> SparseStateOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
     def paused(self) -> contextlib.AbstractContextManager[Any]:
         """A block whose backward passes keep their gradients in ``.grad``: gradient accumulation.
@@ -272,15 +341,15 @@ class SparseStateOptimizer(torch.optim.Optimizer):
             >>> opt.step(); w
             tensor([ 0., -4.,  0.], requires_grad=True)
         """
-        assert self._stream is not None
-        return self._stream.paused()
+        return self._live_stream("paused").paused()
 
     # ------------------------------------------------------------------ checkpoints
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
             f"a {type(self).__name__} made by ft.sparse_optimizer_from_torch does not pickle or deep-copy (its "
-            "backward hooks belong to the parameters); save opt.state_dict() and load it into a new optimizer"
+            "backward hooks belong to the parameters); save opt.state_dict(), opt.remove() (or del opt), then "
+            "load it into a new optimizer"
         )
 
     @torch._disable_dynamo
@@ -318,6 +387,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
                 the sparse state differs from this optimizer's (its keys, ``k``, a name, a shape or dtype, indices
                 not ascending or out of range), naming what differs.
         """
+        stream = self._live_stream("load_state_dict")
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise TypeError("state_dict must be a dict with keys 'state' and 'param_groups'")
         if not isinstance(state_dict["param_groups"], list):
@@ -340,112 +410,12 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         owner = f"torch.optim.{self.optimizer_class.__name__} for these param groups (score={self.score!r})"
         like = self._init_state(groups)
         loaded = checkpoint.loaded_sparse_state(state_dict["state"], like, keys, sum(self._sizes), owner)
-        assert self._stream is not None
-        scores = checkpoint.loaded_scores(state_dict["state"].get("score"), self._stream.scores)
+        scores = checkpoint.loaded_scores(state_dict["state"].get("score"), stream.scores)
         super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         self._sparse = loaded
-        assert self._stream is not None
-        self._stream.remove()  # a fresh stream: one armed to gather for the old schedule would be wrong now
+        stream.remove()  # a fresh stream: one armed to gather for the old schedule would be wrong now
         self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
         for live, saved in zip(self._stream.scores or [], scores):
             live.copy_(saved)
         self._steps = int(loaded.count)  # once, on load: the refresh schedule goes on from the saved step
         self._arm()
-
-
-_CLASSES: dict[type[torch.optim.Optimizer], type[SparseStateOptimizer]] = {}
-
-
-def sparse_optimizer_class(optimizer_class: type[torch.optim.Optimizer]) -> type[SparseStateOptimizer]:
-    """The class of :func:`sparse_optimizer_from_torch`'s optimizers: named as, and subclassing, ``optimizer_class``.
-
-    ``C(params, k=..., refresh_every=..., **defaults)`` makes one. None of the torch class's code runs
-    (:func:`functopk.adapter.classes.shadows`).
-    """
-    spec_for(optimizer_class)
-    if optimizer_class in _CLASSES:
-        return _CLASSES[optimizer_class]
-
-    def __init__(self: SparseStateOptimizer, params: Iterable[Any], **kwargs: Any) -> None:
-        SparseStateOptimizer.__init__(self, optimizer_class, params, **kwargs)
-
-    name = optimizer_class.__name__
-    namespace = {
-        **shadows(optimizer_class, SparseStateOptimizer),
-        "__init__": __init__,
-        "__module__": __name__,
-        "__qualname__": name,
-        "__doc__": f"``torch.optim.{name}`` on k coordinates (see :func:`sparse_optimizer_from_torch`).",
-    }
-    cls = _CLASSES[optimizer_class] = type(name, (optimizer_class, SparseStateOptimizer), namespace)
-    return cls
-
-
-def sparse_optimizer_from_torch(
-    optimizer_class: type[torch.optim.Optimizer],
-    params: Iterable[Any],
-    *,
-    k: Any = None,
-    density: Any = None,
-    refresh_every: int = 1,
-    score: str = "gradient",
-    **defaults: Any,
-) -> SparseStateOptimizer:
-    """``optimizer_class(params, **defaults)`` training only ``k`` coordinates of ``params``, with state of size ``k``.
-
-    The adapter form of :func:`functopk.sparse.sparse_optimizer`, for loops,
-    LR schedulers and trainers written for ``torch.optim``. Every ``refresh_every``
-    steps (``M``; steps ``0, M, 2M, ...``) the coordinate set becomes the exact
-    global top-``k`` of ``|g|`` over all parameters of all groups (or of ``|g|`` summed since
-    the last refresh: ``score="accumulated"``); on the steps
-    between, the gradient is gathered at that set. Only those ``k``
-    coordinates are updated, with ``optimizer_class``'s maths
-    (:func:`functopk.from_torch`) and each coordinate's own param group's
-    hyperparameters; coordinates that stay in the set keep their state, new
-    ones start from fresh state with their own step count (Adam's bias
-    correction is that of their first step), dropped ones keep their values.
-
-    Memory: the gradients are folded during backward and freed
-    (:class:`~functopk.sparse.StreamingTopK`): after ``loss.backward()`` every
-    ``p.grad`` is ``None``, and the state is ``k`` indices plus one value per
-    coordinate and buffer (16 bytes per coordinate for AdamW in float32).
-
-    What differs from ``torch.optim`` is listed in :class:`SparseStateOptimizer`.
-
-    Args:
-        optimizer_class: A coordinate-wise ``torch.optim`` class: ``SGD``, ``Adam``, ``AdamW``,
-            ``RMSprop``, ``Adagrad``, ``Adadelta``, ``Adamax``, ``NAdam``, ``RAdam``, ``ASGD``, ``Rprop``.
-        params: Parameters, ``(name, parameter)`` pairs or param-group dicts, as for torch; float
-            tensors on one device, leaves of the autograd graph.
-        k: How many coordinates to train (an int; give exactly one of ``k`` and ``density``).
-        density: The fraction of the coordinates to train, in ``(0, 1]``.
-        refresh_every: ``M``: choose the coordinate set again every ``M`` steps (1: every step).
-        score: What a refresh ranks: ``"gradient"`` (``|g|`` of the refresh step) or
-            ``"accumulated"`` (``|g|`` summed over the steps since the last refresh, this one
-            included: one more ``n``-sized tensor, kept by the stream and saved in the state dict).
-        **defaults: ``optimizer_class``'s keyword arguments (torch's defaults and checks).
-
-    Raises:
-        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass, a keyword is unknown to it,
-            or ``k``/``density``/``refresh_every`` has the wrong type.
-        ValueError: ``optimizer_class`` is not coordinate-wise (``Adafactor``, ``Muon``, ``LBFGS``,
-            ``SparseAdam``), torch rejects a value, ``refresh_every < 1``, or ``k`` exceeds the coordinates.
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> model = torch.nn.Linear(4, 2)
-        >>> opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, model.parameters(), k=3, lr=0.01)
-        >>> isinstance(opt, torch.optim.AdamW), opt.param_groups[0]["lr"]
-        (True, 0.01)
-        >>> before = [p.detach().clone() for p in model.parameters()]
-        >>> model(torch.randn(8, 4)).square().mean().backward()
-        >>> model.weight.grad is None                 # folded into the selection and freed
-        True
-        >>> opt.step()
-        >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
-        3
-        >>> sorted(opt.state_dict()["state"]["inner"]), opt.state_dict()["state"]["indices"].shape
-        (['exp_avg', 'exp_avg_sq', 'step'], torch.Size([3]))
-    """
-    cls: Any = sparse_optimizer_class(optimizer_class)
-    return cls(params, k=k, density=density, refresh_every=refresh_every, score=score, **defaults)

@@ -18,10 +18,12 @@ import torch
 
 from functopk._checks import check_callable, check_state
 from functopk.base import GradientTransformation, OptState, Params, Updates, init_count, with_recipe
+from functopk.sparse.opt_state import shared_fields
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
 
+@shared_fields("hyperparams")  # one value for all coordinates, where sparse_optimizer keeps a state per coordinate
 class InjectHyperparamsState(NamedTuple):
     """State of :func:`inject_hyperparams`.
 

@@ -11,10 +11,12 @@
   ``Mask``, ``Threshold``, ``HostThreshold`` of :mod:`~functopk.sparse.selection`,
   or ``ExactOp`` of :mod:`~functopk.sparse.ops`);
 * :mod:`~functopk.sparse.streaming`: :class:`StreamingTopK`, the same exact
-  selection made while backward runs, each gradient freed once folded;
+  selection made while backward runs, each gradient freed once folded, through
+  the weakly held hooks of :mod:`~functopk.sparse.hooks`;
 * :mod:`~functopk.sparse.optimizer`: :func:`sparse_optimizer`, a coordinate-wise
-  optimizer on ``k`` coordinates with state of size ``k``;
-* ``sparse_optimizer_from_torch``: its ``torch.optim`` form (:mod:`functopk.adapter.sparse_state`,
+  optimizer on ``k`` coordinates with state of size ``k``
+  (:class:`SparseOptState`, :mod:`~functopk.sparse.opt_state`);
+* ``sparse_optimizer_from_torch``: its ``torch.optim`` form (:mod:`functopk.adapter.sparse_classes`,
   in the interop layer, hence imported when first used);
 * :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
 * :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
@@ -27,7 +29,8 @@ from functopk.sparse.api import gaussian_threshold, topk_indices, topk_mask, top
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.dispatch import SlowPathWarning
 from functopk.sparse.k import k_from_density, resolve_k
-from functopk.sparse.optimizer import SparseOptimizer, SparseOptState, sparse_optimizer
+from functopk.sparse.opt_state import SparseOptState
+from functopk.sparse.optimizer import SparseOptimizer, sparse_optimizer
 from functopk.sparse.streaming import StreamingTopK
 from functopk.sparse.updates import SparseUpdates, apply_sparse_updates, apply_sparse_updates_
 
@@ -54,7 +57,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # the torch.optim form lives in the interop layer, which imports this package: imported on first use
     if name == "sparse_optimizer_from_torch":
-        from functopk.adapter.sparse_state import sparse_optimizer_from_torch
+        from functopk.adapter.sparse_classes import sparse_optimizer_from_torch
 
         return sparse_optimizer_from_torch
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,8 @@ that Adam's bias corrections and SGD's first-step rule read, NAdam's
 its own first step, not of step 100. The foreach maths broadcasts such a
 vector (:func:`functopk.tree.foreach.per_leaf`). This is also why a schedule
 inside the inner optimizer is refused: it would be evaluated at each
-coordinate's own count.
+coordinate's own count. The state's form and what ``update`` checks of it
+are in :mod:`functopk.sparse.opt_state`.
 """
 
 from __future__ import annotations
@@ -40,22 +41,30 @@ from functopk._checks import (
     check_k_or_density,
     check_leaves,
     check_like,
-    check_state,
     one_device,
-    path_str,
     require_params,
 )
 from functopk.base import GradientTransformation, Recorded
 from functopk.sparse.api import topk_indices
 from functopk.sparse.k import k_on_host, resolve_k
 from functopk.sparse.kernels.base import common_dtype
+from functopk.sparse.opt_state import (
+    SparseOptState,
+    check_sparse_state,
+    index_dtype,
+    per_coordinate,
+    reads_on_host,
+    remap,
+    stored,
+    working,
+)
 from functopk.sparse.updates import SparseUpdates, check_update_of
 from functopk.tree import foreach
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
 from functopk.tree.maths import zeros_like as tree_zeros_like
 
-__all__ = ["SCORES", "SparseOptimizer", "SparseOptState", "sparse_optimizer"]
+__all__ = ["SCORES", "SparseOptimizer", "sparse_optimizer", "trusted_sparse_optimizer"]
 
 SCORES = ("gradient", "accumulated")
 
@@ -68,35 +77,6 @@ COORDINATEWISE = frozenset(
 )
 # The same among the torch.optim classes ``ft.from_torch`` takes (not Adafactor or Muon).
 TORCH_COORDINATEWISE = frozenset("ASGD Adadelta Adagrad Adam AdamW Adamax NAdam RAdam RMSprop Rprop SGD".split())
-
-
-class SparseOptState(NamedTuple):
-    """State of :func:`sparse_optimizer`: ``O(k)``, plus an ``n``-sized score with ``score="accumulated"``.
-
-    Attributes:
-        count: Updates done (0-d int64 tensor).
-        indices: The coordinate set ``S``: ``k`` ascending flat indices into the
-            parameters (``optree.tree_leaves`` order, each leaf row-major). Before the
-            first refresh, the first ``k`` coordinates.
-        inner: The inner optimizer's state for the coordinates of ``S``, in
-            ``indices`` order: each of its leaves is a ``k``-vector (its scalars,
-            such as the step count, one per coordinate).
-        score: With ``score="accumulated"``, ``sum |g|`` since the last refresh, a tree
-            like the parameters; ``None`` otherwise.
-
-    Example:
-        >>> import torch, functopk as ft
-        >>> state = ft.sparse.sparse_optimizer(ft.sgd(0.1, momentum=0.9), k=2).init({"w": torch.zeros(5)})
-        >>> state.indices
-        tensor([0, 1], dtype=torch.int32)
-        >>> state.inner[0]
-        TraceState(trace=[tensor([0., 0.])], count=tensor([0, 0], dtype=torch.int32))
-    """
-
-    count: torch.Tensor  # type: ignore[assignment]
-    indices: torch.Tensor
-    inner: Any
-    score: PyTree | None
 
 
 class SparseOptimizer(NamedTuple):
@@ -138,6 +118,9 @@ def check_coordinatewise(tx: Any, name: str = "inner") -> None:
         return
     factory, args, kwargs = recipe
     label = getattr(factory, "__name__", repr(factory))
+    if label == "_injected":  # inject_hyperparams(factory)(*args, **kwargs): the factory decides
+        factory, _, args = args
+        label = getattr(factory, "__name__", repr(factory))
     if label == "from_torch":  # ft.from_torch(torch.optim.X, ...): the class decides
         label, args = args[0].__name__, args[1:]
         known = TORCH_COORDINATEWISE
@@ -162,45 +145,6 @@ def check_coordinatewise(tx: Any, name: str = "inner") -> None:
             )
 
 
-def _per_coordinate(state: Any, k: int, name: str) -> Any:
-    """The inner state with each 0-d leaf repeated to a ``k``-vector; every leaf then ``(k,)``."""
-
-    def widen(path: tuple[Any, ...], x: Any) -> Any:
-        if x is None:  # an absent buffer (Adam's nu_max without amsgrad); torch.compile maps over None too
-            return None
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name}'s state holds {type(x).__name__} at {path_str(path)}; expected tensors")
-        if x.dim() == 0:
-            return x.expand(k).to(torch.int32 if x.dtype == torch.int64 else x.dtype)  # stored narrow: see _stored
-        if x.shape != (k,):
-            raise ValueError(
-                f"{name}'s state at {path_str(path)} has shape {tuple(x.shape)}, not one value per coordinate; "
-                "it is not coordinate-wise"
-            )
-        return x
-
-    return optree.tree_map_with_path(widen, state, none_is_leaf=False)
-
-
-def _stored(state: Any) -> Any:
-    """The inner state as kept between steps: int64 leaves (step counts) as int32, 4 bytes per coordinate."""
-    return optree.tree_map(
-        lambda x: x.to(torch.int32) if x is not None and x.dtype == torch.int64 else x, state, none_is_leaf=False
-    )
-
-
-def _working(state: Any) -> Any:
-    """The inner state as the inner optimizer reads it: int32 leaves back to int64."""
-    return optree.tree_map(
-        lambda x: x.to(torch.int64) if x is not None and x.dtype == torch.int32 else x, state, none_is_leaf=False
-    )
-
-
-def index_dtype(n: int) -> torch.dtype:
-    """The dtype ``SparseOptState.indices`` is kept in: int32 while it holds every flat index of ``n``."""
-    return torch.int32 if n <= torch.iinfo(torch.int32).max else torch.int64
-
-
 def gather(layout: FlatLayout, leaves: list[torch.Tensor], idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values of ``leaves`` at the ascending flat indices ``idx``, in ``dtype``.
 
@@ -222,22 +166,6 @@ def gather(layout: FlatLayout, leaves: list[torch.Tensor], idx: torch.Tensor, dt
             vals = x.reshape(-1).index_select(0, positions.clamp(0, x.numel() - 1)).to(dtype)
             out = torch.where(leaf_ids == i, vals, out)
     return out
-
-
-def remap(old: torch.Tensor, new: torch.Tensor, state: Any, fresh: Any) -> Any:
-    """The inner state for the coordinates ``new``: kept where they were in ``old``, ``fresh`` elsewhere.
-
-    Both index sets are ascending, so one ``searchsorted`` finds each new
-    coordinate's old position.
-    """
-    pos = torch.searchsorted(old, new).clamp_max(old.numel() - 1)
-    kept = old.index_select(0, pos) == new
-    return optree.tree_map(
-        lambda s, f: None if s is None else torch.where(kept, s.index_select(0, pos), f),
-        state,
-        fresh,
-        none_is_leaf=False,
-    )
 
 
 def _from_dense(
@@ -273,7 +201,7 @@ def _from_sparse(
     k = state.indices.numel()
     if grads.indices.numel() != k:
         raise ValueError(f"grads holds {grads.indices.numel()} coordinates, but this optimizer trains k={k}")
-    if not refresh and not torch.compiler.is_compiling() and not torch.equal(grads.indices, state.indices):
+    if not refresh and reads_on_host(state.indices) and not torch.equal(grads.indices, state.indices):
         raise ValueError(
             "grads holds other coordinates than state.indices on a step without refresh: gather the gradient "
             "at state.indices, or pass refresh=True to make its coordinates the new set"
@@ -286,10 +214,17 @@ class _Config(NamedTuple):
     k: int | None
     density: float | None
     score: str
+    templates: dict[tuple[int, torch.dtype], Any]  # (k, dtype) -> the inner state's form, on the meta device
 
-    def fresh(self, k: int, dtype: torch.dtype, device: torch.device) -> Any:
+    def fresh(self, k: int, dtype: torch.dtype, device: torch.device | str) -> Any:
         """The inner state of ``k`` new coordinates: its initial state, one value per coordinate."""
-        return _per_coordinate(self.inner.init([torch.zeros(k, dtype=dtype, device=device)]), k, "inner")
+        return per_coordinate(self.inner.init([torch.zeros(k, dtype=dtype, device=device)]), k, "inner")
+
+    def template(self, k: int, dtype: torch.dtype) -> Any:
+        """The inner state's structure, shapes and dtypes, without memory (built once for each ``k`` and dtype)."""
+        if (k, dtype) not in self.templates:
+            self.templates[k, dtype] = self.fresh(k, dtype, "meta")
+        return self.templates[k, dtype]
 
 
 def _init(cfg: _Config, params: PyTree) -> SparseOptState:
@@ -307,10 +242,13 @@ def _update(
     cfg: _Config, grads: PyTree | SparseUpdates, state: SparseOptState, params: PyTree, refresh: bool
 ) -> tuple[SparseUpdates, SparseOptState]:
     refresh = check_bool(refresh, "refresh")
-    state = check_state(state, SparseOptState, "sparse_optimizer")
+    p_leaves, treedef = check_leaves(require_params(params, "sparse_optimizer"), "params", floating=True)
+    n = sum(x.numel() for x in p_leaves)
+    k = k_on_host(resolve_k(cfg.k, cfg.density, n, name="params"), n)
+    template = cfg.template(k, common_dtype(p_leaves))
+    state = check_sparse_state(state, k, template, cfg.score == "accumulated", p_leaves, treedef)
     kept_as = state.indices.dtype
     state = state._replace(indices=state.indices.long())  # int64, as SparseUpdates holds them (O(k))
-    p_leaves, treedef = check_leaves(require_params(params, "sparse_optimizer"), "params", floating=True)
     if isinstance(grads, SparseUpdates):
         idx, g, new_score = _from_sparse(grads, state, params, refresh, cfg.score)
     else:
@@ -319,9 +257,9 @@ def _update(
     inner = state.inner
     if refresh:
         inner = remap(state.indices, idx, inner, cfg.fresh(idx.numel(), g.dtype, g.device))
-    u, inner = cfg.inner.update([g], _working(inner), [gather(layout, p_leaves, idx, g.dtype)])
+    u, inner = cfg.inner.update([g], working(inner), [gather(layout, p_leaves, idx, g.dtype)])
     sizes = tuple(x.numel() for x in p_leaves)
-    new = SparseOptState(state.count + 1, idx.to(kept_as), _stored(inner), new_score)
+    new = SparseOptState(state.count + 1, idx.to(kept_as), stored(inner), new_score)
     return SparseUpdates(idx, u[0], layout.numel, sizes), new
 
 
@@ -359,14 +297,21 @@ def sparse_optimizer(
     compiles with ``torch.compile(fullgraph=True)`` (``refresh`` is a Python
     bool: one graph for each value). In eager mode on CPU the gathers read a
     few integers on the host, as :func:`~functopk.apply_sparse_updates` does.
+    ``update`` checks the state it is given before any maths: everything that
+    shows without reading values (``indices`` of shape ``(k,)`` for this ``k``,
+    the inner state's structure, shapes and dtypes), and, where it reads the
+    indices on the host anyway (eager on CPU), that they are ascending and in
+    range (:mod:`functopk.sparse.opt_state`).
 
     Args:
         inner: A coordinate-wise transformation: ``ft.sgd``, ``ft.adam``,
             ``ft.adamw``, ``ft.rmsprop``, ``ft.adagrad``, ``ft.nadam``, ``ft.radam``,
             ``ft.adamax``, ``ft.adadelta``, ``ft.rprop``, ``ft.lion``, ``ft.from_torch``
-            of their torch classes, or a ``chain`` of elementwise pieces. A learning
-            rate that changes is a 0-d tensor changed in place (a schedule would see
-            each coordinate's own step count, so it is refused).
+            of their torch classes, ``ft.inject_hyperparams`` of one of them, or a
+            ``chain`` of elementwise pieces. A learning rate that changes is a 0-d
+            tensor changed in place, or an injected one (one value for all
+            coordinates, kept through refreshes); a schedule would see each
+            coordinate's own step count, so it is refused.
         k: How many coordinates to train (an int; give exactly one of ``k`` and ``density``).
         density: The fraction of the coordinates to train, in ``(0, 1]``.
         score: ``"gradient"`` or ``"accumulated"``: what a refresh ranks.
@@ -389,8 +334,29 @@ def sparse_optimizer(
         {'w': tensor([ 0.0000,  0.1000,  0.0000, -0.1000])}
     """
     check_coordinatewise(inner)
+    return trusted_sparse_optimizer(inner, k, density=density, score=score)
+
+
+def trusted_sparse_optimizer(
+    inner: GradientTransformation, k: Any = None, *, density: Any = None, score: str = "gradient"
+) -> SparseOptimizer:
+    """:func:`sparse_optimizer` without looking into ``inner``: taken to be coordinate-wise.
+
+    For a caller that knows it another way: ``ft.sparse_optimizer_from_torch``
+    checks the ``torch.optim`` class, whose transformation chains pieces (a step
+    counter) that are coordinate-wise but not recorded as such.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> opt = trusted_sparse_optimizer(ft.from_torch(torch.optim.RMSprop, lr=0.1), k=1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> opt.update({"w": torch.tensor([0.0, 2.0])}, opt.init(params), params, refresh=True)[0].indices
+        tensor([1])
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"inner must be a functopk GradientTransformation, got {type(inner).__name__}")
     k_arg, density_arg = check_k_or_density(k, density, allow_tensor=False)
-    cfg = _Config(inner, k_arg, density_arg, check_choice(score, "score", SCORES))
+    cfg = _Config(inner, k_arg, density_arg, check_choice(score, "score", SCORES), {})
 
     def init(params: PyTree) -> SparseOptState:
         return _init(cfg, params)

@@ -17,16 +17,15 @@ in which autograd finishes the parameters does not matter: ties at the
 ``k``-th magnitude go to the lower flat index (:class:`RunningTopK`). A
 parameter is selected from by the existing exact kernels.
 
-What it does not do: error feedback (its residual would be ``n``-sized, the
-memory this saves), DDP (its hooks run on each rank's local gradient before
-DDP averages it), ``GradScaler.unscale_`` (it cannot see freed gradients);
-:class:`StreamingTopK`'s docstring says what to do instead.
+The hooks are :class:`~functopk.sparse.hooks.GradientHooks`: they hold the
+stream weakly, and allow one stream per parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,10 +33,11 @@ import torch
 
 from functopk._checks import check_choice, check_k_or_density, check_leaves, describe, one_device, path_str
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.hooks import GradientHooks
 from functopk.sparse.k import k_on_host, resolve_k
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES, common_dtype
 from functopk.sparse.running import RunningTopK
-from functopk.sparse.updates import SparseUpdates, check_ascending_indices
+from functopk.sparse.updates import SparseUpdates, check_ascending_indices, shift_indices
 from functopk.tree.layout import FlatLayout
 from functopk.tree.maths import PyTree
 
@@ -80,32 +80,28 @@ class StreamingTopK:
     * :meth:`result` **ends the step**: it also folds (and frees) any ``.grad``
       of the tree still set (left by backward passes under :meth:`paused`, or
       set by hand), returns the selection and empties the stream.
+      :meth:`discard` ends it without a selection (skipping a batch).
     * **Gradient accumulation**: run the micro-batches but the last under
       ``with stream.paused():`` (the hooks do nothing there, so ``.grad``
       accumulates as usual), then the last backward outside it: its hooks
       fold the accumulated gradients. Only the last micro-batch saves memory.
     * **A second backward before** :meth:`result` would fold a parameter twice:
-      its hook raises ``RuntimeError`` (out of ``backward``) and the step's
-      selection is discarded; zero the gradients and run the step again.
-      ``torch.autograd.grad`` accumulates nothing and triggers no hook.
-    * **GradScaler**: a power-of-two scale selects the same coordinates from
-      the scaled gradients (unless they overflow), and the values are scaled:
-      apply them with ``-lr / scaler.get_scale()``. ``scaler.unscale_`` and
-      ``scaler.step`` cannot see freed gradients; since NaN and ``±inf`` rank
-      first, the step's gradients are all finite if and only if
-      ``torch.isfinite(sparse.values).all()``: skip the step otherwise, and set
-      the scale yourself (``scaler.update(new_scale)``).
-    * **Error feedback** is not done: its residual is one ``n``-sized buffer
-      per parameter, the memory this saves; use ``ft.error_feedback`` on dense
-      gradients for it.
-    * **DDP** is not supported: the hooks run on each rank's local gradient,
-      before DDP averages it, and DDP then writes the averaged gradients back
-      into ``.grad``, so :meth:`result` raises ``RuntimeError``. Under
-      ``no_sync`` nothing is averaged and the stream selects from the rank's own
-      gradient, as without DDP. For data-parallel top-k use ``ft.distributed.topk_hook``.
+      its hook raises ``RuntimeError`` (out of ``backward``) and the step is
+      discarded. ``torch.autograd.grad`` accumulates nothing and triggers no hook.
+    * **Lifetime**: one stream per parameter (a second one raises ``ValueError``
+      naming it). :meth:`remove`, or the end of a ``with StreamingTopK(...)``
+      block, removes the hooks; they hold the stream weakly, so a stream that is
+      deleted stops at once and removes them too.
+    * **GradScaler**: a power-of-two scale selects the same coordinates and
+      scales the values: apply them with ``-lr / scaler.get_scale()``. The
+      step's gradients are all finite exactly when ``sparse.values`` are (NaN
+      and ``±inf`` rank first); ``scaler.unscale_`` cannot see freed gradients.
+    * **Not done**: error feedback (its residual is ``n``-sized, the memory this
+      saves); DDP (the hooks see each rank's local gradient, then DDP writes the
+      averaged ones back and :meth:`result` raises ``RuntimeError``; use
+      ``ft.distributed.topk_hook``). ``docs/sparse_training.md`` says more.
     * A tensor ``k`` or ``density`` is read on the host when a step's first
       gradient arrives and again in :meth:`result`.
-    * :meth:`remove` (or leaving a ``with StreamingTopK(...)`` block) removes the hooks.
 
     Args:
         params: A pytree of float tensors on one device (``dict(model.named_parameters())``),
@@ -125,7 +121,8 @@ class StreamingTopK:
         TypeError: ``params`` is not a tree of supported float tensors (an iterator
             such as ``model.parameters()`` included), or ``k``/``density``/``config`` has the wrong type.
         ValueError: Not exactly one of ``k`` and ``density``, ``k`` above the number of
-            coordinates, leaves on several devices, a tensor listed twice, or one that is not a leaf.
+            coordinates, leaves on several devices or on the meta device, a tensor listed twice, one
+            that is not a leaf, or one that another live stream has hooked.
 
     Example:
         >>> import torch, functopk as ft
@@ -157,9 +154,12 @@ class StreamingTopK:
             raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
         self._config = DEFAULT_CONFIG if config is None else config
         leaves, treedef = check_leaves(params, "params", dtypes=SUPPORTED_DTYPES)
-        one_device(leaves, "params")
+        if one_device(leaves, "params").type == "meta":
+            raise ValueError(
+                "params are on the meta device: they have shapes but no values, and a top-k ranks values; "
+                "materialize the model first (model.to_empty(device=...) and initialize it), then make the stream"
+            )
         paths = [path_str(path) for path in treedef.paths()]
-        self._check_leaves(leaves, paths)
         self._leaves, self._paths, self._treedef = leaves, paths, treedef
         self._selected_from: PyTree = None
         self._sizes = [x.numel() for x in leaves]
@@ -174,32 +174,16 @@ class StreamingTopK:
             [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in leaves] if self._accumulate else None
         )
         self._clear()
-        self._handles = [
-            x.register_post_accumulate_grad_hook(self._hook(i)) for i, x in enumerate(leaves) if x.requires_grad
-        ]
-
-    @staticmethod
-    def _check_leaves(leaves: list[torch.Tensor], paths: list[str]) -> None:
-        """Each tensor once, each a leaf of the autograd graph (hooks can only go there)."""
-        first: dict[int, int] = {}
-        for i, x in enumerate(leaves):
-            j = first.setdefault(id(x), i)
-            if j != i:
-                raise ValueError(
-                    f"params lists one tensor twice, at {paths[j]} and {paths[i]}; a top-k would count its "
-                    "gradient twice: list each parameter once"
-                )
-            if x.requires_grad and not x.is_leaf:
-                raise ValueError(
-                    f"params leaf at {paths[i]} is not a leaf of the autograd graph (it was computed from "
-                    "other tensors), so autograd accumulates no .grad into it; pass the parameters themselves"
-                )
+        self._removed = False
+        # last, once everything is checked: weak hooks, one stream per parameter (ValueError naming it)
+        self._hooks = GradientHooks(self, StreamingTopK._on_gradient, leaves, paths)
 
     def _clear(self) -> None:
         """An empty step: no candidates, nothing folded."""
         self._run: RunningTopK | None = None
         self._values: torch.Tensor | None = None  # a gathering step's values, in the order of its indices
         self._folded: dict[int, torch.dtype] = {}  # leaf position -> its gradient's dtype
+        self._scored = False  # a gathering step has added |g| into the accumulated sums (they cannot be taken back)
 
     def _is_open(self) -> bool:
         return self._run is not None or self._values is not None
@@ -214,27 +198,27 @@ class StreamingTopK:
         payload = self._dtype if self._accumulate else None  # rank by the score, carry the gradient
         self._run = RunningTopK(k, self._dtype, self._numel, self._config, self._leaves[0].device, payload)
 
-    def _hook(self, i: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            if self._paused or param.grad is None:
-                return
-            if not self._is_open():
-                self._start()
-            elif i in self._folded:
-                self._clear()
-                raise self._twice(i)
-            self._fold(i, param.grad)
-            param.grad = None
-
-        return hook
+    def _on_gradient(self, i: int, param: torch.Tensor) -> None:
+        """Leaf ``i``'s hook: fold its gradient into the step and free it (its :class:`GradientHooks` call this)."""
+        if self._paused or param.grad is None:
+            return
+        if not self._is_open():
+            self._start()
+        elif i in self._folded:
+            error = self._twice(i)
+            self._clear()
+            raise error
+        self._fold(i, param.grad)
+        param.grad = None
 
     def _twice(self, i: int) -> RuntimeError:
         """The error of a gradient that arrives for a leaf already folded in this step."""
+        kept = " (its |g| stay in the accumulated sums: a gathering step adds them as they arrive)" * self._scored
         return RuntimeError(
             f"StreamingTopK: a second gradient of {self._paths[i]} before result() (a second backward, or DDP "
             "writing its averaged gradients back: DDP is not supported); it was already folded into this step's "
-            "selection, which is now discarded: call result() after each backward, or run the earlier "
-            "micro-batches under `with stream.paused():`"
+            f"selection, which is now discarded{kept}: call result() after each backward, discard() (an optimizer's "
+            "zero_grad()) to skip a batch, or run the earlier micro-batches under `with stream.paused():`"
         )
 
     def _fold(self, i: int, grad: torch.Tensor) -> None:
@@ -243,9 +227,10 @@ class StreamingTopK:
             raise TypeError(f"the gradient of {self._paths[i]} is {grad.layout}; StreamingTopK needs dense gradients")
         self._folded[i] = grad.dtype
         flat = grad.detach().reshape(-1)
-        if self._scores is not None:
-            score = self._scores[i].view(-1).add_(flat.abs())
         if self._values is not None and self._gathering is not None:
+            if self._scores is not None:  # added now: keeping |g| until result() would take n more numbers
+                self._scores[i].view(-1).add_(flat.abs())
+                self._scored = True
             idx, bounds = self._gathering
             off, lo, hi = bounds[i]
             if hi > lo:
@@ -254,7 +239,8 @@ class StreamingTopK:
             assert self._run is not None
             if self._scores is None:
                 self._run.add(flat, self._offsets[i])
-            else:
+            else:  # ranked by the sum with this step's |g|, never written: the sums restart at zero in result()
+                score = flat.abs().add_(self._scores[i].view(-1))
                 self._run.add(score, self._offsets[i], payload=flat.to(self._dtype))
 
     def result(self) -> SparseUpdates:
@@ -275,6 +261,7 @@ class StreamingTopK:
             >>> stream.result()
             SparseUpdates(indices=tensor([1, 2]), values=tensor([ 5., -4.]), numel=3)
         """
+        self._check_live("result")
         try:
             for i, x in enumerate(self._leaves):
                 if i in self._folded and x.grad is not None:
@@ -317,6 +304,7 @@ class StreamingTopK:
             >>> stream.result()
             SparseUpdates(indices=tensor([0, 3]), values=tensor([1., 2.]), numel=4)
         """
+        self._check_live("gather")
         if self._is_open():
             raise RuntimeError("StreamingTopK.gather() must come before the step's backward, not during it")
         if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
@@ -357,11 +345,7 @@ class StreamingTopK:
             vals = grads
             for x in self._scores:
                 x.zero_()
-        if n < self._numel and idx.numel():  # shift each index by the leaves without a gradient before it
-            starts = [self._offsets[i] for i in present]
-            shifts = [start - sum(sizes[:j]) for j, start in enumerate(starts)]
-            leaf = torch.searchsorted(torch.tensor(starts, device=idx.device), idx, right=True) - 1
-            idx = idx - torch.tensor(shifts, device=idx.device)[leaf]
+        idx = shift_indices(idx, self._sizes, [i in self._folded for i in range(len(self._leaves))], to_all=False)
         dtype = functools.reduce(torch.promote_types, [self._folded[i] for i in present])  # of what arrived
         return SparseUpdates(idx, vals.to(dtype), n, sizes)
 
@@ -411,10 +395,8 @@ class StreamingTopK:
     def scores(self) -> list[torch.Tensor] | None:
         """With ``score="accumulated"``, the sums of ``|g|`` since the last selecting step; else ``None``.
 
-        One tensor per leaf of ``params`` (in flat order, shaped like it), the
-        stream's own: an optimizer's checkpoint saves them and restores them in
-        place (``copy_``), so that a run resumed between two refreshes ranks
-        what the uninterrupted run ranks.
+        One tensor per leaf of ``params`` (flat order), the stream's own: a
+        checkpoint saves them and a resume restores them in place (``copy_``).
 
         Example:
             >>> import torch, functopk as ft
@@ -430,10 +412,7 @@ class StreamingTopK:
 
     @property
     def started(self) -> bool:
-        """Whether this step's backward has folded a gradient (since the last :meth:`result`).
-
-        For an optimizer that must tell a step with gradients from one without
-        (``.grad`` is ``None`` either way).
+        """Whether this step's backward has folded a gradient: a step with gradients (``.grad`` is ``None`` anyway).
 
         Example:
             >>> import torch, functopk as ft
@@ -457,8 +436,47 @@ class StreamingTopK:
         """
         return 0 if self._run is None else self._run.nbytes
 
+    def discard(self) -> None:
+        """End the step without a selection, as ``zero_grad()`` discards ``.grad``: to skip a batch.
+
+        Drops what the step's backward folded (without it, the next backward
+        would fold a second gradient and raise) and clears any ``.grad`` of
+        ``params`` (a paused backward's). A :meth:`gather` stays armed. With
+        ``score="accumulated"`` a selecting step leaves the sums as they were; a
+        gathering step added its ``|g|`` as they arrived (keeping them apart
+        would take ``n`` more numbers), so they stay, with a ``UserWarning``.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> w = torch.zeros(3, requires_grad=True)
+            >>> stream = ft.sparse.StreamingTopK([w], k=1)
+            >>> (w * torch.tensor([9.0, 0.0, 0.0])).sum().backward()     # a batch to skip
+            >>> stream.discard()
+            >>> (w * torch.tensor([0.0, 1.0, 0.0])).sum().backward()
+            >>> stream.result()
+            SparseUpdates(indices=tensor([1]), values=tensor([1.]), numel=3)
+        """
+        if self._scored:
+            warnings.warn(
+                "StreamingTopK.discard(): this gathering step's |g| were already added to the accumulated sums "
+                "(score='accumulated') as they arrived, and stay there: the next selection ranks by them",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._clear()
+        for x in self._leaves:
+            x.grad = None
+
+    def _check_live(self, method: str) -> None:
+        if self._removed:
+            raise RuntimeError(f"StreamingTopK.{method}() after remove(): its hooks are gone; make a new stream")
+
     def remove(self) -> None:
-        """Remove the hooks: later backward passes leave ``.grad`` as autograd writes it.
+        """Remove the hooks now: later backward passes leave ``.grad`` as autograd writes it.
+
+        What the end of a ``with StreamingTopK(...)`` block does; a second call
+        does nothing. An unfinished step is discarded, the parameters are free
+        for another stream, and :meth:`result` and :meth:`gather` raise ``RuntimeError``.
 
         Example:
             >>> import torch, functopk as ft
@@ -468,9 +486,10 @@ class StreamingTopK:
             >>> w.sum().backward(); w.grad
             tensor([1., 1.])
         """
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._hooks.remove()
+        self._clear()
+        self._gathering = None
+        self._removed = True
 
     def __enter__(self) -> StreamingTopK:
         return self

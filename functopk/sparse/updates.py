@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from functopk._checks import check_hyperparam, check_leaves, check_writable, path_str
+from functopk._checks import check_hyperparam, check_int, check_leaves, check_writable, describe, path_str
 from functopk.base import Params
 from functopk.tree.layout import FlatLayout, offsets_of
 from functopk.tree.maths import PyTree
@@ -26,6 +26,7 @@ __all__ = [
     "apply_sparse_updates_",
     "check_ascending_indices",
     "check_update_of",
+    "shift_indices",
     "zeros_with",
 ]
 
@@ -46,8 +47,27 @@ Below that, one cache miss per index costs less than handling one more piece.
 """
 
 
+class _Fields(NamedTuple):
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+    sizes: tuple[int, ...] | None = None
 
-class SparseUpdates(NamedTuple):
+
+def _check_counts(numel: Any, sizes: Any) -> None:
+    """``numel`` an int ``>= 0``; ``sizes`` ``None`` or ints ``>= 0`` adding up to it (a traced ``SymInt`` passes)."""
+    if isinstance(numel, torch.SymInt):
+        return
+    check_int(numel, "numel", minimum=0)
+    if sizes is None:
+        return
+    if not isinstance(sizes, (tuple, list)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in sizes):
+        raise TypeError(f"sizes must be None or a tuple of ints (one per leaf), got {describe(sizes)}")
+    if any(x < 0 for x in sizes) or sum(sizes) != numel:
+        raise ValueError(f"sizes must be counts >= 0 adding up to numel={numel}, got {tuple(sizes)}")
+
+
+class SparseUpdates(_Fields):
     """A sparse update of a tree: which flat coordinates change, and by how much.
 
     Produced by :func:`functopk.topk_indices`; consumed by
@@ -80,12 +100,20 @@ class SparseUpdates(NamedTuple):
         (2, 1)
         >>> sparse.to_dense({"a": torch.zeros(2), "b": torch.zeros(1)})
         {'a': tensor([ 0., -3.]), 'b': tensor([2.])}
+
+    Raises:
+        TypeError: ``numel`` is not an int, or ``sizes`` is neither ``None`` nor ints.
+        ValueError: ``numel`` is negative, or ``sizes`` has a negative count or does not add up to ``numel``.
+        (The tensors are checked where the update is used: their values need a host read.)
     """
 
-    indices: torch.Tensor
-    values: torch.Tensor
-    numel: int
-    sizes: tuple[int, ...] | None = None
+    __slots__ = ()
+
+    def __new__(
+        cls, indices: torch.Tensor, values: torch.Tensor, numel: int, sizes: tuple[int, ...] | None = None
+    ) -> SparseUpdates:
+        _check_counts(numel, sizes)
+        return super().__new__(cls, indices, values, numel, sizes)
 
     def __repr__(self) -> str:
         return f"SparseUpdates(indices={self.indices!r}, values={self.values!r}, numel={self.numel})"
@@ -162,6 +190,35 @@ def check_update_of(sparse: Any, tree: PyTree, name: str) -> tuple[list[torch.Te
             )
     check_ascending_indices(sparse.indices, numel)
     return leaves, treedef
+
+
+def shift_indices(indices: torch.Tensor, sizes: list[int], present: list[bool], *, to_all: bool) -> torch.Tensor:
+    """Flat indices over the leaves where ``present`` moved over all the leaves (``to_all``), or back.
+
+    A selection from gradients with ``None`` leaves (``topk_indices`` skips
+    them) counts only the leaves that are there; the same coordinates over the
+    whole tree lie further on by the sizes of the missing leaves before them.
+    Tensor ops: one ``searchsorted`` over the leaf starts, no host read.
+
+    Example:
+        >>> import torch
+        >>> shift_indices(torch.tensor([0, 2]), [2, 3, 1], [True, False, True], to_all=True)
+        tensor([0, 5])
+    """
+    starts_all, starts_present, at_all, at_present = [], [], 0, 0
+    for size, here in zip(sizes, present):
+        if here:
+            starts_all.append(at_all)
+            starts_present.append(at_present)
+            at_present += size
+        at_all += size
+    if at_present == at_all or not indices.numel():
+        return indices
+    device = indices.device
+    shifts = torch.tensor([a - p for a, p in zip(starts_all, starts_present)], device=device)
+    starts = torch.tensor(starts_present if to_all else starts_all, device=device)
+    leaf = torch.searchsorted(starts, indices, right=True) - 1
+    return indices + shifts[leaf] if to_all else indices - shifts[leaf]
 
 
 def _scatter(leaves: list[torch.Tensor], idx: torch.Tensor, vals: torch.Tensor, *, base: bool) -> list[torch.Tensor]:

@@ -319,3 +319,88 @@ def test_a_round_trip_before_the_first_step_changes_nothing_and_copies_are_refus
     assert torch.equal(bits(flat(net)), bits(functional(torch.optim.AdamW, {}, 5, 3, data())))
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(opt)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.RMSprop, torch.optim.Adagrad], ids=lambda c: c.__name__)
+def test_rmsprop_and_adagrad_with_torchs_defaults_step_as_torch_per_coordinate(cls):
+    """momentum=0 and lr_decay=0 (torch's defaults) chain a step counter: still coordinate-wise."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    coefficients = [torch.randn(12, generator=gen, dtype=torch.float64) for _ in range(7)]
+    start = w.detach().clone()
+    opt = ft.sparse_optimizer_from_torch(cls, [w], k=5, refresh_every=3)
+    for c in coefficients:
+        (w.reshape(-1) * c).sum().backward()
+        opt.step()
+    expected = reference(cls, [([start], {})], coefficients, 5, 3)
+    torch.testing.assert_close(w.detach().reshape(-1), expected, rtol=1e-12, atol=1e-12)
+    assert sorted(opt.state_dict()["state"]["inner"]) == (
+        ["square_avg", "step"] if cls is torch.optim.RMSprop else ["step", "sum"]
+    )
+
+
+def test_a_group_without_momentum_holds_no_other_groups_buffer_and_starts_its_own_afresh():
+    """SGD groups with momentum 0.9 and 0; the second gains momentum later: as torch.optim, to 1e-12."""
+    gen = torch.Generator().manual_seed(4)
+    w, b = (torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in [(3, 4), (5,)])
+    ref_w, ref_b = (torch.nn.Parameter(x.detach().clone()) for x in (w, b))
+    hyper = [{"lr": 0.05, "momentum": 0.9}, {"lr": 0.1, "momentum": 0.0}]
+    opt = ft.sparse_optimizer_from_torch(
+        torch.optim.SGD, [{"params": [w], **hyper[0]}, {"params": [b], **hyper[1]}], k=17
+    )  # k = n: every coordinate steps, so torch.optim itself is the reference
+    ref = torch.optim.SGD([{"params": [ref_w], **hyper[0]}, {"params": [ref_b], **hyper[1]}], foreach=True)
+    for step in range(6):
+        if step == 3:
+            state = opt.state_dict()["state"]
+            on_b = state["indices"] >= 12
+            assert not state["inner"]["momentum_buffer"][on_b].any() and not state["inner"]["count"][on_b].any()
+            for group in (opt.param_groups[1], ref.param_groups[1]):
+                group["momentum"] = 0.9
+        c = torch.randn(17, generator=gen, dtype=torch.float64)
+        for params, optimizer in (([w, b], opt), ([ref_w, ref_b], ref)):
+            optimizer.zero_grad()
+            (torch.cat([p.reshape(-1) for p in params]) * c).sum().backward()
+            optimizer.step()
+        torch.testing.assert_close(
+            torch.cat([w.reshape(-1), b]), torch.cat([ref_w.reshape(-1), ref_b]), rtol=1e-12, atol=1e-12
+        )
+
+
+def test_the_first_coordinate_set_starts_from_its_own_groups_state():
+    """ASGD's eta starts at its group's lr: coordinates of the initial set (the first k) of a later group too."""
+    gen = torch.Generator().manual_seed(5)
+    b, w = (torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in [(5,), (3, 4)])
+    hyper = [{"lr": 0.05, "t0": 2}, {"lr": 0.01, "t0": 2}]
+    coefficients = [torch.randn(17, generator=gen, dtype=torch.float64) for _ in range(4)]
+    coefficients[0][5] = 10.0  # w's first coordinate: in the initial set (0..5), and selected at step 0
+    start = [b.detach().clone(), w.detach().clone()]
+    opt = ft.sparse_optimizer_from_torch(
+        torch.optim.ASGD, [{"params": [b], **hyper[0]}, {"params": [w], **hyper[1]}], k=6, refresh_every=2
+    )
+    for c in coefficients:
+        (torch.cat([b, w.reshape(-1)]) * c).sum().backward()
+        opt.step()
+    expected = reference(torch.optim.ASGD, [([start[0]], hyper[0]), ([start[1]], hyper[1])], coefficients, 6, 2)
+    torch.testing.assert_close(torch.cat([b.detach(), w.detach().reshape(-1)]), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_momentum_turned_off_then_on_restarts_the_buffer_where_torch_continues_its_old_one():
+    """A documented difference: the state keeps the names of the groups' current maths only."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref_w = torch.nn.Parameter(w.detach().clone())
+    opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, [w], k=6, lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD([ref_w], lr=0.1, momentum=0.9, foreach=True)
+    for momentum in (0.9, 0.9, 0.0, 0.9, 0.9):
+        opt.param_groups[0]["momentum"] = ref.param_groups[0]["momentum"] = momentum
+        if momentum == 0.0:
+            ref.state[ref_w].pop("momentum_buffer")  # what functopk does: the buffer starts again afterwards
+            assert sorted(opt.state_dict()["state"]["inner"]) == ["count", "momentum_buffer"]
+        c = torch.randn(6, generator=gen, dtype=torch.float64)
+        for param, optimizer in ((w, opt), (ref_w, ref)):
+            optimizer.zero_grad()
+            (param * c).sum().backward()
+            optimizer.step()
+        if momentum == 0.0:
+            assert opt.state_dict()["state"]["inner"] == {}
+    torch.testing.assert_close(w.detach(), ref_w.detach(), rtol=1e-12, atol=1e-12)

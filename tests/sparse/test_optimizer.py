@@ -273,3 +273,27 @@ def test_compiles_with_fullgraph_and_matches_eager():
     for a, b in zip(ft.tree.leaves(eager_p), ft.tree.leaves(comp_p)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert torch.equal(eager_s.indices, comp_s.indices)
+
+
+def test_inject_hyperparams_is_coordinatewise_and_its_learning_rate_one_for_all_coordinates():
+    """inject_hyperparams(ft.adam): the same steps as ft.adam with a 0-d tensor learning rate changed in place,
+    through refreshes (coordinates that join use the current learning rate, not the first one)."""
+    params, grads = problem()
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    injected = sparse_optimizer(ft.inject_hyperparams(ft.adam)(learning_rate=lr.clone()), k=4)
+    plain = sparse_optimizer(ft.adam(lr), k=4)
+    p_inj, p_plain = params, params
+    s_inj, s_plain = injected.init(params), plain.init(params)
+    for step, (g, refresh) in enumerate(zip(grads, REFRESH)):
+        u_inj, s_inj = injected.update(g, s_inj, p_inj, refresh=refresh)
+        u_plain, s_plain = plain.update(g, s_plain, p_plain, refresh=refresh)
+        assert torch.equal(u_inj.indices, u_plain.indices) and torch.equal(u_inj.values, u_plain.values)
+        p_inj, p_plain = ft.apply_sparse_updates(p_inj, u_inj), ft.apply_sparse_updates(p_plain, u_plain)
+        new_lr = 0.1 / (step + 2)
+        lr.fill_(new_lr)
+        hyper = {**s_inj.inner.hyperparams, "learning_rate": torch.tensor(new_lr, dtype=torch.float64)}
+        s_inj = s_inj._replace(inner=s_inj.inner._replace(hyperparams=hyper))
+    with pytest.raises(ValueError, match="schedule"):
+        sparse_optimizer(ft.inject_hyperparams(ft.adam)(learning_rate=ft.linear_schedule(0.1, 0.0, 10)), k=2)
+    with pytest.raises(ValueError, match="not coordinate-wise"):
+        sparse_optimizer(ft.inject_hyperparams(ft.lamb)(learning_rate=0.1), k=2)

@@ -369,11 +369,11 @@ def test_gather_checks_its_indices_and_comes_before_the_backward():
     with stream.paused():
         w.sum().backward()
     stream.result()
+    stream.remove()
     w2 = torch.zeros(4, requires_grad=True)
     stream2 = StreamingTopK([w, w2], k=1)
     hook = w2.register_post_accumulate_grad_hook(lambda p: stream2.gather(torch.tensor([0])))
     with pytest.raises(RuntimeError, match="before the step's backward"):
         (w.sum() + w2.sum()).backward()
     hook.remove()
-    stream.remove()
     stream2.remove()

@@ -266,3 +266,33 @@ def test_dense_outputs_of_a_leaf_hit_by_1_percent_equal_the_static_kernels():
 def test_zeros_with_rejects_indices_outside_the_tree():
     with pytest.raises(ValueError, match=r"indices must lie in \[0, 3\)"):
         zeros_with([torch.zeros(3)], torch.tensor([1, 3]), torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "numel, sizes, error, match",
+    [
+        (-1, None, ValueError, "numel must be >= 0, got -1"),
+        (2.5, None, TypeError, "numel must be an int"),
+        (True, None, TypeError, "numel must be an int"),
+        (5, (2, 2), ValueError, r"adding up to numel=5, got \(2, 2\)"),
+        (3, (4, -1), ValueError, "counts >= 0"),
+        (3, "3", TypeError, "sizes must be None or a tuple of ints"),
+    ],
+)
+def test_sparse_updates_refuse_counts_that_describe_no_tree(numel, sizes, error, match):
+    with pytest.raises(error, match=match):
+        ft.SparseUpdates(torch.tensor([0]), torch.tensor([1.0]), numel, sizes)
+    assert ft.SparseUpdates(torch.tensor([0]), torch.tensor([1.0]), 0).numel == 0  # an empty tree is a tree
+
+
+@settings(max_examples=30)
+@given(sizes=st.lists(st.integers(0, 4), min_size=1, max_size=6), data=st.data())
+def test_shift_indices_moves_a_selection_between_the_leaves_present_and_all_leaves(sizes, data):
+    present = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    over_all = [offsets[i] + j for i, size in enumerate(sizes) if present[i] for j in range(size)]  # brute force
+    chosen = sorted(data.draw(st.sets(st.integers(0, max(len(over_all) - 1, 0)), max_size=len(over_all))))
+    compact = torch.tensor(chosen, dtype=torch.int64)
+    expected = torch.tensor([over_all[c] for c in chosen], dtype=torch.int64)
+    assert torch.equal(updates.shift_indices(compact, sizes, present, to_all=True), expected)
+    assert torch.equal(updates.shift_indices(expected, sizes, present, to_all=False), compact)

@@ -1,0 +1,123 @@
+"""``ft.sparse_optimizer_from_torch``: the door to :class:`~functopk.adapter.SparseStateOptimizer`.
+
+Its optimizers' classes are named as, and subclass, the ``torch.optim`` class
+(``isinstance(opt, torch.optim.AdamW)`` holds for loggers and trainers),
+without running any of its code (:func:`functopk.adapter.classes.shadows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from functopk.adapter.classes import shadows
+from functopk.adapter.registry import spec_for
+from functopk.adapter.sparse_state import SparseStateOptimizer
+
+__all__ = ["sparse_optimizer_class", "sparse_optimizer_from_torch"]
+
+
+_CLASSES: dict[type[torch.optim.Optimizer], type[SparseStateOptimizer]] = {}
+
+
+def sparse_optimizer_class(optimizer_class: type[torch.optim.Optimizer]) -> type[SparseStateOptimizer]:
+    """The class of :func:`sparse_optimizer_from_torch`'s optimizers: named as, and subclassing, ``optimizer_class``.
+
+    ``C(params, k=..., refresh_every=..., **defaults)`` makes one. None of the torch class's code runs
+    (:func:`functopk.adapter.classes.shadows`).
+    """
+    spec_for(optimizer_class)
+    if optimizer_class in _CLASSES:
+        return _CLASSES[optimizer_class]
+
+    def __init__(self: SparseStateOptimizer, params: Iterable[Any], **kwargs: Any) -> None:
+        SparseStateOptimizer.__init__(self, optimizer_class, params, **kwargs)
+
+    name = optimizer_class.__name__
+    namespace = {
+        **shadows(optimizer_class, SparseStateOptimizer),
+        "__init__": __init__,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"``torch.optim.{name}`` on k coordinates (see :func:`sparse_optimizer_from_torch`).",
+    }
+    cls = _CLASSES[optimizer_class] = type(name, (optimizer_class, SparseStateOptimizer), namespace)
+    return cls
+
+
+def sparse_optimizer_from_torch(
+    optimizer_class: type[torch.optim.Optimizer],
+    params: Iterable[Any],
+    *,
+    k: Any = None,
+    density: Any = None,
+    refresh_every: int = 1,
+    score: str = "gradient",
+    **defaults: Any,
+) -> SparseStateOptimizer:
+    """``optimizer_class(params, **defaults)`` training only ``k`` coordinates of ``params``, with state of size ``k``.
+
+    The adapter form of :func:`functopk.sparse.sparse_optimizer`, for loops,
+    LR schedulers and trainers written for ``torch.optim``. Every ``refresh_every``
+    steps (``M``; steps ``0, M, 2M, ...``) the coordinate set becomes the exact
+    global top-``k`` of ``|g|`` over all parameters of all groups (or of ``|g|`` summed since
+    the last refresh: ``score="accumulated"``); on the steps
+    between, the gradient is gathered at that set. Only those ``k``
+    coordinates are updated, with ``optimizer_class``'s maths
+    (:func:`functopk.from_torch`) and each coordinate's own param group's
+    hyperparameters; coordinates that stay in the set keep their state, new
+    ones start from fresh state with their own step count (Adam's bias
+    correction is that of their first step), dropped ones keep their values.
+
+    Memory: the gradients are folded during backward and freed
+    (:class:`~functopk.sparse.StreamingTopK`): after ``loss.backward()`` every
+    ``p.grad`` is ``None``, and the state is ``k`` indices plus one value per
+    coordinate and buffer (16 bytes per coordinate for AdamW in float32).
+
+    Lifetime: the stream's hooks live as long as the optimizer. ``opt.remove()``
+    (or ``with sparse_optimizer_from_torch(...) as opt:``) removes them, and so
+    does deleting it; a second one on the same parameters raises ``ValueError``
+    until then. ``opt.zero_grad()`` after a backward skips that batch.
+
+    What differs from ``torch.optim`` is listed in :class:`SparseStateOptimizer`.
+
+    Args:
+        optimizer_class: A coordinate-wise ``torch.optim`` class: ``SGD``, ``Adam``, ``AdamW``,
+            ``RMSprop``, ``Adagrad``, ``Adadelta``, ``Adamax``, ``NAdam``, ``RAdam``, ``ASGD``, ``Rprop``.
+        params: Parameters, ``(name, parameter)`` pairs or param-group dicts, as for torch; float
+            tensors on one device, leaves of the autograd graph.
+        k: How many coordinates to train (an int; give exactly one of ``k`` and ``density``).
+        density: The fraction of the coordinates to train, in ``(0, 1]``.
+        refresh_every: ``M``: choose the coordinate set again every ``M`` steps (1: every step).
+        score: What a refresh ranks: ``"gradient"`` (``|g|`` of the refresh step) or
+            ``"accumulated"`` (``|g|`` summed over the steps since the last refresh, this one
+            included: one more ``n``-sized tensor, kept by the stream and saved in the state dict).
+        **defaults: ``optimizer_class``'s keyword arguments (torch's defaults and checks).
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass, a keyword is unknown to it,
+            or ``k``/``density``/``refresh_every`` has the wrong type.
+        ValueError: ``optimizer_class`` is not coordinate-wise (``Adafactor``, ``Muon``, ``LBFGS``,
+            ``SparseAdam``), torch rejects a value, ``refresh_every < 1``, ``k`` exceeds the coordinates,
+            the parameters are on the meta device, or a live sparse optimizer (or stream) holds one of them.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, model.parameters(), k=3, lr=0.01)
+        >>> isinstance(opt, torch.optim.AdamW), opt.param_groups[0]["lr"]
+        (True, 0.01)
+        >>> before = [p.detach().clone() for p in model.parameters()]
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> model.weight.grad is None                 # folded into the selection and freed
+        True
+        >>> opt.step()
+        >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
+        3
+        >>> sorted(opt.state_dict()["state"]["inner"]), opt.state_dict()["state"]["indices"].shape
+        (['exp_avg', 'exp_avg_sq', 'step'], torch.Size([3]))
+    """
+    cls: Any = sparse_optimizer_class(optimizer_class)
+    return cls(params, k=k, density=density, refresh_every=refresh_every, score=score, **defaults)
