@@ -177,6 +177,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         params: Iterable[Any],
         sparsify: GradientTransformation | None = None,
+        *,
+        sparsify_on: str = "gradient",
         **defaults: Any,
     ) -> ParamGroupOptimizer:
         """:func:`functopk.optimizer_from_torch` (a kept alias): a drop-in ``optimizer_class(params, **defaults)``.
@@ -190,11 +192,15 @@ class TorchOptimizer(torch.optim.Optimizer):
             >>> type(opt).__name__, isinstance(opt, ft.ParamGroupOptimizer)
             ('SGD', True)
         """
-        return optimizer_from_torch(optimizer_class, params, sparsify, **defaults)
+        return optimizer_from_torch(optimizer_class, params, sparsify, sparsify_on=sparsify_on, **defaults)
 
     @classmethod
     def from_torch_class(
-        cls, optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
+        cls,
+        optimizer_class: type[torch.optim.Optimizer],
+        sparsify: GradientTransformation | None = None,
+        *,
+        sparsify_on: str = "gradient",
     ) -> type[ParamGroupOptimizer]:
         """:func:`functopk.optimizer_class_from_torch` (a kept alias): the class of :meth:`from_torch`'s optimizer.
 
@@ -204,7 +210,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             >>> C is ft.optimizer_class_from_torch(torch.optim.AdamW), C.__name__
             (True, 'AdamW')
         """
-        return optimizer_class_from_torch(optimizer_class, sparsify)
+        return optimizer_class_from_torch(optimizer_class, sparsify, sparsify_on=sparsify_on)
 
     # -- the public view of the state ------------------------------------------------------------
 
