@@ -52,6 +52,8 @@ def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]
     """
     return {
         key: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entries.items()}
+        if isinstance(entries, Mapping)
+        else entries  # put there by a state-dict hook (torch keeps it as given)
         for key, entries in state.items()
     }
 
@@ -76,11 +78,12 @@ def filled_group(
         optimizer_class: The ``torch.optim`` class whose checkpoint this should be.
         index: The group's position (for messages).
         saved: The saved group.
-        keys: The hyperparameter keys the group must have once filled.
+        keys: The optimizer's hyperparameter keys (its ``defaults``): those the class keeps in its
+            param groups must be in the group once filled.
 
     Raises:
         TypeError: ``saved`` is not a dict with a list of ``"params"``.
-        ValueError: it lacks a key of ``keys`` that torch does not fill either.
+        ValueError: it lacks a key of ``keys`` that the class keeps and torch does not fill either.
     """
     if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
         raise TypeError(
@@ -89,9 +92,10 @@ def filled_group(
     # torch's own rule, run by torch: its __setstate__ on a throw-away optimizer of the class
     make: Any = optimizer_class  # (every torch.optim class has defaults for all but params)
     throwaway = make([torch.zeros(2, 2, requires_grad=True)])
+    kept = set(throwaway.param_groups[0])  # (not defaults: torch's load_state_dict adds 'differentiable' there)
     throwaway.__setstate__({"state": {}, "param_groups": [{**saved, "params": []}]})
     group = {**throwaway.param_groups[0], "params": saved["params"]}
-    missing = [repr(k) for k in keys if k not in group]
+    missing = [repr(k) for k in keys if k in kept and k not in group]
     if missing:
         raise ValueError(
             f"param group {index} lacks {listed(missing)}, which torch.optim.{optimizer_class.__name__} keeps; is "

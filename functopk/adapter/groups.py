@@ -31,6 +31,7 @@ from functopk.adapter.part import Part, cohorts
 from functopk.adapter.registry import (
     add_checked_group,
     check_implementation_flags,
+    check_torch_step_accepts,
     spec_for,
     torch_hyperparams,
 )
@@ -92,6 +93,14 @@ def _check_step_allowed(groups: list[dict[str, Any]]) -> None:
         _refuse_compiled_step()
     for group in groups:
         check_implementation_flags(group)
+
+
+def _fused_kinds_accepted(opt: ParamGroupOptimizer) -> set[tuple[torch.device, torch.dtype]]:
+    """The parameter devices and dtypes torch's ``fused=True`` step has accepted for ``opt`` (kept on it)."""
+    kinds: set[tuple[torch.device, torch.dtype]] | None = opt.__dict__.get("_fused_kinds")
+    if kinds is None:
+        kinds = opt.__dict__["_fused_kinds"] = set()
+    return kinds
 
 
 class ParamGroupOptimizer(torch.optim.Optimizer):
@@ -230,7 +239,6 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         Raises:
             TypeError, ValueError: a hyperparameter of the group is invalid (checked now, not at the next
                 step), or the group lists a parameter twice.
-            RuntimeError: torch refuses the group's ``fused=True`` (checked now; torch checks at its first step).
             NotImplementedError: the group sets ``capturable`` or ``differentiable``.
         """
         add_checked_group(self, self.optimizer_class, param_group, self._check_layout)
@@ -258,6 +266,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 ``capturable`` or ``differentiable`` was set to ``True`` by hand, or a sparse gradient comes
                 where ``optimizer_class`` refuses one (a ``RuntimeError``, as torch's); all checked before
                 anything changes.
+            RuntimeError: torch's own error for ``fused=True`` on parameters its fused kernel refuses
+                (a device or dtype), as torch raises it at its step, before anything changes.
         """
         _check_step_allowed(self.param_groups)
         loss = None
@@ -268,6 +278,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         views.check_sparse(self.optimizer_class.__name__, self.param_groups, active, self.defaults)
         if not any(active):
             return loss
+        for group, ps in zip(self.param_groups, active):  # torch's fused=True checks, as its step runs them
+            check_torch_step_accepts(self.optimizer_class, self._hyper(group), ps, _fused_kinds_accepted(self))
         grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
         written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has been computed
         on_updates = self._sparsify is not None and self._sparsify_on == "update"
