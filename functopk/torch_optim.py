@@ -13,20 +13,20 @@ the whole model::
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import optree
 import torch
 
-from functopk._checks import check_distinct_params, check_hyperparam, listed, torch_duplicate_warning_ignored
+from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
 from functopk.adapter.checkpoint import check_group_sizes
 from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
+from functopk.adapter.group_digest import check_groups_digest, groups_digest
 from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.recut import LastStepParams, make_tree, param_names, remap, same_ptree, saved_names
 from functopk.base import GradientTransformation, OptState
-from functopk.checkpoint import DIGEST_ALGORITHM, CheckpointError, state_from_dict, state_to_dict, value_digest
+from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
 from functopk.tree.maths import PyTree
 from functopk.update import paired_leaves
@@ -41,36 +41,6 @@ _ENTRY_KEYS = frozenset({"transform", "params_with_state", "digest"})
 def _lr_key(lr: Any) -> Any:
     """A hashable identity for a group's lr: its value for numbers, the object for tensors."""
     return ("tensor", id(lr)) if isinstance(lr, torch.Tensor) else ("number", float(lr))
-
-
-def _groups_digest(groups: list[dict[str, Any]], params_with_state: Any) -> dict[str, Any]:
-    """The digest of a state dict's ``param_groups`` (every key of every group) and ``params_with_state``."""
-    values = {f"param_groups[{i}][{k!r}]": v for i, g in enumerate(groups) for k, v in g.items()}
-    values["params_with_state"] = params_with_state
-    return {"algorithm": DIGEST_ALGORITHM, "values": {path: value_digest(path, v) for path, v in values.items()}}
-
-
-def _check_groups_digest(entry: dict[str, Any], groups: list[dict[str, Any]]) -> None:
-    """``CheckpointError`` naming what differs from the digest saved with the groups; a warning without one."""
-    if "digest" not in entry:
-        warnings.warn(
-            f"state_dict['state'][{_STATE_KEY!r}] has no digest of the param groups (written by an older functopk, "
-            "or built by hand): they are loaded unverified; save it again to add one",
-            UserWarning,
-            stacklevel=4,  # the caller of load_state_dict
-        )
-        return
-    saved = entry["digest"]
-    if not isinstance(saved, dict) or set(saved) != {"algorithm", "values"} or not isinstance(saved["values"], dict):
-        raise CheckpointError(f"state_dict['state'][{_STATE_KEY!r}]['digest'] is malformed: the checkpoint is damaged")
-    now = _groups_digest(groups, entry["params_with_state"])["values"]
-    bad = sorted(p for p in set(now) | set(saved["values"]) if now.get(p) != saved["values"].get(p))
-    if saved["algorithm"] != DIGEST_ALGORITHM or bad:
-        what = f"{listed(bad)} {'differs' if len(bad) == 1 else 'differ'}" if bad else "the digest's algorithm differs"
-        raise CheckpointError(
-            f"checkpoint is corrupted: {what} from the digest saved with the state (a dict edited on purpose must "
-            f"have its state['{_STATE_KEY}']['digest'] entry removed)"
-        )
 
 
 def _checked_build(factory: Factory, learning_rate: Any) -> GradientTransformation:
@@ -429,7 +399,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         entry = {
             "transform": state_to_dict(box["state"]),
             "params_with_state": with_state,
-            "digest": _groups_digest(packed, with_state),
+            "digest": groups_digest(packed, with_state),
         }
         # Placed in self.state for the duration of the call, so that state-dict hooks see it.
         state: dict[Any, Any] = self.state
@@ -487,7 +457,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 f"state_dict['state'][{_STATE_KEY!r}] must be a dict with keys 'transform', 'params_with_state' "
                 "and 'digest'"
             )
-        _check_groups_digest(entry, saved_groups)
+        check_groups_digest(entry, saved_groups, f"state_dict['state'][{_STATE_KEY!r}]")
         slots = [p for g in self.param_groups for p in g["params"]]
         indices = entry["params_with_state"]
         if (
