@@ -30,6 +30,7 @@ next step:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -154,7 +155,8 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
 
     Raises:
         TypeError: the entry is not a dict, or a value is neither a tensor nor a number where a tensor is kept.
-        ValueError: a key is not one ``owner`` keeps, or a tensor has another shape than expected.
+        ValueError: a key is not one ``owner`` keeps, a tensor has another shape than expected, or a step
+            count is not a whole number ``>= 0`` (torch would carry 2.7 steps on; functopk's counts are integers).
     """
     where = f"state_dict['state'][{key!r}]"
     if not isinstance(entries, dict):
@@ -170,7 +172,10 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
         like = expected.like.get(name)
         if not isinstance(like, torch.Tensor):  # a torch key the transformation does not keep: as given
             out[name] = value.to(param.device) if isinstance(value, torch.Tensor) else value
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and like.dim() == 0:
+            continue
+        if not like.is_floating_point() and like.dim() == 0:
+            _check_count(f"{where}[{name!r}]", value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and like.dim() == 0:
             out[name] = torch.tensor(value, device=param.device).to(like.dtype)  # an older torch's step
         elif not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}[{name!r}] must be a tensor of shape {tuple(like.shape)}, got {describe(value)}")
@@ -186,6 +191,18 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
             if name not in out:  # torch.optim's rule: a buffer exists, so this is not the first step
                 out[name] = torch.ones((), dtype=expected.like[name].dtype, device=param.device)
     return out
+
+
+def _check_count(where: str, value: Any) -> None:
+    """``ValueError`` unless a saved step count (torch writes a float, functopk an integer) is a whole number
+    ``>= 0``: the count functopk keeps is an integer, and 2.7 steps would silently become 2."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # (the type and shape checks below name it)
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"{where} is {value!r}: a step count must be a whole number >= 0 (functopk counts steps as "
+                         "integers)")  # fmt: skip
 
 
 def share_equal_scalars_(
