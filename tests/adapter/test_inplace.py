@@ -64,7 +64,8 @@ def _steps_against_pure(cls, kwargs, params, steps):
     of the adapter's parameter-shaped state tensors.
     """
     theirs = [p.detach().clone().requires_grad_() for p in params]
-    opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, foreach=True, **kwargs)
+    kwargs = {**kwargs, "foreach": True}  # torch's foreach kernels, which functopk's round like (ASGD: when told)
+    opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, **kwargs)
     tx = ft.from_torch(cls, **kwargs)
     ref = {i: p.detach().clone() for i, p in enumerate(params)}
     state, ptrs = tx.init(ref), []
