@@ -307,14 +307,14 @@ def test_sparsify_on_update_moves_exactly_k_parameters(cls, kwargs, sparsify):
     assert max(moved) > 5
 
 
-@pytest.mark.parametrize("cls,kwargs", ON_UPDATE, ids=lambda v: getattr(v, "__name__", ""))
-def test_sparsify_on_update_is_the_pure_chain_of_the_optimizer_then_topk_bit_for_bit(cls, kwargs):
-    params = _params()
-    opt = ft.optimizer_from_torch(cls, params, sparsify=ft.topk(5), sparsify_on="update", **kwargs)
-    tx = ft.chain(ft.from_torch(cls, **kwargs), ft.topk(5))
+def _against_the_pure_chain(cls, kwargs, sparsify, params, steps):
+    """``steps`` of the adapter with ``sparsify_on="update"`` and of ``chain(from_torch(cls), sparsify)``, each
+    step's parameters compared bit for bit; the pure chain's last state."""
+    opt = ft.optimizer_from_torch(cls, params, sparsify=sparsify, sparsify_on="update", **kwargs)
+    tx = ft.chain(ft.from_torch(cls, **kwargs), sparsify)
     pure = [p.detach().clone() for p in params]
     state = tx.init(pure)
-    for step in range(4):
+    for step in range(steps):
         grads = _grads(params, step)
         for p, g in zip(params, grads):
             p.grad = g
@@ -323,6 +323,12 @@ def test_sparsify_on_update_is_the_pure_chain_of_the_optimizer_then_topk_bit_for
         pure = ft.apply_updates(pure, updates)
         for p, q in zip(params, pure):
             assert torch.equal(p, q), step
+    return opt, state
+
+
+@pytest.mark.parametrize("cls,kwargs", ON_UPDATE, ids=lambda v: getattr(v, "__name__", ""))
+def test_sparsify_on_update_is_the_pure_chain_of_the_optimizer_then_topk_bit_for_bit(cls, kwargs):
+    _against_the_pure_chain(cls, kwargs, ft.topk(5), _params(), steps=4)
 
 
 def test_sparsify_on_update_against_torch_optim_adamw_and_a_brute_force_topk_of_its_step():
@@ -354,21 +360,8 @@ def test_sparsify_on_update_against_torch_optim_adamw_and_a_brute_force_topk_of_
 
 def test_sparsify_on_update_with_error_feedback_keeps_the_residual_of_the_updates():
     params = _params(torch.float64)
-    opt = ft.optimizer_from_torch(
-        torch.optim.SGD, params, sparsify=ft.error_feedback(ft.topk(4)), sparsify_on="update", lr=0.1, momentum=0.9
-    )
-    tx = ft.chain(ft.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9), ft.error_feedback(ft.topk(4)))
-    pure = [p.detach().clone() for p in params]
-    state = tx.init(pure)
-    for step in range(3):
-        grads = _grads(params, step)
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-        updates, state = tx.update(grads, state, pure)
-        pure = ft.apply_updates(pure, updates)
-    for p, q in zip(params, pure):
-        assert torch.equal(p, q)
+    kwargs = {"lr": 0.1, "momentum": 0.9}
+    opt, state = _against_the_pure_chain(torch.optim.SGD, kwargs, ft.error_feedback(ft.topk(4)), params, steps=3)
     # the residual is of the updates (what the optimizer's step left unapplied), next to SGD's own state
     assert sorted(opt.state[params[0]]) == ["count", "momentum_buffer", "sparsify.residual"]
     assert torch.equal(opt.state[params[0]]["sparsify.residual"], state[1].residual[0])
