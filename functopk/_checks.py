@@ -27,6 +27,8 @@ from typing import Any
 import optree
 import torch
 
+from functopk._overlap import overlaps_itself, share_an_element, span
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The floating-point dtypes functopk computes with (gradients, parameters, states)."""
 
@@ -371,39 +373,16 @@ def group_scalar(value: Any) -> Any:
 # --------------------------------------------------------------------------- writing in place
 
 
-def _span(t: torch.Tensor) -> int:
-    """Elements from ``t``'s first to its last reachable element, inclusive (0 when empty)."""
-    return sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
-
-
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """True when two elements of ``t`` share memory (an ``expand``-ed or ``as_strided`` view)."""
-    if t.is_contiguous() or t.numel() <= 1:
-        return False
-    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
-    if dims[0][0] == 0:
-        return True
-    reach = 0
-    for stride, size in dims:  # enough for no overlap: each stride jumps past all smaller dims
-        if stride <= reach:
-            break
-        reach += (size - 1) * stride
-    else:
-        return False
-    # a rare exotic layout: count the distinct element offsets exactly
-    offsets = torch.as_strided(torch.arange(_span(t)), t.shape, t.stride())
-    return offsets.unique().numel() != t.numel()
-
-
 def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[int], str]) -> None:
     """``ValueError`` naming the first leaf that an in-place write would corrupt or that refuses one.
 
     Rejects inference tensors (outside ``torch.inference_mode``), leaves whose
     elements share memory (``torch.zeros(3).expand(2, 3)``: one add would land
-    several times) and leaves whose memory ranges overlap (the same tensor
-    twice; interleaved views of one buffer count as overlapping). Reads
-    strides only, never values. ``where(i)`` formats leaf ``i``'s path; it is
-    called only for a message, so the checks cost a few attribute reads a leaf.
+    several times) and leaves that share an element with another (the same
+    tensor twice; interleaved views of one buffer that share none, such as
+    ``base[::2]`` and ``base[1::2]``, pass). Reads strides only, never values.
+    ``where(i)`` formats leaf ``i``'s path; it is called only for a message, so
+    the checks cost a few attribute reads a leaf.
     """
     inference_ok = torch.is_inference_mode_enabled()
     ranges = []
@@ -414,7 +393,7 @@ def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[i
                 "written in place; clone it outside inference mode first"
             )
         contiguous = leaf.is_contiguous()
-        if not contiguous and _overlaps_itself(leaf):
+        if not contiguous and overlaps_itself(leaf):
             raise ValueError(
                 f"{name} leaf at {where(i)} has elements that share memory (shape {tuple(leaf.shape)}, strides "
                 f"{leaf.stride()}, e.g. made by expand), so an in-place add would write some of them several "
@@ -423,15 +402,19 @@ def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[i
         n = leaf.numel()
         if n:
             start, device = leaf.data_ptr(), leaf.device
-            end = start + (n if contiguous else _span(leaf)) * leaf.element_size()
+            end = start + (n if contiguous else span(leaf)) * leaf.element_size()
             ranges.append((device.type, device.index or 0, start, end, i))
     ranges.sort()
-    for a, b in zip(ranges, ranges[1:]):
-        if a[:2] == b[:2] and b[2] < a[3]:
-            raise ValueError(
-                f"{name} leaves at {where(a[4])} and {where(b[4])} share memory, so an in-place add would write "
-                "some elements twice; each leaf needs its own memory (the same tensor twice?)"
-            )
+    open_ranges: list[tuple[Any, ...]] = []  # those whose memory reaches past the current start
+    for b in ranges:
+        open_ranges = [a for a in open_ranges if a[:2] == b[:2] and b[2] < a[3]]
+        for a in open_ranges:
+            if share_an_element(leaves[a[4]], leaves[b[4]]):
+                raise ValueError(
+                    f"{name} leaves at {where(a[4])} and {where(b[4])} share memory, so an in-place add would "
+                    "write some elements twice; each leaf needs its own memory (the same tensor twice?)"
+                )
+        open_ranges.append(b)
 
 
 def check_like(

@@ -145,6 +145,24 @@ def _check_digest(state_dict: dict[str, Any], paths: list[str]) -> None:
         )
 
 
+def value_digest(path: str, value: Any) -> str:
+    """The SHA-256 digest a checkpoint keeps for one value at ``path`` (as for each leaf in :func:`state_to_dict`).
+
+    A tensor's dtype, shape and bytes; any other value's type and ``repr``
+    (exact for Python numbers, strings, tuples and lists of them). Read on the
+    host: for checkpoints, never in an update. :class:`functopk.TorchOptimizer`
+    guards its ``param_groups`` with it.
+
+    Example:
+        >>> import torch
+        >>> value_digest("lr", 0.1) == value_digest("lr", 0.1), value_digest("lr", 0.1) == value_digest("lr", 0.2)
+        (True, False)
+        >>> value_digest("lr", torch.tensor(0.1)) == value_digest("lr", 0.1)
+        False
+    """
+    return _leaf_digest(path, value)
+
+
 _EOCD = b"PK\x05\x06"  # the signature of a zip archive's end record (22 bytes, then the comment)
 _SEAL = b"functopk-sha256:"
 _SEAL_SIZE = len(_SEAL) + 64  # the comment: the marker and the hex digest

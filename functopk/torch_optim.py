@@ -22,6 +22,7 @@ import torch
 from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
 from functopk.adapter.checkpoint import check_group_sizes
 from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
+from functopk.adapter.group_digest import check_groups_digest, groups_digest
 from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.recut import LastStepParams, make_tree, param_names, remap, same_ptree, saved_names
 from functopk.base import GradientTransformation, OptState
@@ -34,6 +35,7 @@ __all__ = ["TorchOptimizer"]
 
 Factory = Callable[[Any], GradientTransformation]
 _STATE_KEY = "functopk"
+_ENTRY_KEYS = frozenset({"transform", "params_with_state", "digest"})
 
 
 def _lr_key(lr: Any) -> Any:
@@ -177,6 +179,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         params: Iterable[Any],
         sparsify: GradientTransformation | None = None,
+        *,
+        sparsify_on: str = "gradient",
         **defaults: Any,
     ) -> ParamGroupOptimizer:
         """:func:`functopk.optimizer_from_torch` (a kept alias): a drop-in ``optimizer_class(params, **defaults)``.
@@ -190,11 +194,15 @@ class TorchOptimizer(torch.optim.Optimizer):
             >>> type(opt).__name__, isinstance(opt, ft.ParamGroupOptimizer)
             ('SGD', True)
         """
-        return optimizer_from_torch(optimizer_class, params, sparsify, **defaults)
+        return optimizer_from_torch(optimizer_class, params, sparsify, sparsify_on=sparsify_on, **defaults)
 
     @classmethod
     def from_torch_class(
-        cls, optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
+        cls,
+        optimizer_class: type[torch.optim.Optimizer],
+        sparsify: GradientTransformation | None = None,
+        *,
+        sparsify_on: str = "gradient",
     ) -> type[ParamGroupOptimizer]:
         """:func:`functopk.optimizer_class_from_torch` (a kept alias): the class of :meth:`from_torch`'s optimizer.
 
@@ -204,7 +212,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             >>> C is ft.optimizer_class_from_torch(torch.optim.AdamW), C.__name__
             (True, 'AdamW')
         """
-        return optimizer_class_from_torch(optimizer_class, sparsify)
+        return optimizer_class_from_torch(optimizer_class, sparsify, sparsify_on=sparsify_on)
 
     # -- the public view of the state ------------------------------------------------------------
 
@@ -375,16 +383,23 @@ class TorchOptimizer(torch.optim.Optimizer):
         """``torch.optim``'s state dict, with the transformation state under ``state["functopk"]``.
 
         ``state["functopk"]`` holds ``"transform"`` (a :func:`functopk.state_to_dict`
-        dict) and ``"params_with_state"`` (the indices, in ``param_groups`` order, of
-        the parameters the state covers). Empty before the first step.
+        dict, with the digest of its leaves), ``"params_with_state"`` (the indices,
+        in ``param_groups`` order, of the parameters the state covers) and
+        ``"digest"`` (SHA-256 digests of every key of every param group and of
+        ``params_with_state``, checked by :meth:`load_state_dict`). Empty before
+        the first step.
         """
         box = self._mutable
         if box["state"] is None:
             return super().state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        with_state = sorted(index[id(p)] for p in optree.tree_leaves(box["ptree"]))
+        packed = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]  # fmt: skip  # (the groups as torch's state_dict writes them)
         entry = {
             "transform": state_to_dict(box["state"]),
-            "params_with_state": sorted(index[id(p)] for p in optree.tree_leaves(box["ptree"])),
+            "params_with_state": with_state,
+            "digest": groups_digest(packed, with_state),
         }
         # Placed in self.state for the duration of the call, so that state-dict hooks see it.
         state: dict[Any, Any] = self.state
@@ -402,7 +417,8 @@ class TorchOptimizer(torch.optim.Optimizer):
             ValueError: the param groups differ in number or size from this optimizer's,
                 a group lacks ``lr`` or has an invalid one, or a parameter name repeats.
             CheckpointError: the transformation state has another structure, shape or
-                dtype than this optimizer's transformation would have (or is malformed).
+                dtype than this optimizer's transformation would have (or is malformed), or a
+                param group or the state differs from the digest saved with it (a changed byte).
         """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise CheckpointError("state_dict must be a dict with keys 'state' and 'param_groups'")
@@ -436,10 +452,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         param_names(saved_names(self.param_groups, saved_groups))
 
     def _parse_entry(self, entry: Any, saved_groups: list[dict[str, Any]]) -> tuple[OptState, PyTree]:
-        if not isinstance(entry, dict) or set(entry) != {"transform", "params_with_state"}:
+        if not isinstance(entry, dict) or not {"transform", "params_with_state"} <= set(entry) <= _ENTRY_KEYS:
             raise CheckpointError(
-                f"state_dict['state'][{_STATE_KEY!r}] must be a dict with keys 'transform' and 'params_with_state'"
+                f"state_dict['state'][{_STATE_KEY!r}] must be a dict with keys 'transform', 'params_with_state' "
+                "and 'digest'"
             )
+        check_groups_digest(entry, saved_groups, f"state_dict['state'][{_STATE_KEY!r}]")
         slots = [p for g in self.param_groups for p in g["params"]]
         indices = entry["params_with_state"]
         if (

@@ -375,11 +375,11 @@ def per_coordinate_reference(make_opt, params, grads, k, refresh, score="gradien
 
 
 def torch_coordinate(cls, kwargs):
-    """``make_opt`` for :func:`per_coordinate_reference`: ``cls`` with ``kwargs`` (and torch's foreach kernels)."""
+    """``make_opt`` for :func:`per_coordinate_reference`: ``cls`` with ``kwargs`` (and torch's choice of kernels)."""
 
     def make(c, value):
         p = torch.nn.Parameter(value.clone().reshape(1))
-        return p, cls([p], **kwargs, foreach=True)  # the kernels (and roundings) functopk follows
+        return p, cls([p], **kwargs)  # functopk rounds as the implementation torch picks (the for-loop on CPU)
 
     return make
 

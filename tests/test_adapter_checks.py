@@ -86,17 +86,24 @@ def test_capturable_and_differentiable_are_refused_at_every_door(flag):
     assert not torch.equal(model.weight, weight)
 
 
-def test_fused_parameters_torch_refuses_raise_torchs_error_at_construction():
-    """torch checks fused=True's devices and dtypes at its first step; the adapter checks them at once."""
+def test_fused_parameters_torch_refuses_raise_torchs_error_at_the_step_as_torch():
+    """torch checks fused=True's devices and dtypes as it steps: construction and add_param_group accept them."""
     p = torch.zeros(2, dtype=torch.complex128, requires_grad=True)
     theirs = torch.optim.Adam([p], fused=True)
     p.grad = torch.ones_like(p)
     with pytest.raises(RuntimeError) as torch_error:
         theirs.step()
-    with pytest.raises(RuntimeError) as ours:
-        ft.TorchOptimizer.from_torch(torch.optim.Adam, [p], fused=True)
-    assert str(ours.value) == str(torch_error.value)
-    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, [torch.zeros(2, requires_grad=True)], fused=True)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, [p], fused=True)
+    with pytest.raises(RuntimeError) as our_error:
+        ours.step()
+    assert str(our_error.value) == str(torch_error.value) and not ours.state and torch.equal(p, torch.zeros(2))
+    q = torch.zeros(2, requires_grad=True)
+    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, [q], fused=True)
+    opt.add_param_group({"params": [p]})
+    q.grad = torch.ones_like(q)
     with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point"):
-        opt.add_param_group({"params": [p]})
-    assert len(opt.param_groups) == 1
+        opt.step()
+    assert not opt.state and torch.equal(q, torch.zeros(2))
+    p.grad = None  # the complex parameter without a gradient takes no part: the step runs
+    opt.step()
+    assert not torch.equal(q, torch.zeros(2))

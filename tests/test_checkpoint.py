@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import io
 import os
+import re
 
 import pytest
 import torch
@@ -296,6 +297,58 @@ def test_torch_optimizer_state_dict_carries_the_digest():
     leaves[path] = leaves[path] * 2
     with pytest.raises(CheckpointError, match="contents of 1 leaves differ"):
         opt.load_state_dict(saved)
+
+
+def _stepped_torch_optimizer(lr=0.1):
+    model = torch.nn.Linear(3, 2)
+    groups = [{"params": [model.weight], "lr": lr}, {"params": [model.bias], "lr": lr / 2}]
+    opt = ft.TorchOptimizer(groups, ft.sgd(1.0, momentum=0.9))  # (group lrs: factors on the updates)
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    return opt
+
+
+def test_torch_optimizer_param_groups_are_guarded_by_the_digest_a_flipped_byte_raises():
+    import struct
+
+    opt = _stepped_torch_optimizer()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    data = bytearray(buffer.getvalue())
+    at = data.find(b"G" + struct.pack(">d", 0.1))  # pickle's float opcode and the saved lr's 8 bytes
+    assert at > 0
+    data[at + 1] ^= 0x20  # one bit of the exponent: 0.1 becomes 7.5e-156, which torch.load reads without a word
+    damaged = torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    assert damaged["param_groups"][0]["lr"] != 0.1
+    before = clone_tree(opt.transform_state)
+    with pytest.raises(CheckpointError, match=r"param_groups\[0\]\['lr'\] differs from the digest"):
+        opt.load_state_dict(damaged)
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[1]["lr"] == 0.05  # nothing changed
+    assert_tree_bitwise_equal(opt.transform_state, before)
+
+
+def test_torch_optimizer_digest_covers_every_group_key_and_params_with_state():
+    opt = _stepped_torch_optimizer()
+    saved = roundtrip(opt.state_dict())
+    edits = {
+        "param_groups[1]['lr']": lambda sd: sd["param_groups"][1].__setitem__("lr", 0.07),
+        "param_groups[0]['params']": lambda sd: sd["param_groups"][0].__setitem__("params", [1]),
+        "param_groups[1]['extra']": lambda sd: sd["param_groups"][1].__setitem__("extra", 1),
+        "params_with_state": lambda sd: sd["state"]["functopk"].__setitem__("params_with_state", [0]),
+    }
+    for path, edit in edits.items():
+        sd = roundtrip(saved)
+        edit(sd)
+        with pytest.raises(CheckpointError, match=re.escape(path)):
+            opt.load_state_dict(sd)
+    edited = roundtrip(saved)  # edited on purpose, the digest dropped: loads, with a warning
+    edited["param_groups"][1]["lr"] = 0.07
+    del edited["state"]["functopk"]["digest"]
+    with pytest.warns(UserWarning, match="no digest of the param groups"):
+        opt.load_state_dict(edited)
+    assert opt.param_groups[1]["lr"] == 0.07
+    opt.load_state_dict(roundtrip(saved))  # and the untouched dict loads silently
+    assert opt.param_groups[1]["lr"] == 0.05
 
 
 def test_a_tensor_subclass_leaf_digests_as_its_plain_tensor():

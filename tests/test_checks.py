@@ -169,3 +169,39 @@ def test_every_choice_is_checked_with_one_message(call, message):
     """The five choice checks of the package share :func:`functopk._checks.check_choice`'s message."""
     with pytest.raises(ValueError, match=f"^{message}$"):
         call()
+
+
+def _element_offsets(t: torch.Tensor) -> set[int]:
+    """Brute force: the storage offsets of ``t``'s elements."""
+    size = t.untyped_storage().nbytes() // t.element_size()
+    return set(torch.as_strided(torch.arange(size), t.shape, t.stride(), t.storage_offset()).flatten().tolist())
+
+
+def test_check_writable_refuses_exactly_the_views_that_share_an_element():
+    """Strided views of one buffer, drawn at random, against brute force over their elements' offsets."""
+    import random
+
+    rng = random.Random(0)
+    base = torch.zeros(300)
+
+    def view() -> torch.Tensor:
+        shape = [rng.randint(1, 5) for _ in range(rng.randint(1, 3))]
+        stride = [rng.choice([1, 2, 3, 5, 7, 10, 16]) for _ in shape]
+        span = sum((n - 1) * s for n, s in zip(shape, stride))
+        return torch.as_strided(base, shape, stride, rng.randint(0, 299 - span))
+
+    refused = 0
+    for _ in range(3000):
+        a, b = view(), view()
+        shares = bool(_element_offsets(a) & _element_offsets(b))
+        try:
+            C.check_writable([a, b], "params", lambda i: f"[{i}]")
+        except ValueError as err:
+            assert shares or "elements that share memory" in str(err), (a.stride(), b.stride())
+            refused += shares
+            continue
+        assert not shares, (a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(), b.storage_offset())
+    assert refused > 100
+    C.check_writable([base[::2], base[1::2]], "params", str)  # disjoint: passes
+    with pytest.raises(ValueError, match=r"leaves at \[0\] and \[1\] share memory"):
+        C.check_writable([base[::2], base[2::2]], "params", lambda i: f"[{i}]")

@@ -267,3 +267,26 @@ def test_functional_complex_leaves_are_refused_naming_the_view_as_real_route():
         updates, state = tx.update(grads, state, real)
         real = ft.apply_updates(real, updates)
     torch.testing.assert_close(torch.view_as_complex(real["w"]), theirs[0], rtol=1e-12, atol=1e-14)
+
+
+# --------------------------------------------------------------------------- the meta device
+
+META_CLASSES = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop",
+                "ASGD", "Adafactor", "Muon"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", META_CLASSES)
+def test_parameters_on_the_meta_device_step_with_state_on_the_meta_device(name):
+    """torch.optim steps meta parameters (shapes only; its ASGD and Adafactor read a value and fail); so does
+    the adapter, every class, its state on the meta device too."""
+    cls = getattr(torch.optim, name)
+    with torch.device("meta"):
+        params = [torch.nn.Parameter(torch.empty(3, 4)), torch.nn.Parameter(torch.empty(4, 2))]
+        for p in params:
+            p.grad = torch.empty_like(p)
+    opt = ft.optimizer_from_torch(cls, params, lr=0.1, **({"momentum": 0.9} if name == "SGD" else {}))
+    for _ in range(2):
+        opt.step()
+    assert all(p.is_meta and p.shape == s for p, s in zip(params, [(3, 4), (4, 2)]))
+    tensors = [v for entry in opt.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    assert tensors and all(v.is_meta for v in tensors)

@@ -212,3 +212,22 @@ def test_sgd_momentum_allocates_no_update_tree(monkeypatch):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         ft.update_(tx, grads, state, params)
     assert max(e.cpu_memory_usage for e in prof.events()) <= 256 * 4 < 64 * 64 * 4  # one scratch row
+
+
+def test_disjoint_interleaved_views_of_one_buffer_step_in_place_as_the_pure_step():
+    base = torch.arange(12.0)
+    params = {"even": base[::2], "odd": base[1::2], "cols": torch.arange(20.0).view(4, 5)[:, 1:3]}
+    tx = ft.sgd(0.1, momentum=0.9)
+    grads = {k: torch.full_like(v, 1.0 + i) for i, (k, v) in enumerate(params.items())}
+    pure, _ = tx.update(grads, tx.init(params), params)
+    expected = ft.apply_updates(params, pure)
+    new, _ = ft.update_(tx, grads, tx.init(params), params)
+    assert new["even"].data_ptr() == base.data_ptr()  # written where they live
+    assert_tree_bitwise_equal(new, expected)
+    assert torch.equal(base, torch.stack([expected["even"], expected["odd"]], 1).reshape(-1))
+    # views that do share an element are still refused, naming both
+    overlapping = {"a": base[::2], "b": base[::3]}
+    state = tx.init(overlapping)
+    g = {k: torch.ones_like(v) for k, v in overlapping.items()}
+    _unchanged_after(ValueError, lambda: ft.update_(tx, g, state, overlapping), overlapping, state,
+                     r"params\['[ab]'\] and params\['[ab]'\] share memory")  # fmt: skip

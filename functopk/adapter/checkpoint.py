@@ -30,6 +30,7 @@ next step:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -52,6 +53,8 @@ def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]
     """
     return {
         key: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entries.items()}
+        if isinstance(entries, Mapping)
+        else entries  # put there by a state-dict hook (torch keeps it as given)
         for key, entries in state.items()
     }
 
@@ -76,11 +79,12 @@ def filled_group(
         optimizer_class: The ``torch.optim`` class whose checkpoint this should be.
         index: The group's position (for messages).
         saved: The saved group.
-        keys: The hyperparameter keys the group must have once filled.
+        keys: The optimizer's hyperparameter keys (its ``defaults``): those the class keeps in its
+            param groups must be in the group once filled.
 
     Raises:
         TypeError: ``saved`` is not a dict with a list of ``"params"``.
-        ValueError: it lacks a key of ``keys`` that torch does not fill either.
+        ValueError: it lacks a key of ``keys`` that the class keeps and torch does not fill either.
     """
     if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
         raise TypeError(
@@ -89,9 +93,10 @@ def filled_group(
     # torch's own rule, run by torch: its __setstate__ on a throw-away optimizer of the class
     make: Any = optimizer_class  # (every torch.optim class has defaults for all but params)
     throwaway = make([torch.zeros(2, 2, requires_grad=True)])
+    kept = set(throwaway.param_groups[0])  # (not defaults: torch's load_state_dict adds 'differentiable' there)
     throwaway.__setstate__({"state": {}, "param_groups": [{**saved, "params": []}]})
     group = {**throwaway.param_groups[0], "params": saved["params"]}
-    missing = [repr(k) for k in keys if k not in group]
+    missing = [repr(k) for k in keys if k in kept and k not in group]
     if missing:
         raise ValueError(
             f"param group {index} lacks {listed(missing)}, which torch.optim.{optimizer_class.__name__} keeps; is "
@@ -150,7 +155,8 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
 
     Raises:
         TypeError: the entry is not a dict, or a value is neither a tensor nor a number where a tensor is kept.
-        ValueError: a key is not one ``owner`` keeps, or a tensor has another shape than expected.
+        ValueError: a key is not one ``owner`` keeps, a tensor has another shape than expected, or a step
+            count is not a whole number ``>= 0`` (torch would carry 2.7 steps on; functopk's counts are integers).
     """
     where = f"state_dict['state'][{key!r}]"
     if not isinstance(entries, dict):
@@ -166,7 +172,10 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
         like = expected.like.get(name)
         if not isinstance(like, torch.Tensor):  # a torch key the transformation does not keep: as given
             out[name] = value.to(param.device) if isinstance(value, torch.Tensor) else value
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and like.dim() == 0:
+            continue
+        if not like.is_floating_point() and like.dim() == 0:
+            _check_count(f"{where}[{name!r}]", value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and like.dim() == 0:
             out[name] = torch.tensor(value, device=param.device).to(like.dtype)  # an older torch's step
         elif not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}[{name!r}] must be a tensor of shape {tuple(like.shape)}, got {describe(value)}")
@@ -182,6 +191,18 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
             if name not in out:  # torch.optim's rule: a buffer exists, so this is not the first step
                 out[name] = torch.ones((), dtype=expected.like[name].dtype, device=param.device)
     return out
+
+
+def _check_count(where: str, value: Any) -> None:
+    """``ValueError`` unless a saved step count (torch writes a float, functopk an integer) is a whole number
+    ``>= 0``: the count functopk keeps is an integer, and 2.7 steps would silently become 2."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # (the type and shape checks below name it)
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"{where} is {value!r}: a step count must be a whole number >= 0 (functopk counts steps as "
+                         "integers)")  # fmt: skip
 
 
 def share_equal_scalars_(

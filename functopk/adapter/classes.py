@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from functopk.adapter.groups import ParamGroupOptimizer
+from functopk._checks import check_choice
+from functopk.adapter.groups import SPARSIFY_ON, ParamGroupOptimizer
 from functopk.adapter.registry import spec_for
 from functopk.base import GradientTransformation
 
@@ -41,21 +42,24 @@ _CLASS_ATTRIBUTES = frozenset({"__module__", "__qualname__", "__doc__", "__dict_
 class TorchNamedMeta(type):
     """The metaclass of the torch-named classes: a class pickles as the :func:`optimizer_class_from_torch` call."""
 
-    torch_recipe: tuple[type[torch.optim.Optimizer], GradientTransformation | None]
+    torch_recipe: tuple[type[torch.optim.Optimizer], GradientTransformation | None, str]
     token: str
 
 
-_CLASSES: dict[tuple[Any, Any], type[ParamGroupOptimizer]] = {}
+_CLASSES: dict[tuple[Any, Any, str], type[ParamGroupOptimizer]] = {}
 # this process's classes by token: an unpickled copy of sparsify would be another _CLASSES key
 _BY_TOKEN: dict[str, type[ParamGroupOptimizer]] = {}
 
 
 def _find_class(
-    token: str, optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None
+    token: str,
+    optimizer_class: type[torch.optim.Optimizer],
+    sparsify: GradientTransformation | None,
+    sparsify_on: str = "gradient",
 ) -> type[ParamGroupOptimizer]:
     """The class again: the same object in the process that made it, else made from its recipe."""
     if token not in _BY_TOKEN:
-        _BY_TOKEN[token] = optimizer_class_from_torch(optimizer_class, sparsify)
+        _BY_TOKEN[token] = optimizer_class_from_torch(optimizer_class, sparsify, sparsify_on=sparsify_on)
     return _BY_TOKEN[token]
 
 
@@ -95,7 +99,10 @@ def shadows(optimizer_class: type[torch.optim.Optimizer], base: type = ParamGrou
 
 
 def optimizer_class_from_torch(
-    optimizer_class: type[torch.optim.Optimizer], sparsify: GradientTransformation | None = None
+    optimizer_class: type[torch.optim.Optimizer],
+    sparsify: GradientTransformation | None = None,
+    *,
+    sparsify_on: str = "gradient",
 ) -> type[ParamGroupOptimizer]:
     """The class ``C(params, **defaults)`` of :func:`optimizer_from_torch`, for code that wants an optimizer *class*.
 
@@ -109,25 +116,26 @@ def optimizer_class_from_torch(
 
     Args:
         optimizer_class: A ``torch.optim`` class, as for :func:`optimizer_from_torch`.
-        sparsify: A transformation of the gradients of all groups, or ``None``.
+        sparsify: A transformation of the gradients (or updates) of all groups, or ``None``.
+        sparsify_on: ``"gradient"`` or ``"update"``, as for :func:`optimizer_from_torch`.
 
     Raises:
-        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
-        ValueError: it has no functopk form (``LBFGS``, ``SparseAdam``).
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass, or ``sparsify_on`` not a string.
+        ValueError: it has no functopk form (``LBFGS``, ``SparseAdam``), or ``sparsify_on`` is another string.
 
     Example:
         >>> import torch, functopk as ft
-        >>> SparseAdamW = ft.optimizer_class_from_torch(torch.optim.AdamW, ft.topk(2))
+        >>> SparseAdamW = ft.optimizer_class_from_torch(torch.optim.AdamW, ft.topk(2), sparsify_on="update")
         >>> opt = SparseAdamW(torch.nn.Linear(4, 1).parameters(), lr=0.01)
         >>> type(opt).__name__, isinstance(opt, torch.optim.AdamW), opt.param_groups[0]["lr"]
         ('AdamW', True, 0.01)
     """
     spec_for(optimizer_class)  # a bad class fails here, not at the first instance
-    key = (optimizer_class, sparsify)
+    key = (optimizer_class, sparsify, check_choice(sparsify_on, "sparsify_on", SPARSIFY_ON))
     if key not in _CLASSES:
 
         def __init__(self: ParamGroupOptimizer, params: Iterable[Any], **defaults: Any) -> None:
-            ParamGroupOptimizer.__init__(self, optimizer_class, params, sparsify, **defaults)
+            ParamGroupOptimizer.__init__(self, optimizer_class, params, sparsify, sparsify_on=sparsify_on, **defaults)
 
         name = optimizer_class.__name__
         namespace = {
@@ -147,9 +155,11 @@ def optimizer_from_torch(
     optimizer_class: type[torch.optim.Optimizer],
     params: Iterable[Any],
     sparsify: GradientTransformation | None = None,
+    *,
+    sparsify_on: str = "gradient",
     **defaults: Any,
 ) -> ParamGroupOptimizer:
-    """A drop-in ``optimizer_class(params, **defaults)``, with ``sparsify`` on all groups' gradients first.
+    """A drop-in ``optimizer_class(params, **defaults)``, with ``sparsify`` on all groups' gradients or updates.
 
     The result behaves like the torch optimizer in everything a torch user
     relies on: per-group hyperparameters, per-parameter state and step counts,
@@ -158,9 +168,23 @@ def optimizer_from_torch(
     loggers show (``type(opt).__name__ == "AdamW"``), pickling and deep copies;
     see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
     :func:`functopk.from_torch`'s. ``sparsify`` (e.g. ``ft.topk(1000)`` or
-    ``ft.error_feedback(ft.topk(density=1e-3))``) sees the gradients of all
+    ``ft.error_feedback(ft.topk(density=1e-3))``) sees the tensors of all
     groups as one tree, so a top-k is global across groups.
     ``ft.TorchOptimizer.from_torch`` is the same function under its older name.
+
+    **What moves.** ``sparsify_on`` says what ``sparsify`` is applied to:
+
+    * ``"gradient"`` (the default): the gradients, before the optimizer, as
+      ``chain(topk(k), optimizer)``: ``k`` gradient coordinates per step (what a
+      data-parallel rank would send), but more than ``k`` parameters move:
+      momentum and Adam's moments keep moving coordinates selected before, and
+      weight decay (AdamW's decoupled decay, on by default, or an L2
+      ``weight_decay``) moves every parameter.
+    * ``"update"``: the optimizer's updates, after it, as
+      ``chain(optimizer, topk(k))``: the optimizer runs on the dense gradient
+      (its state evolves on every coordinate, as torch's), and only the ``k``
+      largest entries of its step (weight decay included) are added, so exactly
+      ``k`` parameters move; weight decay acts on those only.
 
     Refused where torch's behaviour would not hold: a parameter listed twice in a
     group (``ValueError``), ``capturable=True``, ``differentiable=True`` and a
@@ -169,21 +193,32 @@ def optimizer_from_torch(
     Args:
         optimizer_class: A ``torch.optim`` class (all but ``LBFGS`` and ``SparseAdam``).
         params: Parameters, ``(name, parameter)`` pairs or param-group dicts, as for torch.
-        sparsify: A transformation of the gradients, or ``None``.
+        sparsify: A transformation of the gradients (or updates), or ``None``.
+        sparsify_on: ``"gradient"`` or ``"update"`` (see above; keyword only).
         **defaults: ``optimizer_class``'s keyword arguments (torch's defaults and checks).
+
+    Raises:
+        TypeError, ValueError: ``sparsify_on`` is not ``"gradient"`` or ``"update"``, or torch refuses ``defaults``.
 
     Example:
         >>> import torch, functopk as ft
         >>> model = torch.nn.Linear(4, 1)
-        >>> opt = ft.optimizer_from_torch(torch.optim.SGD, model.parameters(), ft.topk(2), lr=0.1)
+        >>> opt = ft.optimizer_from_torch(torch.optim.AdamW, model.parameters(), ft.topk(2), sparsify_on="update",
+        ...                               lr=0.1, weight_decay=0.05)
         >>> before = [p.detach().clone() for p in model.parameters()]
-        >>> model(torch.randn(8, 4)).square().mean().backward()
-        >>> opt.step()
-        >>> sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
+        >>> for _ in range(3):
+        ...     model(torch.randn(8, 4)).square().mean().backward()
+        ...     opt.step()
+        ...     opt.zero_grad()
+        ...     changed = sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
+        ...     before = [p.detach().clone() for p in model.parameters()]
+        ...     print(changed)
+        2
+        2
         2
     """
     # One class per torch class, not per sparsify: a fresh transformation per call would grow the cache.
     cls = optimizer_class_from_torch(optimizer_class)
     opt: ParamGroupOptimizer = cls.__new__(cls)
-    ParamGroupOptimizer.__init__(opt, optimizer_class, params, sparsify, **defaults)
+    ParamGroupOptimizer.__init__(opt, optimizer_class, params, sparsify, sparsify_on=sparsify_on, **defaults)
     return opt

@@ -4,8 +4,9 @@
 (per-group hyperparameters read at every step, per-parameter state and step
 counts, ``add_param_group``, ``state_dict`` in torch's layout, schedulers,
 ``GradScaler``), while the maths is functopk's (:func:`functopk.from_torch`) and
-an optional ``sparsify`` transformation first runs on the gradients of *all*
-groups together (so ``sparsify=ft.topk(1000)`` is one global top-k).
+an optional ``sparsify`` transformation runs on the gradients of *all* groups
+together before the optimizer (so ``sparsify=ft.topk(1000)`` is one global
+top-k), or on the optimizer's updates of all groups after it (``sparsify_on="update"``).
 
 State lives where torch keeps it, in ``opt.state[p]`` as one dict per parameter
 (:mod:`functopk.adapter.per_param`); each step rebuilds the functopk states
@@ -23,12 +24,14 @@ from typing import Any
 
 import torch
 
+from functopk._checks import check_choice
 from functopk.adapter import checkpoint, per_param, views
-from functopk.adapter.inplace import MOSTLY_ZERO
+from functopk.adapter.inplace import MOSTLY_ZERO, UPDATES_WANTED
 from functopk.adapter.part import Part, cohorts
 from functopk.adapter.registry import (
     add_checked_group,
     check_implementation_flags,
+    check_torch_step_accepts,
     spec_for,
     torch_hyperparams,
 )
@@ -38,6 +41,8 @@ from functopk.base import GradientTransformation, check_transformation
 __all__ = ["ParamGroupOptimizer"]
 
 _NOT_HYPER = ("params", "param_names")
+SPARSIFY_ON = ("gradient", "update")
+"""What ``sparsify`` may be applied to: the gradients (before the optimizer) or the optimizer's updates (after)."""
 
 
 def _key(value: Any) -> Any:
@@ -90,6 +95,14 @@ def _check_step_allowed(groups: list[dict[str, Any]]) -> None:
         check_implementation_flags(group)
 
 
+def _fused_kinds_accepted(opt: ParamGroupOptimizer) -> set[tuple[torch.device, torch.dtype]]:
+    """The parameter devices and dtypes torch's ``fused=True`` step has accepted for ``opt`` (kept on it)."""
+    kinds: set[tuple[torch.device, torch.dtype]] | None = opt.__dict__.get("_fused_kinds")
+    if kinds is None:
+        kinds = opt.__dict__["_fused_kinds"] = set()
+    return kinds
+
+
 class ParamGroupOptimizer(torch.optim.Optimizer):
     """``optimizer_class(params, **defaults)`` computed by functopk, with an optional global ``sparsify`` first.
 
@@ -122,7 +135,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       becomes functopk's count) and ``torch.optim`` loads ``state_dict()``;
       both copy the tensors (the next step changes neither the saved dict nor the loaded one);
       see :meth:`load_state_dict` for the checks;
-    * ``sparsify``'s state is kept per parameter too, under keys starting
+    * ``sparsify`` runs on the gradients of all groups before the optimizer,
+      or, with ``sparsify_on="update"``, on the optimizer's updates after it
+      (exactly ``k`` parameters move under ``ft.topk(k)``; see
+      :func:`functopk.optimizer_from_torch`); its state is kept per parameter too, under keys starting
       with ``"sparsify."``; a constant exact ``ft.topk(k)`` or
       ``ft.topk(density=d)`` on gradients of one dtype and device (CPU) writes
       its values into one flat gradient-sized buffer kept between steps (the
@@ -151,11 +167,14 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         params: Iterable[Any],
         sparsify: GradientTransformation | None = None,
+        *,
+        sparsify_on: str = "gradient",
         **defaults: Any,
     ) -> None:
         self.optimizer_class = optimizer_class
         self._spec = spec_for(optimizer_class)
         self._sparsify = None if sparsify is None else Sparsify(check_transformation(sparsify, "sparsify"))
+        self._sparsify_on = check_choice(sparsify_on, "sparsify_on", SPARSIFY_ON)
         self._parts: dict[int, tuple[Any, Part]] = {}
         super().__init__(params, torch_hyperparams(optimizer_class, defaults))
 
@@ -164,6 +183,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         state = super().__getstate__()
         state["optimizer_class"] = self.optimizer_class
         state["sparsify"] = self.sparsify
+        state["sparsify_on"] = self._sparsify_on
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -171,16 +191,23 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         state = dict(state)
         unpickled = "sparsify" in state
         sparsify = state.pop("sparsify", None)
+        sparsify_on = state.pop("sparsify_on", "gradient")
         super().__setstate__(state)
         if unpickled:  # the torch class's TorchSpec is looked up again (its build functions do not pickle)
             self._spec = spec_for(self.optimizer_class)
             self._sparsify = None if sparsify is None else Sparsify(sparsify)
+            self._sparsify_on = sparsify_on
             self._parts = {}
 
     @property
     def sparsify(self) -> GradientTransformation | None:
         """The transformation applied to the gradients of all groups together (``None``: none)."""
         return None if self._sparsify is None else self._sparsify.tx
+
+    @property
+    def sparsify_on(self) -> str:
+        """``"gradient"``: ``sparsify`` runs on the gradients, before the optimizer; ``"update"``: on its updates."""
+        return self._sparsify_on
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
         """``group``'s hyperparameters, with what torch reads from the constructor's arguments instead."""
@@ -195,8 +222,9 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            topk = self._sparsify is not None and self._sparsify.constant is not None
-            hyper = {**self._hyper(group), MOSTLY_ZERO: topk}
+            on_updates = self._sparsify is not None and self._sparsify_on == "update"
+            topk = self._sparsify is not None and self._sparsify.constant is not None and not on_updates
+            hyper = {**self._hyper(group), MOSTLY_ZERO: topk, UPDATES_WANTED: on_updates}
             step_ = None if self._spec.inplace is None else self._spec.inplace(hyper)
             part = Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__,
                          inplace=step_)  # fmt: skip
@@ -211,7 +239,6 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         Raises:
             TypeError, ValueError: a hyperparameter of the group is invalid (checked now, not at the next
                 step), or the group lists a parameter twice.
-            RuntimeError: torch refuses the group's ``fused=True`` (checked now; torch checks at its first step).
             NotImplementedError: the group sets ``capturable`` or ``differentiable``.
         """
         add_checked_group(self, self.optimizer_class, param_group, self._check_layout)
@@ -239,6 +266,8 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 ``capturable`` or ``differentiable`` was set to ``True`` by hand, or a sparse gradient comes
                 where ``optimizer_class`` refuses one (a ``RuntimeError``, as torch's); all checked before
                 anything changes.
+            RuntimeError: torch's own error for ``fused=True`` on parameters its fused kernel refuses
+                (a device or dtype), as torch raises it at its step, before anything changes.
         """
         _check_step_allowed(self.param_groups)
         loss = None
@@ -249,12 +278,36 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         views.check_sparse(self.optimizer_class.__name__, self.param_groups, active, self.defaults)
         if not any(active):
             return loss
+        for group, ps in zip(self.param_groups, active):  # torch's fused=True checks, as its step runs them
+            check_torch_step_accepts(self.optimizer_class, self._hyper(group), ps, _fused_kinds_accepted(self))
         grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
         written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has been computed
+        on_updates = self._sparsify is not None and self._sparsify_on == "update"
         if self._sparsify is not None:
-            grads = self._sparsify.step(self.state, active, grads, written)
-        all_ps: list[torch.Tensor] = []
-        all_us: list[torch.Tensor] = []
+            if on_updates:  # its checks (k against the parameters) before any in-place step writes
+                self._sparsify.layout([p for ps in active for p in ps])
+            else:
+                grads = self._sparsify.step(self.state, active, grads, written)
+        updates = self._updates(active, grads, written)
+        if on_updates:
+            assert self._sparsify is not None
+            flat = self._sparsify.step(self.state, active, [[updates[p] for p in ps] for ps in active], written)
+            updates = {p: u for ps, us in zip(active, flat) for p, u in zip(ps, us)}
+        for p, e in written.items():
+            if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
+                self.state[p].update(e)
+        if updates:
+            torch._foreach_add_(list(updates), list(updates.values()))
+        return loss
+
+    def _updates(
+        self,
+        active: list[list[torch.Tensor]],
+        grads: list[list[torch.Tensor]],
+        written: dict[torch.Tensor, dict[str, Any]],
+    ) -> dict[torch.Tensor, torch.Tensor]:
+        """Each group's step of its ``active`` parameters: their updates (none for a step that added its own
+        into the parameters), the new entries into ``written``."""
         # The in-place cohorts run once every pure one has been computed: a failing step changes nothing.
         results: list[tuple[list[torch.Tensor], Any]] = []
         for group, ps, gs in zip(self.param_groups, active, grads):
@@ -266,21 +319,16 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 cohort, cohort_gs, cohort_es = [ps[i] for i in idx], [gs[i] for i in idx], [entries[i] for i in idx]
                 run = part.run_inplace(cohort_gs, cohort, cohort_es)
                 results.append((cohort, run if run is not None else part.run(cohort_gs, cohort, cohort_es)))
+        out: dict[torch.Tensor, torch.Tensor] = {}
         for cohort, result in results:
             updates, new = result() if callable(result) else result
             if self._sparsify is not None and not callable(result):  # pure maths may keep a gradient as state
                 new = self._sparsify.unshared(new)
             if updates is not None:  # (None: an in-place step that added its updates itself)
-                all_ps += cohort
-                all_us += updates
+                out.update(zip(cohort, updates))
             for p, e in zip(cohort, new):
                 written.setdefault(p, {}).update(e)
-        for p, e in written.items():
-            if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
-                self.state[p].update(e)
-        if all_ps:
-            torch._foreach_add_(all_ps, all_us)
-        return loss
+        return out
 
     @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:

@@ -44,8 +44,8 @@ from functopk.optim.adaptive import adam_config, adam_direction
 from functopk.tree import chunked, foreach
 
 __all__ = [
-    "MOSTLY_ZERO", "InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "adamax_step", "rmsprop_step",
-    "sgd_step",
+    "MOSTLY_ZERO", "UPDATES_WANTED", "InplaceBuilder", "InplaceStep", "adagrad_step", "adam_step", "adamax_step",
+    "rmsprop_step", "sgd_step",
 ]
 
 Entries = list[dict[str, Any]]
@@ -98,6 +98,19 @@ MOSTLY_ZERO = "functopk: mostly-zero gradients"
 :func:`adam_step` then floors ``nu`` before ``sqrt`` where that changes no bit
 (:func:`functopk.optim.adaptive.sqrt_floor`), which avoids ``sqrt``'s slow path for zeros.
 """
+
+UPDATES_WANTED = "functopk: updates wanted"
+"""A key of the hyperparameters given to a builder: ``True`` when the adapter needs the updates themselves.
+
+``ParamGroupOptimizer`` sets it with ``sparsify_on="update"`` (its ``sparsify`` runs on the updates
+before they are added); the steps that would add their updates slice by slice
+(:mod:`functopk.adapter.inplace_chunked`) then return them instead.
+"""
+
+
+def _sliced(h: Mapping[str, Any], params: list[torch.Tensor]) -> bool:
+    """Whether the step runs slice by slice into the parameters (no update tree): see :mod:`inplace_chunked`."""
+    return not h.get(UPDATES_WANTED, False) and chunked.applies(params)
 
 
 def adam_step(h: Mapping[str, Any], decoupled: bool = False) -> InplaceStep | None:
@@ -161,7 +174,7 @@ def sgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
             if dampening != 0:  # the first step undamped, as in functopk.trace
                 one = torch.ones((), dtype=foreach.scalar_dtype(count.device), device=count.device)
                 factor = foreach.for_leaves(torch.where(count == 0, one, 1.0 - dampening), grads)
-            if chunked.applies(params):  # no update tree: see functopk.adapter.inplace_chunked
+            if _sliced(h, params):
                 body = inplace_chunked.sgd_body(h, factor)
                 chunked.add_(params, [grads, buf], body, rows=inplace_chunked.ROWS)
                 return None, with_entry(entries, "count", count + 1)
@@ -199,7 +212,7 @@ def rmsprop_step(h: Mapping[str, Any]) -> InplaceStep | None:
 
         def run() -> tuple[list[torch.Tensor] | None, Entries]:
             count = entries[0]["step"]
-            if chunked.applies(params):  # no update tree: see functopk.adapter.inplace_chunked
+            if _sliced(h, params):
                 state = [[e[n] for e in entries] for n in names]
                 chunked.add_(params, [grads, *state], inplace_chunked.rmsprop_body(h), rows=inplace_chunked.ROWS)
                 return None, with_entry(entries, "step", count + 1)
@@ -266,7 +279,7 @@ def adamax_step(h: Mapping[str, Any]) -> InplaceStep | None:
             count = entries[0]["step"]
             t = (count + 1).to(foreach.scalar_dtype(count.device))
             step = foreach.for_leaves((lr / (1.0 - torch.pow(b1, t))) * -1.0, grads)
-            if chunked.applies(params):  # no update tree: see functopk.adapter.inplace_chunked
+            if _sliced(h, params):
                 body = inplace_chunked.adamax_body(h, step)
                 chunked.add_(params, [grads, mu, nu], body, rows=inplace_chunked.ROWS)
                 return None, with_entry(entries, "step", count + 1)
@@ -275,10 +288,8 @@ def adamax_step(h: Mapping[str, Any]) -> InplaceStep | None:
                 g = foreach.add_scaled(g, h["weight_decay"], params)
             torch._foreach_lerp_(mu, g, 1.0 - b1)
             torch._foreach_mul_(nu, b2)
-            floor = foreach.add_scalar_(foreach.abs(g), eps)
-            torch._foreach_maximum_(nu, floor)
-            # m / u into the floor's buffers, done with
-            return foreach.mul_(foreach.div_into(mu, floor), step), with_entry(entries, "step", count + 1)
+            torch._foreach_maximum_(nu, foreach.add_scalar_(foreach.abs(g), eps))
+            return foreach.mul_(foreach.div(mu, nu), step), with_entry(entries, "step", count + 1)  # m / u
 
         return run
 

@@ -20,7 +20,7 @@ import torch
 
 from functopk.adapter.inplace import Entries, InplaceStep, Run, all_numbers, fits, with_entry
 from functopk.optim import classic
-from functopk.tree import foreach
+from functopk.tree import foreach, torch_rounding
 
 __all__ = ["adadelta_step", "asgd_step", "rprop_step"]
 
@@ -114,15 +114,18 @@ def asgd_step(h: Mapping[str, Any]) -> InplaceStep | None:
         def run() -> tuple[list[torch.Tensor], Entries]:
             g = _first_moves(grads, params, h)
             count, eta, mu = entries[0]["step"], entries[0]["eta"], entries[0]["mu"]
-            new_params = classic.asgd_new_params(g, params, eta, lambd)
+            loop = not torch_rounding.torch_foreach(h.get("foreach"), params)  # torch's for-loop rounds otherwise
+            new_params = classic.asgd_new_params(g, params, eta, lambd, loop)
             ax = [e["ax"] for e in entries]
             if ax[0].device.type == "cpu":  # leaf by leaf: a fresh tree of differences costs page faults on CPU
                 for a, x in zip(ax, new_params):
                     a.addcmul_(torch.sub(x, a), mu)
             else:
                 torch._foreach_addcmul_(ax, foreach.sub(new_params, ax), [mu] * len(ax))
+            if loop:
+                classic.asgd_copy_while_mu_is_one_(ax, new_params, mu)
             torch._foreach_sub_(new_params, params)  # the update, in the fresh new parameters' buffers
-            eta, mu = classic.asgd_next_eta_mu(count, eta.dtype, lr, lambd, alpha, t0)
+            eta, mu = classic.asgd_next_eta_mu(count, eta.dtype, lr, lambd, alpha, t0, loop)
             shared = {"step": count + 1, "eta": eta, "mu": mu}  # one of each for the cohort: it steps together
             return new_params, [{**e, **shared} for e in entries]
 

@@ -229,22 +229,29 @@ def torch_hyperparams(optimizer_class: type[torch.optim.Optimizer], kwargs: Mapp
 
 
 def check_torch_step_accepts(
-    optimizer_class: type[torch.optim.Optimizer], hyperparams: Hyperparams, params: list[torch.Tensor]
+    optimizer_class: type[torch.optim.Optimizer],
+    hyperparams: Hyperparams,
+    params: list[torch.Tensor],
+    accepted: set[tuple[torch.device, torch.dtype]],
 ) -> None:
-    """Torch's first-step checks of ``fused=True`` (parameter devices and dtypes), run now.
+    """Torch's checks of ``fused=True`` at a step (the parameters' devices and dtypes), before anything changes.
 
-    Torch checks them only when it steps, so its optimizer takes one step on a
-    one-element stand-in for each device and dtype among ``params`` (nothing when
-    ``fused`` is off): what torch refuses raises torch's own error.
+    Torch checks them as it steps, so its optimizer takes one step on a
+    one-element stand-in for each device and dtype among ``params`` not yet in
+    ``accepted`` (nothing when ``fused`` is off): what torch refuses raises
+    torch's own error; what it takes joins ``accepted``.
     """
     if not hyperparams.get("fused"):
         return
-    accepted = inspect.signature(optimizer_class.__init__).parameters
-    kinds = sorted({(p.device, p.dtype) for p in params}, key=str)
+    kinds = sorted({(p.device, p.dtype) for p in params} - accepted, key=str)
+    if not kinds:
+        return
+    keys = inspect.signature(optimizer_class.__init__).parameters
     stand_ins = [torch.zeros(1, device=device, dtype=dtype, requires_grad=True) for device, dtype in kinds]
     for s in stand_ins:
         s.grad = torch.zeros_like(s)
-    optimizer_class(stand_ins, **{k: v for k, v in hyperparams.items() if k in accepted}).step()
+    optimizer_class(stand_ins, **{k: v for k, v in hyperparams.items() if k in keys and k != "params"}).step()
+    accepted.update(kinds)
 
 
 def add_checked_group(
@@ -255,8 +262,8 @@ def add_checked_group(
 ) -> None:
     """torch's ``add_param_group`` on ``opt``, then the checks of the new group, which is removed if one fails.
 
-    The checks: no parameter listed twice (``ValueError``), and torch's own constructor and first-step
-    checks of the group's hyperparameters (as ``optimizer_class`` would refuse them); then ``also(group)``.
+    The checks: no parameter listed twice (``ValueError``), and torch's own constructor's checks of the
+    group's hyperparameters (as ``optimizer_class`` would refuse them); then ``also(group)``.
     """
     with torch_duplicate_warning_ignored():  # a repeated parameter is refused below, by name
         torch.optim.Optimizer.add_param_group(opt, param_group)
@@ -264,8 +271,7 @@ def add_checked_group(
     try:
         check_distinct_params(group, len(opt.param_groups) - 1)
         accepted = inspect.signature(optimizer_class.__init__).parameters
-        hyper = torch_hyperparams(optimizer_class, {k: group[k] for k in opt.defaults if k in accepted})
-        check_torch_step_accepts(optimizer_class, hyper, list(group["params"]))
+        torch_hyperparams(optimizer_class, {k: group[k] for k in opt.defaults if k in accepted})
         if also is not None:
             also(group)
     except Exception:

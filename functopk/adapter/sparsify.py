@@ -162,10 +162,11 @@ class Sparsify(Part):
         if donor is not None:
             entries = [{**e, **{n: donor[n] for n in shared}} for e in entries]
         updates, new = self.run(flat_gs, flat_ps, entries)
-        for p, e in zip(flat_ps, new):
-            written[p] = dict(e)
+        for p, e in zip(flat_ps, new):  # (merged: with sparsify_on="update" the optimizer's entries are there)
+            written.setdefault(p, {}).update(e)
         if shared:  # parameters without a gradient now keep their sparsify entries, with the new shared leaves
+            stepped = set(map(id, flat_ps))
             for p, s in state.items():
-                if p not in written and all(n in s for n in shared):
-                    written[p] = {n: new[0][n] for n in shared}
+                if id(p) not in stepped and all(n in s for n in shared):
+                    written.setdefault(p, {}).update({n: new[0][n] for n in shared})
         return updates

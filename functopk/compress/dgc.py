@@ -181,14 +181,14 @@ def momentum_correction(
         inner: The sparsifier, e.g. ``ft.topk(density=0.001)``: one that copies the values it keeps
             (``topk``, ``layerwise_topk``, ``threshold``, ``randk`` without ``unbiased``), since the
             residual is zeroed where sent, not reduced by the sent value.
-        momentum: The momentum coefficient ``m >= 0`` (a number or a 0-d tensor).
+        momentum: The momentum coefficient, in ``[0, 1)`` (a number or a 0-d tensor, whose value is not checked).
         nesterov: Nesterov momentum, as ``torch.optim.SGD(nesterov=True)``.
         masking: Zero the velocity at sent coordinates (momentum factor masking).
         min_size: Leaves with fewer coordinates stay dense with plain momentum.
 
     Raises:
-        ValueError: ``init`` without parameters, or with no leaf of ``min_size`` coordinates; an
-            update whose structure or leaf shapes differ from the state's (naming the leaf).
+        ValueError: ``momentum`` outside ``[0, 1)``; ``init`` without parameters, or with no leaf of ``min_size``
+            coordinates; an update whose structure or leaf shapes differ from the state's (naming the leaf).
         TypeError: a state from another transformation; a gradient leaf that is not floating-point.
 
     Example:
@@ -203,7 +203,7 @@ def momentum_correction(
         tensor([0.0000, 2.5000])
     """
     check_transformation(inner, "inner")
-    momentum = check_hyperparam(momentum, "momentum", minimum=0.0)
+    momentum = check_hyperparam(momentum, "momentum", minimum=0.0, below=1.0)  # (from 1 the velocity never decays)
     nesterov, masking = check_bool(nesterov, "nesterov"), check_bool(masking, "masking")
     min_size = check_int(min_size, "min_size", minimum=0)
     velocity = trace(momentum, nesterov=nesterov)  # the wrapped transformation; memory holds the sparsifier
@@ -378,7 +378,7 @@ def dgc(
 
     Args:
         learning_rate: A number or a schedule ``step -> lr``.
-        momentum: Momentum coefficient ``>= 0``.
+        momentum: Momentum coefficient, in ``[0, 1)``.
         density: Fraction of (compressed) coordinates sent per step, or a schedule of it.
         nesterov: Nesterov momentum.
         max_norm: Local gradient clipping threshold for the sum over workers; ``None``: no clipping.

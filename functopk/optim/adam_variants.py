@@ -32,7 +32,7 @@ from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, 
 from functopk.build import leafwise
 from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.adaptive import adam_config, ema_sq
-from functopk.tree import foreach
+from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import PyTree
 
 __all__ = [
@@ -53,6 +53,7 @@ class _Config(NamedTuple):
     weight_decay: Hyper
     decoupled: bool
     maximize: bool
+    foreach: Any = None  # torch's implementation flag: whose rounding of a tensor lr to follow
 
     @property
     def has_decay(self) -> bool:
@@ -60,20 +61,15 @@ class _Config(NamedTuple):
 
 
 def _config(
-    learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any, decoupled: Any, maximize: Any
+    learning_rate: Any, b1: Any, b2: Any, eps: Any, weight_decay: Any, decoupled: Any, maximize: Any, foreach: Any
 ) -> _Config:
     """Check the shared hyperparameters (``TypeError``/``ValueError`` naming the argument)."""
     learning_rate = check_scalar_or_schedule(learning_rate, "learning_rate", minimum=0.0)
     adam = adam_config(b1, b2, eps, 0.0, maximize=maximize)
-    return _Config(
-        learning_rate=learning_rate,
-        b1=adam.b1,
-        b2=adam.b2,
-        eps=adam.eps,
-        weight_decay=check_hyperparam(weight_decay, "weight_decay", minimum=0.0),
-        decoupled=check_bool(decoupled, "decoupled_weight_decay"),
-        maximize=adam.maximize,
-    )
+    weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
+    decoupled = check_bool(decoupled, "decoupled_weight_decay")
+    # foreach: any value, as torch takes it (functopk.tree.torch_rounding.torch_foreach)
+    return _Config(learning_rate, adam.b1, adam.b2, adam.eps, weight_decay, decoupled, adam.maximize, foreach)
 
 
 def torch_gradient(grads: Leaves, params: Leaves | None, cfg: _Config) -> Leaves:
@@ -88,7 +84,7 @@ def torch_gradient(grads: Leaves, params: Leaves | None, cfg: _Config) -> Leaves
 def _decoupled_decay_(out: Leaves, params: Leaves | None, lr: Hyper, cfg: _Config, like: Leaves) -> Leaves:
     """Add ``-lr * weight_decay * params`` into ``out`` (fresh buffers) with decoupled decay; else ``out``."""
     if cfg.has_decay and cfg.decoupled and params is not None:
-        foreach.add_scaled_(out, foreach.for_leaves(-lr * cfg.weight_decay, like), params)
+        foreach.add_scaled_(out, foreach.for_leaves(torch_rounding.decoupled_decay(lr, cfg.weight_decay), like), params)
     return out
 
 
@@ -145,6 +141,7 @@ def nadam(
     momentum_decay: Hyper = 4e-3,
     decoupled_weight_decay: bool = False,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> GradientTransformation:
     """NAdam, Adam with Nesterov momentum (Dozat, 2016): ``torch.optim.NAdam``.
 
@@ -171,6 +168,8 @@ def nadam(
         momentum_decay: torch's ``momentum_decay`` (``psi``), ``>= 0``.
         decoupled_weight_decay: Decay the weights directly (AdamW-style) instead of through the gradient.
         maximize: Ascend the objective.
+        foreach: torch's flag: the implementation whose rounding of a tensor ``learning_rate`` to follow
+            (:func:`~functopk.tree.torch_rounding.torch_foreach`; ``None``: the for-loop's on the CPU).
 
     Example:
         >>> import torch
@@ -181,7 +180,7 @@ def nadam(
         >>> updates["w"]   # first step: -0.1 * (1 + 0.1 * mu_2 / (1 - mu_1 * mu_2)) * sign(g), mu_t ~ 0.45
         tensor([-0.1056,  0.1056])
     """
-    cfg = _config(learning_rate, b1, b2, eps, weight_decay, decoupled_weight_decay, maximize)
+    cfg = _config(learning_rate, b1, b2, eps, weight_decay, decoupled_weight_decay, maximize, foreach)
     return _nadam(cfg, check_hyperparam(momentum_decay, "momentum_decay", minimum=0.0))
 
 
@@ -209,8 +208,12 @@ def nadam_direction(
     # torch: -lr * (1 - mu) / (1 - P) * g / d - lr * mu_next / (1 - P * mu_next) * m / d with
     # d = sqrt(v) / bc2_sqrt + eps; here d * bc2_sqrt = sqrt(v) + eps * bc2_sqrt, and bc2_sqrt
     # rides on the two coefficients.
-    coef_g = (lr * (1.0 - mu) / (1.0 - product)) * -bc2_sqrt
-    coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
+    if torch_rounding.lr_in_float64(lr, cfg.foreach, g, rounded_by_foreach=False):
+        coef_g = (lr * (1.0 - mu) / (1.0 - product)) * -bc2_sqrt
+        coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
+    else:  # torch's for-loop: -lr * (1 - mu) / (1 - P) and -lr * mu_next / (1 - P * mu_next) in lr's dtype
+        coef_g = torch_rounding.lr_divided(torch_rounding.lr_times(lr, 1.0 - mu), 1.0 - product) * -bc2_sqrt
+        coef_m = torch_rounding.lr_divided(torch_rounding.lr_times(lr, mu_next), 1.0 - product * mu_next) * -bc2_sqrt
     denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
     cg, cm = foreach.for_leaves(coef_g, g), cast(torch.Tensor, foreach.for_leaves(coef_m, g))
     if denom and denom[0].device.type == "cpu":  # leaf by leaf: a second fresh tree costs page faults on CPU
@@ -224,10 +227,8 @@ def nadam_direction(
 def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:
     def init(params: Leaves) -> NadamState:
         count = init_count(params)
-        # torch's own dtype for it (_get_scalar_dtype: float64 only when that is the default dtype), so that
-        # the running product rounds as torch's does
-        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        product = torch.ones((), dtype=dtype, device=count.device)
+        # torch's own dtype for it, so that the running product rounds as torch's does
+        product = torch.ones((), dtype=torch_rounding.torch_scalar_dtype(count.device), device=count.device)
         zeros = foreach.zeros_like
         return NadamState(count=count, mu_product=product, mu=zeros(params), nu=zeros(params))
 
@@ -275,6 +276,7 @@ def radam(
     weight_decay: Hyper = 0.0,
     decoupled_weight_decay: bool = False,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> GradientTransformation:
     """RAdam, Adam with a rectified adaptive learning rate (Liu et al., 2020): ``torch.optim.RAdam``.
 
@@ -298,6 +300,8 @@ def radam(
         weight_decay: Weight decay, ``>= 0``: coupled (L2) or decoupled.
         decoupled_weight_decay: Decay the weights directly (AdamW-style) instead of through the gradient.
         maximize: Ascend the objective.
+        foreach: torch's flag: the implementation whose rounding of a tensor ``learning_rate`` to follow
+            (:func:`~functopk.tree.torch_rounding.torch_foreach`; ``None``: the for-loop's on the CPU).
 
     Example:
         >>> import torch
@@ -308,8 +312,10 @@ def radam(
         >>> updates["w"]   # unrectified first step: -0.1 * m / (1 - b1) = -0.1 * 3
         tensor([-0.3000])
     """
-    cfg = _config(learning_rate, b1, b2, eps, weight_decay, decoupled_weight_decay, maximize)
+    return _radam(_config(learning_rate, b1, b2, eps, weight_decay, decoupled_weight_decay, maximize, foreach))
 
+
+def _radam(cfg: _Config) -> GradientTransformation:
     def init(params: Leaves) -> RadamState:
         zeros = foreach.zeros_like
         return RadamState(count=init_count(params), mu=zeros(params), nu=zeros(params))
@@ -333,19 +339,23 @@ def radam_direction(
     Shared by :func:`radam` and the adapter's in-place step.
     """
     lr = _learning_rate(cfg, count)
-    adaptive, plain = _radam_coefficients(cfg, count, lr)
+    wide = torch_rounding.lr_in_float64(lr, cfg.foreach, g, rounded_by_foreach=True)
+    adaptive, plain = _radam_coefficients(cfg, count, lr, wide)
     denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)
     out = foreach.mul_(foreach.div_into(m, denom), foreach.for_leaves(adaptive, g))
     out = foreach.addcmul_(out, m, [cast(torch.Tensor, foreach.for_leaves(plain, g))] * len(out))  # 0 * m if rectified
     return _decoupled_decay_(out, params, lr, cfg, g)
 
 
-def _radam_coefficients(cfg: _Config, count: torch.Tensor, lr: Hyper) -> tuple[torch.Tensor, torch.Tensor]:
+def _radam_coefficients(
+    cfg: _Config, count: torch.Tensor, lr: Hyper, wide: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(c_adaptive, c_plain)``: the update is ``c_adaptive * m / (sqrt(v) + eps) + c_plain * m``.
 
     One of the two is zero: ``c_plain = -lr / (1 - b1**t)`` until ``rho_t > 5``,
     then ``c_adaptive = -lr * r_t * sqrt(1 - b2**t) / (1 - b1**t)``; computed with
-    torch's expressions, in float64, chosen by ``torch.where`` on device.
+    torch's expressions, in float64 (in a tensor ``lr``'s dtype unless ``wide``,
+    as torch's foreach RAdam does), chosen by ``torch.where`` on device.
     """
     t, dtype = _times(count)
     b1, b2 = _as(cfg.b1, dtype), _as(cfg.b2, dtype)
@@ -359,8 +369,13 @@ def _radam_coefficients(cfg: _Config, count: torch.Tensor, lr: Hyper) -> tuple[t
     # it keeps NaN out of that branch and of any gradient taken through it
     rect = torch.where(rectified, torch.sqrt(torch.clamp_min(ratio, 0.0)), zero)
     bc1 = 1.0 - torch.pow(b1, t)
-    adaptive = torch.sqrt(1.0 - b2_t) * (lr * rect / bc1) * -1.0
-    plain = torch.where(rectified, zero, (lr / bc1) * -1.0)
+    if wide:
+        adaptive = torch.sqrt(1.0 - b2_t) * (lr * rect / bc1) * -1.0
+        plain = torch.where(rectified, zero, (lr / bc1) * -1.0)
+    else:  # sqrt(1 - b2**t) * (lr * rect / bc1) * -1 and (lr / bc1) * -1, each step in lr's dtype
+        scaled = torch_rounding.lr_divided(torch_rounding.lr_times(lr, rect), bc1)
+        adaptive = torch_rounding.lr_times(scaled, torch.sqrt(1.0 - b2_t)) * -1.0
+        plain = torch.where(rectified, zero, torch_rounding.lr_divided(lr, bc1) * -1.0)
     return adaptive, plain
 
 
@@ -396,6 +411,7 @@ def adamax(
     eps: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> GradientTransformation:
     """Adamax, Adam with the infinity norm (Kingma & Ba, 2015): ``torch.optim.Adamax``.
 
@@ -412,6 +428,8 @@ def adamax(
         eps: Added to ``|g|`` before the maximum (torch's place for it).
         weight_decay: Coupled weight decay, ``>= 0``.
         maximize: Ascend the objective.
+        foreach: torch's flag: the implementation whose rounding of a tensor ``learning_rate`` to follow
+            (:func:`~functopk.tree.torch_rounding.torch_foreach`; ``None``: the for-loop's on the CPU).
 
     Example:
         >>> import torch
@@ -422,8 +440,10 @@ def adamax(
         >>> updates["w"]   # -0.1 * (0.1 * g / 0.1) / |g|
         tensor([-0.1000,  0.1000])
     """
-    cfg = _config(learning_rate, b1, b2, eps, weight_decay, False, maximize)
+    return _adamax(_config(learning_rate, b1, b2, eps, weight_decay, False, maximize, foreach))
 
+
+def _adamax(cfg: _Config) -> GradientTransformation:
     def init(params: Leaves) -> AdamaxState:
         zeros = foreach.zeros_like
         return AdamaxState(count=init_count(params), mu=zeros(params), nu=zeros(params))
@@ -434,7 +454,10 @@ def adamax(
         u = foreach.maximum(foreach.mul(state.nu, cfg.b2), foreach.add_scalar_(foreach.abs(g), cfg.eps))
         t, dtype = _times(state.count)
         lr = _learning_rate(cfg, state.count)
-        step = (lr / (1.0 - torch.pow(_as(cfg.b1, dtype), t))) * -1.0
+        bc1 = 1.0 - torch.pow(_as(cfg.b1, dtype), t)
+        # torch's for-loop divides a tensor lr in its dtype, its foreach kernel reads it on the host
+        wide = torch_rounding.lr_in_float64(lr, cfg.foreach, g, rounded_by_foreach=False)
+        step = (lr / bc1 if wide else torch_rounding.lr_divided(lr, bc1)) * -1.0
         out = foreach.mul_(foreach.div(m, u), foreach.for_leaves(step, g))
         return out, AdamaxState(count=state.count + 1, mu=m, nu=u)
 
@@ -445,46 +468,22 @@ def adamax(
 # --------------------------------------------------------------------------- torch.optim correspondence
 
 
-def _group_common(group: dict[str, Any]) -> dict[str, Any]:
-    """The arguments the three share, from a torch param group (foreach, capturable, ... ignored)."""
-    b1, b2 = group["betas"]
-    return {
-        "learning_rate": group_scalar(group["lr"]),
-        "b1": group_scalar(b1),
-        "b2": group_scalar(b2),
-        "eps": group_scalar(group["eps"]),
-        "weight_decay": group_scalar(group["weight_decay"]),
-        "maximize": group.get("maximize", False),
-    }
-
-
 def torch_config(group: dict[str, Any]) -> _Config:
-    """The checked hyperparameters of a torch NAdam, RAdam or Adamax param group (the adapter's in-place steps)."""
-    c = _group_common(group)
-    decoupled = group.get("decoupled_weight_decay", False)
-    return _config(c["learning_rate"], c["b1"], c["b2"], c["eps"], c["weight_decay"], decoupled, c["maximize"])
-
-
-def _nadam_from_torch(group: dict[str, Any]) -> GradientTransformation:
-    return nadam(
-        **_group_common(group),
-        momentum_decay=group_scalar(group["momentum_decay"]),
-        decoupled_weight_decay=group.get("decoupled_weight_decay", False),
-    )
-
-
-def _radam_from_torch(group: dict[str, Any]) -> GradientTransformation:
-    return radam(**_group_common(group), decoupled_weight_decay=group.get("decoupled_weight_decay", False))
-
-
-def _adamax_from_torch(group: dict[str, Any]) -> GradientTransformation:
-    return adamax(**_group_common(group))
+    """The checked hyperparameters of a torch NAdam, RAdam or Adamax param group (its other keys ignored)."""
+    b1, b2 = group["betas"]
+    return _config(
+        group_scalar(group["lr"]), group_scalar(b1), group_scalar(b2), group_scalar(group["eps"]),
+        group_scalar(group["weight_decay"]), group.get("decoupled_weight_decay", False), group.get("maximize", False),
+        group.get("foreach"),
+    )  # fmt: skip
 
 
 TORCH_BUILDERS: dict[str, Callable[[dict[str, Any]], GradientTransformation]] = {
-    "NAdam": _nadam_from_torch,
-    "RAdam": _radam_from_torch,
-    "Adamax": _adamax_from_torch,
+    "NAdam": lambda group: _nadam(
+        torch_config(group), check_hyperparam(group_scalar(group["momentum_decay"]), "momentum_decay", minimum=0.0)
+    ),
+    "RAdam": lambda group: _radam(torch_config(group)),
+    "Adamax": lambda group: _adamax(torch_config(group)),
 }
 """torch class name -> a function of that class's param-group dict (``opt.param_groups[0]``) giving its equivalent."""
 

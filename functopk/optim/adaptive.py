@@ -30,7 +30,7 @@ from functopk.build import leafwise
 from functopk.combine import MaskOrFn, resolve_mask
 from functopk.inplace import Planned, Stage, fitting, register_inplace
 from functopk.optim._shared import Hyper, Leaves, is_number, selected, with_mask
-from functopk.tree import foreach
+from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import PyTree
 
 __all__ = ["ScaleByAdamState", "scale_by_adam"]
@@ -206,9 +206,10 @@ def adam_direction(
         roots = list(torch._foreach_clamp_min(list(nu), floor))
         torch._foreach_sqrt_(roots)
     denom = foreach.add_scalar_(roots, foreach.for_leaves(cfg.eps * bc2_sqrt, like))
-    step = bc2_sqrt / bc1
-    if lr is not None:
-        step = step * -lr
+    if isinstance(lr, torch.Tensor):  # torch's lr / (1 - b1**t) is a tensor of lr's dtype (float32: rounded)
+        step = bc2_sqrt * -torch_rounding.lr_divided(lr, bc1)
+    else:
+        step = bc2_sqrt / bc1 if lr is None else bc2_sqrt / bc1 * -lr
     return foreach.mul_(foreach.div_into(mu, denom), foreach.for_leaves(step, like))
 
 
@@ -273,7 +274,7 @@ def _decay_decoupled(
 ) -> None:
     """AdamW's decay into the fresh updates ``out``: ``-lr * weight_decay * params`` on the leaves the mask keeps."""
     idx = selected(flags, out)
-    coef = foreach.for_leaves(-lr * weight_decay, grads)
+    coef = foreach.for_leaves(torch_rounding.decoupled_decay(lr, weight_decay), grads)
     foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
 
 

@@ -30,6 +30,7 @@ from functopk.optim._shared import Hyper
 from functopk.optim.adaptive import AdamDecay, adam_config, adam_transform
 from functopk.optim.elementary import add_decayed_weights, scale, scale_by_learning_rate, scale_by_schedule, trace
 from functopk.optim.rms import scale_by_rms, scale_by_rss
+from functopk.tree import torch_rounding
 from functopk.tree.foreach import scalar_dtype
 
 __all__ = ["adagrad", "adam", "adamw", "rmsprop", "sgd"]
@@ -272,7 +273,8 @@ def adagrad(
         def decayed(count: torch.Tensor) -> torch.Tensor:
             lr = learning_rate(count) if callable(learning_rate) else learning_rate
             # In float64 (scale_by_schedule casts it to float32 unless a leaf is float64), as torch's Python float.
-            return -lr / (1.0 + count.to(scalar_dtype(count.device)) * lr_decay)
+            # (a tensor lr divides in its dtype, as torch's lr / (1 + t * lr_decay) does)
+            return -torch_rounding.lr_divided(lr, 1.0 + count.to(scalar_dtype(count.device)) * lr_decay)
 
         parts.append(scale_by_schedule(decayed))
     return chain(*parts)

@@ -14,7 +14,7 @@ hyperparameter dict).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -30,7 +30,7 @@ from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, 
 from functopk.build import leafwise
 from functopk.optim._shared import Hyper, Leaves
 from functopk.optim.adaptive import ema_sq
-from functopk.tree import foreach
+from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import PyTree
 
 __all__ = [
@@ -322,13 +322,6 @@ class AsgdState(NamedTuple):
     ax: PyTree
 
 
-def _torch_scalar_dtype(device: torch.device) -> torch.dtype:
-    """The dtype torch.optim keeps per-parameter scalars in: float64 under a float64 default dtype, else float32."""
-    if device.type != "mps" and torch.get_default_dtype() == torch.float64:
-        return torch.float64
-    return torch.float32
-
-
 @recorded
 def asgd(
     learning_rate: ScalarOrSchedule = 1e-2,
@@ -338,18 +331,22 @@ def asgd(
     t0: Hyper = 1e6,
     weight_decay: Hyper = 0.0,
     maximize: bool = False,
+    foreach: bool | None = None,
 ) -> GradientTransformation:
     """Averaged stochastic gradient descent (Polyak & Juditsky, 1992): ``torch.optim.ASGD``.
 
     At step ``t`` (from 1), with ``g`` the gradient (negated with ``maximize``,
-    plus ``weight_decay * params``), torch's new parameters
-    ``params - eta * (g + lambd * params)`` are computed with its fused kernel and
-    the update is their difference from ``params`` (exact while a step is at most
-    half the parameter, so ``apply_updates`` gives back torch's bits). Then
-    ``ax = ax + mu * (new_params - ax)``, and the next step's scalars are
+    plus ``weight_decay * params``), torch's new parameters are computed as its
+    implementation computes them, ``params - eta * (g + lambd * params)`` (the
+    foreach kernels) or ``params * (1 - lambd * eta) - eta * g`` (the for-loop),
+    and the update is their difference from ``params`` (exact while a step is at
+    most half the parameter, so ``apply_updates`` gives back torch's numbers).
+    Then ``ax = ax + mu * (new_params - ax)`` (the for-loop copies the parameters
+    while ``mu`` is 1), and the next step's scalars are
     ``eta = lr / (1 + lambd * lr * t)**alpha`` and ``mu = 1 / max(1, t - t0)``
-    (from ``eta = lr``, ``mu = 1``), rounded as torch's foreach implementation
-    rounds them (see :class:`AsgdState`; 0-d tensor hyperparameters may change
+    (from ``eta = lr``, ``mu = 1``), rounded as that implementation rounds them:
+    ``eta`` in its dtype by the foreach kernels, in float64 then rounded by the
+    for-loop (see :class:`AsgdState`; 0-d tensor hyperparameters may change
     ``eta``'s last bit). A schedule gives the first ``eta`` at ``init`` (its step-0
     value) and the next ``eta`` at each update, as torch with an LR scheduler.
 
@@ -365,6 +362,8 @@ def asgd(
         t0: The step from which the average starts.
         weight_decay: Coupled weight decay (L2): ``weight_decay * params`` added to the gradient.
         maximize: Ascend the objective instead (negate the gradient first).
+        foreach: torch's flag: the implementation whose rounding to follow
+            (:func:`~functopk.tree.torch_rounding.torch_foreach`; ``None``: the for-loop's on the CPU).
 
     Example:
         >>> import torch, functopk as ft
@@ -383,12 +382,16 @@ def asgd(
     alpha = check_hyperparam(alpha, "alpha", minimum=0.0)
     t0 = check_hyperparam(t0, "t0")
     weight_decay = check_hyperparam(weight_decay, "weight_decay", minimum=0.0)
-    check_bool(maximize, "maximize")
+    return _asgd(learning_rate, lambd, alpha, t0, weight_decay, check_bool(maximize, "maximize"), foreach)
+
+
+def _asgd(learning_rate: Any, lambd: Hyper, alpha: Hyper, t0: Hyper, weight_decay: Hyper, maximize: bool,
+          implementation: Any) -> GradientTransformation:  # fmt: skip
     decay = not is_zero(weight_decay)
 
     def init(params: Leaves) -> AsgdState:
         count = init_count(params)
-        dtype = _torch_scalar_dtype(count.device)
+        dtype = torch_rounding.torch_scalar_dtype(count.device)
         eta = torch.as_tensor(_value_at(learning_rate, count), dtype=dtype, device=count.device).clone()
         mu = torch.ones((), dtype=dtype, device=count.device)
         return AsgdState(count=count, eta=eta, mu=mu, ax=foreach.zeros_like(params))
@@ -399,20 +402,32 @@ def asgd(
             grads = foreach.neg(grads)
         if decay:
             grads = foreach.add_scaled(grads, weight_decay, params)
-        # torch's new parameters, params - eta * (g + lambd * params), with its fused kernel; the update is their
-        # difference from params (exact wherever the step is under |params|, so apply_updates gives them back)
-        new_params = asgd_new_params(grads, params, state.eta, lambd)
+        # torch's new parameters, with its kernels; the update is their difference from params (exact wherever
+        # the step is under |params|, so apply_updates gives them back)
+        loop = not torch_rounding.torch_foreach(implementation, params)
+        new_params = asgd_new_params(grads, params, state.eta, lambd, loop)
         out = foreach.sub(new_params, params)
         ax = foreach.addcmul(state.ax, foreach.sub(new_params, state.ax), [state.mu] * len(grads))
+        if loop:
+            asgd_copy_while_mu_is_one_(ax, new_params, state.mu)
         lr = _value_at(learning_rate, state.count)
-        eta, mu = asgd_next_eta_mu(state.count, state.eta.dtype, lr, lambd, alpha, t0)
+        eta, mu = asgd_next_eta_mu(state.count, state.eta.dtype, lr, lambd, alpha, t0, loop)
         return out, AsgdState(count=state.count + 1, eta=eta, mu=mu, ax=ax)
 
     return leafwise("asgd", update, init=init, state=AsgdState, tree_fields=("ax",), needs_params=True)
 
 
-def asgd_new_params(grads: Leaves, params: Leaves, eta: torch.Tensor, lambd: Hyper) -> list[torch.Tensor]:
-    """torch's new parameters ``params - eta * (grads + lambd * params)``, fresh (shared with the in-place step)."""
+def asgd_new_params(
+    grads: Leaves, params: Leaves, eta: torch.Tensor, lambd: Hyper, loop: bool = False
+) -> list[torch.Tensor]:
+    """torch's new parameters, fresh (shared with the in-place step): its foreach kernels'
+    ``params - eta * (grads + lambd * params)``, or (``loop``) its for-loop's ``params * (1 - lambd * eta) - eta *
+    grads`` with ``eta`` read as a Python float (here its float64 value, on device)."""
+    if loop:
+        wide = eta.to(foreach.scalar_dtype(eta.device))
+        scaled = foreach.mul(params, foreach.for_leaves(1.0 - lambd * wide, params))
+        neg_eta = cast(torch.Tensor, foreach.for_leaves(-wide, params))
+        return foreach.addcmul_(scaled, grads, [neg_eta] * len(scaled))
     out = foreach.add_scaled(grads, lambd, params)
     if not out or out[0].device.type != "cpu":  # (foreach kernels: one launch for all leaves)
         return foreach.addcmul(params, out, [eta] * len(out), value=-1.0)
@@ -421,21 +436,36 @@ def asgd_new_params(grads: Leaves, params: Leaves, eta: torch.Tensor, lambd: Hyp
     return out
 
 
-def asgd_next_eta_mu(
-    count: torch.Tensor, dtype: torch.dtype, lr: Hyper, lambd: Hyper, alpha: Hyper, t0: Hyper
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ASGD's ``eta`` (in ``dtype``) and ``mu`` after step ``count + 1``, rounded as torch's foreach ASGD rounds them.
+def asgd_copy_while_mu_is_one_(ax: list[torch.Tensor], new_params: Leaves, mu: torch.Tensor) -> None:
+    """Where ``mu`` is 1, the new parameters into ``ax`` (fresh buffers the caller owns), in place.
 
-    torch evaluates ``lr / ((1 + lambd * lr * step) ** alpha)`` with ``step`` its
-    float32 (or float64) step tensor and the rest Python floats: the same
-    expression here, on the count cast to the state's dtype, gives the same
-    bits. ``mu`` is ``1 / max(1, step - t0)`` in Python floats there, in float64
-    (float32 on MPS) here, then rounded to the state's dtype.
+    torch's for-loop copies the parameters into ``ax`` while ``mu`` is 1 (until
+    step ``t0 + 1``), where its foreach kernel adds ``mu * (params - ax)``, which
+    can differ in the last bit; the choice is made on device.
+    """
+    one = mu == 1
+    for a, x in zip(ax, new_params):
+        torch.where(one, x, a, out=a)
+
+
+def asgd_next_eta_mu(
+    count: torch.Tensor, dtype: torch.dtype, lr: Hyper, lambd: Hyper, alpha: Hyper, t0: Hyper, loop: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ASGD's ``eta`` (in ``dtype``) and ``mu`` after step ``count + 1``, rounded as torch's ASGD rounds them.
+
+    torch's foreach kernels evaluate ``lr / ((1 + lambd * lr * step) ** alpha)``
+    with ``step`` its float32 (or float64) step tensor and the rest Python
+    floats: the same expression here, on the count cast to the state's dtype,
+    gives the same bits. Its for-loop (``loop``) reads ``step`` as a Python float:
+    the expression is float64 maths (float32 on MPS), or in a tensor ``lr``'s
+    dtype, rounded to the state's dtype. ``mu`` is ``1 / max(1, step - t0)`` in
+    Python floats in both, so here too.
     """
     device = count.device
     step = count + 1
-    eta = lr / ((1 + lambd * lr * step.to(dtype)) ** alpha)
     wide = step.to(foreach.scalar_dtype(device))
+    t = (step.to(lr.dtype) if isinstance(lr, torch.Tensor) else wide) if loop else step.to(dtype)
+    eta = lr / ((1 + lambd * lr * t) ** alpha)
     mu = 1.0 / torch.clamp_min(wide - t0, 1.0)
     return eta.to(dtype), mu.to(dtype)
 
@@ -443,35 +473,22 @@ def asgd_next_eta_mu(
 # --------------------------------------------------------------------------- torch.optim param groups
 
 
-def _adadelta_from_group(group: dict[str, Any]) -> GradientTransformation:
-    return adadelta(
-        group_scalar(group["lr"]), rho=group_scalar(group["rho"]), eps=group_scalar(group["eps"]),
-        weight_decay=group_scalar(group["weight_decay"]), maximize=group["maximize"],
-    )
-
-
-def _rprop_from_group(group: dict[str, Any]) -> GradientTransformation:
-    return rprop(
-        group_scalar(group["lr"]), etas=group_scalar(group["etas"]), step_sizes=group_scalar(group["step_sizes"]),
-        maximize=group["maximize"],
-    )
-
-
-def _asgd_from_group(group: dict[str, Any]) -> GradientTransformation:
-    return asgd(
-        group_scalar(group["lr"]), lambd=group_scalar(group["lambd"]), alpha=group_scalar(group["alpha"]),
-        t0=group_scalar(group["t0"]),
-        weight_decay=group_scalar(group["weight_decay"]), maximize=group["maximize"],
-    )
-
-
 TORCH_BUILDERS: dict[str, Callable[[dict[str, Any]], GradientTransformation]] = {
-    "Adadelta": _adadelta_from_group,
-    "Rprop": _rprop_from_group,
-    "ASGD": _asgd_from_group,
-}
-"""torch class name -> a builder taking that class's param-group dict (``foreach``, ``capturable``,
-``differentiable`` and other keys not named here are ignored)."""
+    "Adadelta": lambda g: adadelta(
+        group_scalar(g["lr"]), rho=group_scalar(g["rho"]), eps=group_scalar(g["eps"]),
+        weight_decay=group_scalar(g["weight_decay"]), maximize=g["maximize"],
+    ),
+    "Rprop": lambda g: rprop(
+        group_scalar(g["lr"]), etas=group_scalar(g["etas"]), step_sizes=group_scalar(g["step_sizes"]),
+        maximize=g["maximize"],
+    ),
+    "ASGD": lambda g: asgd(
+        group_scalar(g["lr"]), lambd=group_scalar(g["lambd"]), alpha=group_scalar(g["alpha"]), t0=group_scalar(g["t0"]),
+        weight_decay=group_scalar(g["weight_decay"]), maximize=g["maximize"], foreach=g.get("foreach"),
+    ),
+}  # fmt: skip
+"""torch class name -> a builder taking that class's param-group dict (``capturable``, ``differentiable``
+and other keys not named here are ignored; ``foreach`` picks ASGD's rounding)."""
 
 TORCH_STATE_NAMES: dict[str, dict[str, str]] = {
     "Adadelta": {"count": "step", "square_avg": "square_avg", "acc_delta": "acc_delta"},

@@ -49,9 +49,10 @@ def per_leaf(scalar: Scalar, xs: Leaves) -> Scalar | list[torch.Tensor]:
     A scalar tensor with dimensions (one value per coordinate, as
     :func:`functopk.sparse.sparse_optimizer` keeps step counts) goes through
     the list overloads, which broadcast it against each leaf; the scalar
-    overloads take only 0-d tensors.
+    overloads take only 0-d tensors. So does a 0-d tensor on the meta device
+    (the scalar overloads read its value there, which a meta tensor has not).
     """
-    if isinstance(scalar, torch.Tensor) and scalar.dim():
+    if isinstance(scalar, torch.Tensor) and (scalar.dim() or scalar.device.type == "meta"):
         return [scalar] * len(xs)
     return scalar
 
@@ -216,13 +217,17 @@ def norms(xs: Leaves, ord: float = 2.0) -> list[torch.Tensor]:
     """The ``ord``-norm of each leaf as 0-d tensors, accumulated in float32 at least (no overflow in fp16).
 
     Grouped by (device, dtype) as ``torch.nn.utils.clip_grad_norm_`` does; the
-    norms come back in the leaves' order, each in ``norm_dtype(xs)``.
+    norms come back in the leaves' order, each in ``norm_dtype(xs)``. A leaf
+    without elements has norm 0 (the foreach kernel refuses it for ``ord=inf``).
     """
     out: list[torch.Tensor | None] = [None] * len(xs)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, x in enumerate(xs):
-        groups.setdefault((x.device, x.dtype), []).append(i)
     dtype = norm_dtype(xs)
+    for i, x in enumerate(xs):
+        if x.numel():
+            groups.setdefault((x.device, x.dtype), []).append(i)
+        else:
+            out[i] = torch.zeros((), dtype=dtype, device=x.device)
     for (_, group_dtype), idx in groups.items():
         acc = torch.promote_types(group_dtype, torch.float32)
         for i, n in zip(idx, torch._foreach_norm([xs[i] for i in idx], ord, dtype=acc)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -140,6 +141,23 @@ def test_checkpoint_of_another_class_or_shape_raises_before_changing_anything():
         ours.load_state_dict(wrong)
     assert_unchanged(ours, before)
     run(ours, params, 1)  # and it still steps
+
+
+@pytest.mark.parametrize("step", [torch.tensor(2.7), 2.7, torch.tensor(-1.0), float("nan"), torch.tensor(math.inf)])
+def test_a_step_count_that_is_not_a_whole_number_raises_before_changing_anything(step):
+    """torch.optim would carry 2.7 steps on (3.7 after its next step); functopk's counts are integers: no silent 2."""
+    (params,) = make_params(1)
+    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, params, lr=0.05)
+    run(ours, params, 2)
+    saved = through_file(ours.state_dict())
+    saved["state"][1]["step"] = step
+    before = snapshot(ours)
+    with pytest.raises(ValueError, match=r"state_dict\['state'\]\[1\]\['step'\] is .*whole number >= 0"):
+        ours.load_state_dict(saved)
+    assert_unchanged(ours, before)
+    saved["state"][1]["step"] = torch.tensor(2.0)  # torch's float step, whole: loads as the count 2
+    ours.load_state_dict(saved)
+    assert ours.state[params[1]]["step"].dtype == torch.int64 and int(ours.state[params[1]]["step"]) == 2
 
 
 @pytest.mark.parametrize("older", ["group keys", "number steps"])

@@ -64,7 +64,8 @@ def _steps_against_pure(cls, kwargs, params, steps):
     of the adapter's parameter-shaped state tensors.
     """
     theirs = [p.detach().clone().requires_grad_() for p in params]
-    opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, foreach=True, **kwargs)
+    kwargs = {**kwargs, "foreach": True}  # torch's foreach kernels, which functopk's round like (ASGD: when told)
+    opt, torch_opt = ft.optimizer_from_torch(cls, params, **kwargs), cls(theirs, **kwargs)
     tx = ft.from_torch(cls, **kwargs)
     ref = {i: p.detach().clone() for i, p in enumerate(params)}
     state, ptrs = tx.init(ref), []
@@ -227,3 +228,21 @@ def test_sliced_step_allocates_no_parameter_sized_tree_and_resumes(cls, kwargs, 
         o.step()
     assert_tree_bitwise_equal([p.detach() for p in params], [q.detach() for q in again])
     assert_tree_bitwise_equal(opt.state_dict()["state"], resumed.state_dict()["state"])
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), _option_combinations())
+def test_whole_tensor_step_of_the_sliced_classes_is_the_pure_transformation_bit_for_bit(cls, kwargs):
+    """The form an accelerator runs, reached on the CPU through ``sparsify_on="update"`` (which needs the updates):
+    a top-k of every coordinate keeps them all, so the step is the optimizer's own."""
+    params = _params(torch.float64)
+    n = sum(p.numel() for p in params)
+    opt = ft.optimizer_from_torch(cls, params, sparsify=ft.topk(n), sparsify_on="update", **kwargs)
+    tx = ft.from_torch(cls, **kwargs)
+    ref = [p.detach().clone() for p in params]
+    state = tx.init(ref)
+    for step in range(3):
+        grads = _set_grads(params, step)
+        opt.step()
+        updates, state = tx.update(grads, state, ref)
+        ref = ft.apply_updates(ref, updates)
+        assert_tree_bitwise_equal([p.detach() for p in params], ref)

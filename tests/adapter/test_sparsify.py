@@ -263,3 +263,143 @@ def test_adam_floors_nu_before_sqrt_only_behind_a_constant_topk():
             opt.step()
         floored.append("_foreach_clamp_min" in seen.names)
     assert floored == [True, False, False]  # (the bits are the same: test_bit_identical_to_the_generic_road)
+
+
+# --------------------------------------------------------------------------- sparsify_on="update": what moves
+
+ON_UPDATE = [
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+    (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),  # (CPU: the slice-by-slice step returns its updates)
+    (torch.optim.Adamax, {"lr": 0.01}),
+    (torch.optim.Rprop, {"lr": 0.01}),  # pure maths
+]
+
+
+def _changed(params: list[torch.Tensor], before: list[torch.Tensor]) -> int:
+    return sum(int((p != b).sum()) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("cls,kwargs", ON_UPDATE, ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize("sparsify", [ft.topk(5), ft.chain(ft.topk(5))], ids=["buffer", "generic"])
+def test_sparsify_on_update_moves_exactly_k_parameters(cls, kwargs, sparsify):
+    params = _params()
+    opt = ft.optimizer_from_torch(cls, params, sparsify=sparsify, sparsify_on="update", **kwargs)
+    for step in range(5):
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+        opt.step()
+        assert _changed(params, before) == 5, step
+    if cls is torch.optim.Rprop:  # (it moves where the gradient is not zero: k parameters on the gradient too)
+        return
+    # on the gradient, momentum, the moments and weight decay move more than k
+    params = _params()
+    opt = ft.optimizer_from_torch(cls, params, sparsify=sparsify, **kwargs)
+    moved = []
+    for step in range(3):
+        before = [p.detach().clone() for p in params]
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+        opt.step()
+        moved.append(_changed(params, before))
+    assert max(moved) > 5
+
+
+def _against_the_pure_chain(cls, kwargs, sparsify, params, steps):
+    """``steps`` of the adapter with ``sparsify_on="update"`` and of ``chain(from_torch(cls), sparsify)``, each
+    step's parameters compared bit for bit; the pure chain's last state."""
+    opt = ft.optimizer_from_torch(cls, params, sparsify=sparsify, sparsify_on="update", **kwargs)
+    tx = ft.chain(ft.from_torch(cls, **kwargs), sparsify)
+    pure = [p.detach().clone() for p in params]
+    state = tx.init(pure)
+    for step in range(steps):
+        grads = _grads(params, step)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        updates, state = tx.update(grads, state, pure)
+        pure = ft.apply_updates(pure, updates)
+        for p, q in zip(params, pure):
+            assert torch.equal(p, q), step
+    return opt, state
+
+
+@pytest.mark.parametrize("cls,kwargs", ON_UPDATE, ids=lambda v: getattr(v, "__name__", ""))
+def test_sparsify_on_update_is_the_pure_chain_of_the_optimizer_then_topk_bit_for_bit(cls, kwargs):
+    _against_the_pure_chain(cls, kwargs, ft.topk(5), _params(), steps=4)
+
+
+def test_sparsify_on_update_against_torch_optim_adamw_and_a_brute_force_topk_of_its_step():
+    """Independent: torch.optim.AdamW (float64) steps a copy of the parameters; the k largest |changes| are kept."""
+    params = _params(torch.float64)
+    opt = ft.optimizer_from_torch(
+        torch.optim.AdamW, params, sparsify=ft.topk(6), sparsify_on="update", lr=0.01, weight_decay=0.1
+    )
+    shadow = [p.detach().clone().requires_grad_() for p in params]
+    torch_opt = torch.optim.AdamW(shadow, lr=0.01, weight_decay=0.1)
+    ref = [p.detach().clone() for p in params]
+    for step in range(4):
+        grads = _grads(params, step)
+        with torch.no_grad():
+            for s, r in zip(shadow, ref):
+                s.copy_(r)  # torch steps from the sparsely updated parameters
+        for p, s, g in zip(params, shadow, grads):
+            p.grad, s.grad = g, g.clone()
+        opt.step()
+        torch_opt.step()
+        step_ = torch.cat([(s.detach() - r).reshape(-1) for s, r in zip(shadow, ref)])
+        kept = torch.zeros_like(step_)
+        idx = step_.abs().topk(6).indices
+        kept[idx] = step_[idx]
+        ref = [r + piece.view(r.shape) for r, piece in zip(ref, kept.split([r.numel() for r in ref]))]
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-12, atol=1e-14)
+
+
+def test_sparsify_on_update_with_error_feedback_keeps_the_residual_of_the_updates():
+    params = _params(torch.float64)
+    kwargs = {"lr": 0.1, "momentum": 0.9}
+    opt, state = _against_the_pure_chain(torch.optim.SGD, kwargs, ft.error_feedback(ft.topk(4)), params, steps=3)
+    # the residual is of the updates (what the optimizer's step left unapplied), next to SGD's own state
+    assert sorted(opt.state[params[0]]) == ["count", "momentum_buffer", "sparsify.residual"]
+    assert torch.equal(opt.state[params[0]]["sparsify.residual"], state[1].residual[0])
+
+
+def test_sparsify_on_update_resumes_pickles_and_names_its_class():
+    import pickle
+
+    params = _params()
+    kwargs = {"lr": 0.01, "weight_decay": 0.05}
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, params, sparsify=ft.topk(5), sparsify_on="update", **kwargs)
+    _run([(params, opt)], steps=2)
+    copy = pickle.loads(pickle.dumps((params, opt)))
+    assert copy[1].sparsify_on == "update" and opt.sparsify_on == "update"
+    fresh = ft.optimizer_from_torch(torch.optim.AdamW, params, sparsify=ft.topk(5), sparsify_on="update", **kwargs)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.sparsify_on == "update"  # load_state_dict's __setstate__ keeps it
+    SparseAdamW = ft.optimizer_class_from_torch(torch.optim.AdamW, ft.topk(5), sparsify_on="update")
+    assert SparseAdamW is not ft.optimizer_class_from_torch(torch.optim.AdamW, ft.topk(5))
+    assert SparseAdamW(params, **kwargs).sparsify_on == "update"
+    assert pickle.loads(pickle.dumps(SparseAdamW)) is SparseAdamW
+
+
+def test_sparsify_on_is_checked():
+    params = _params()
+    with pytest.raises(ValueError, match="sparsify_on must be one of"):
+        ft.optimizer_from_torch(torch.optim.SGD, params, sparsify=ft.topk(2), sparsify_on="updates", lr=0.1)
+    with pytest.raises(TypeError, match="sparsify_on"):
+        ft.optimizer_class_from_torch(torch.optim.SGD, ft.topk(2), sparsify_on=None)
+
+
+def test_sparsify_on_update_with_k_too_large_changes_nothing():
+    params = _params(shapes=[(2,), (2,)])
+    opt = ft.optimizer_from_torch(torch.optim.SGD, params, sparsify=ft.topk(5), sparsify_on="update", lr=0.1,
+                                  momentum=0.9)  # fmt: skip
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="k"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, _params(shapes=[(2,), (2,)])))
+    assert not opt.state

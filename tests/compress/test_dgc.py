@@ -173,6 +173,11 @@ def test_momentum_correction_errors():
         ft.momentum_correction(None, 0.9)
     with pytest.raises(ValueError, match="momentum must be >= 0"):
         ft.momentum_correction(ft.topk(1), -0.1)
+    for momentum in (1.0, 1.5):  # a velocity that never decays (or grows): refused, in dgc too
+        with pytest.raises(ValueError, match=r"momentum must be < 1\.0, got"):
+            ft.momentum_correction(ft.topk(1), momentum)
+        with pytest.raises(ValueError, match=r"momentum must be < 1\.0, got"):
+            ft.dgc(0.1, momentum=momentum, density=0.5)
     with pytest.raises(TypeError, match="nesterov must be a bool"):
         ft.momentum_correction(ft.topk(1), 0.9, nesterov="yes")
     with pytest.raises(ValueError, match="min_size must be >= 0"):

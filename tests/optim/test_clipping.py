@@ -138,6 +138,17 @@ def test_apply_if_finite_skips_nan_steps_and_keeps_inner_state(device):
     assert int(state.inner_state.count) == 3
 
 
+def test_apply_if_finite_steps_a_tree_with_a_leaf_without_elements():
+    tx = ft.apply_if_finite(ft.sgd(0.1, momentum=0.9), 3)
+    params = {"empty": torch.zeros(0, 4), "w": torch.ones(2)}
+    state = tx.init(params)
+    updates, state = tx.update({"empty": torch.zeros(0, 4), "w": torch.tensor([1.0, 2.0])}, state, params)
+    assert updates["empty"].shape == (0, 4) and updates["w"].tolist() == pytest.approx([-0.1, -0.2])
+    assert int(state.notfinite_count) == 0
+    updates, state = tx.update({"empty": torch.zeros(0, 4), "w": torch.tensor([math.nan, 2.0])}, state, params)
+    assert updates["w"].tolist() == [0.0, 0.0] and int(state.notfinite_count) == 1
+
+
 def test_apply_if_finite_max_consecutive_errors():
     tx = ft.apply_if_finite(ft.sgd(1.0), max_consecutive_errors=2)
     state = tx.init(PARAMS)

@@ -119,6 +119,26 @@ def test_all_finite_sees_nan_and_inf_in_any_dtype(device):
         assert not bool(foreach.all_finite(leaves))
 
 
+def test_leaves_without_elements_have_norm_zero_and_are_finite(device):
+    leaves = to_device([torch.zeros(0), torch.tensor([3.0, -4.0]), torch.zeros(2, 0, dtype=torch.float64)], device)
+    for ord_, expected in ((2.0, [0.0, 5.0, 0.0]), (math.inf, [0.0, 4.0, 0.0])):
+        norms = foreach.norms(leaves, ord_)
+        assert [n.item() for n in norms] == expected
+        assert all(n.dtype == torch.float64 and n.device == leaves[0].device for n in norms)
+    assert bool(foreach.all_finite(leaves)) and bool(foreach.all_finite(leaves[::2]))
+    leaves[1] = leaves[1] * math.nan
+    assert not bool(foreach.all_finite(leaves))
+    assert foreach.global_norm(leaves[::2]).item() == 0.0
+
+
+def test_a_meta_scalar_goes_through_the_list_overloads():
+    xs = [torch.empty(3, device="meta"), torch.empty(2, 2, device="meta")]
+    scalar = torch.empty((), device="meta")
+    assert foreach.per_leaf(scalar, xs) == [scalar, scalar]
+    out = foreach.add_scalar_(foreach.mul(xs, scalar), scalar)  # the scalar overloads would read its value
+    assert [tuple(x.shape) for x in out] == [(3,), (2, 2)] and all(x.is_meta for x in out)
+
+
 def test_for_leaves_keeps_float64_only_when_a_leaf_needs_it():
     s = torch.tensor(0.1, dtype=torch.float64)
     assert foreach.for_leaves(s, [torch.zeros(1)]).dtype == torch.float32
