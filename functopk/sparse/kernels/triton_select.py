@@ -1,0 +1,423 @@
+"""The exact global top-k in Triton: where the leaves are read from, the buffers, and the launches.
+
+Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's
+interpreter, for tests: it must be set before ``triton`` is first imported).
+Same selection as every exact kernel of functopk (:mod:`functopk.sparse.kernels`):
+``|x|`` compared in the common dtype, NaN as ``+inf``, ties to the lower flat
+index; bit for bit the CPU kernel's indices and values.
+
+Step 1, bracket (one program): a systematic sample of 4096 coordinates gives
+a key with a little more than ``k`` coordinates at or above it.
+Step 2, compact (the one read of every coordinate): those coordinates become
+candidates, written tile by tile in flat order.
+Step 3, radix (``L`` passes of 8 bits: 4 for fp16/bf16/fp32 trees, 8 for fp64):
+the histograms of the candidates' keys find the k-th largest key exactly.
+Step 4, emit: the keys above it and the first ties in flat order are written,
+each at its rank: sorted indices and values, or a mask, or a dense buffer.
+
+Nothing is read on the host and every buffer's size is fixed by ``n``, ``k``
+and the configuration, so a call can be captured in a CUDA graph and replayed,
+and the custom operator (:mod:`~functopk.sparse.kernels.triton_op`) compiles.
+When the sample misleads (fewer than ``k`` candidates, or more than the buffer
+holds), the radix passes and the emit read the leaves themselves instead of the
+candidates: the same result, at the cost of ``L + 1`` more reads.
+
+Where the leaves are read from: one flat buffer when they already lie back to
+back in one (a gradient buffer, a DDP bucket), else a table of leaf addresses
+built on the host and cached (a pinned, asynchronous copy: no synchronisation).
+While a CUDA graph is being captured no table can be copied, so the leaves are
+concatenated first (one more read and write).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.kernels.base import common_dtype
+
+__all__ = [
+    "CODES",
+    "MAX_NUMEL",
+    "Plan",
+    "TritonStats",
+    "available",
+    "capacity",
+    "capturing",
+    "interpreting",
+    "plan",
+    "run",
+    "sample_size",
+    "serves",
+    "tiling",
+]
+
+CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 4, torch.float64: 8}
+"""Dtype codes of the leaf table (the same numbers as the kernels' ``F32``, ``F16``, ``BF16``, ``F64``)."""
+
+SAMPLE = 4096  # the most coordinates in the sample of step 1 (one program ranks them)
+MAX_NUMEL = 2**31 - 1
+"""The largest tree the kernels take (their counts are int32); larger trees keep the ATen kernels."""
+
+_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_MAX_TABLES = 16
+_TRITON: list[bool] = []  # whether triton imports, once known
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether Triton imports here (tried once; a compiled graph takes the answer as a constant).
+
+    Example:
+        >>> available() in (True, False)
+        True
+    """
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+        except Exception:  # not installed, or broken: the ATen kernels serve
+            _TRITON.append(False)
+        else:
+            _TRITON.append(True)
+    return _TRITON[0]
+
+
+@torch.compiler.assume_constant_result
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs kernels on CPU tensors (``TRITON_INTERPRET=1``).
+
+    Example:
+        >>> interpreting() in (True, False)
+        True
+    """
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
+def serves(leaves: Sequence[torch.Tensor], n: int, backend: str) -> bool:
+    """Whether the Triton kernel serves ``method="exact"`` on ``leaves`` with ``backend`` (see ``KernelConfig``).
+
+    ``"auto"``: CUDA leaves where Triton imports and the tree fits (:data:`MAX_NUMEL`); ``"aten"``: never;
+    ``"triton"``: always, or a ``ValueError`` saying why it cannot run.
+
+    Example:
+        >>> serves([torch.ones(3)], 3, "auto"), serves([torch.ones(3)], 3, "aten")
+        (False, False)
+    """
+    if backend == "aten":
+        return False
+    device = leaves[0].device.type
+    if backend == "auto":
+        return device == "cuda" and n <= MAX_NUMEL and available()
+    if not available():
+        raise ValueError("backend='triton' needs the triton package, which does not import here")
+    if device != "cuda" and not (device == "cpu" and interpreting()):
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (set before "
+            f"triton is imported); got {device} tensors"
+        )
+    if n > MAX_NUMEL:
+        raise ValueError(f"backend='triton' takes trees of at most {MAX_NUMEL} coordinates, got {n}")
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call reads its leaves: the launch grid and what the kernels are specialised on.
+
+    Attributes:
+        flat: The leaves as one 1-d buffer (``None``: read through ``table``).
+        table: int64, per leaf (address, flat offset, numel, dtype code), then per program (leaf, start).
+        leaves: Number of rows of the leaf table.
+        programs: Programs of every launch after step 1 (each owns ``tiles * tile`` coordinates of one leaf).
+        n: Coordinates in all.
+        dtype: The common dtype (values are returned in it).
+        dtypes: The leaves' dtype codes, or-ed.
+        tile: Coordinates per tile; ``tiles``: tiles per program.
+        source: ``"flat"`` (the leaves lie back to back in one buffer), ``"table"`` or ``"copy"`` (concatenated,
+            while a CUDA graph is captured).
+    """
+
+    flat: torch.Tensor | None
+    table: torch.Tensor | None
+    leaves: int
+    programs: int
+    n: int
+    dtype: torch.dtype
+    dtypes: int
+    tile: int
+    tiles: int
+    source: str
+
+
+def tiling(config: KernelConfig) -> tuple[int, int]:
+    """(coordinates per tile, tiles per program) for ``config.triton_block`` coordinates per program.
+
+    Example:
+        >>> from functopk.sparse.config import KernelConfig
+        >>> tiling(KernelConfig()), tiling(KernelConfig(triton_block=64))
+        ((2048, 16), (16, 4))
+    """
+    block = config.triton_block
+    tile = min(2048, max(16, block // 4))
+    return tile, max(1, block // tile)
+
+
+def _flat_view(flats: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The leaves as one 1-d view when they lie back to back in one storage with one dtype, else ``None``."""
+    first = flats[0]
+    if any(f.dtype != first.dtype for f in flats):
+        return None
+    size, start = first.element_size(), first.data_ptr()
+    offset = 0
+    for f in flats:
+        if f.numel() and f.data_ptr() != start + offset * size:
+            return None
+        offset += f.numel()
+    if len(flats) == 1:
+        return first
+    try:
+        return first.as_strided((offset,), (1,))
+    except RuntimeError:  # the leaves lie back to back but not all in first's storage
+        return None
+
+
+def _table(flats: Sequence[torch.Tensor], block: int) -> tuple[torch.Tensor, int]:
+    """The leaf table (see :class:`Plan`), cached by the leaves' addresses, sizes and dtypes; and the programs."""
+    device = flats[0].device
+    key = (device, block, *((f.data_ptr(), f.numel(), f.dtype) for f in flats))
+    if key in _TABLES:
+        _TABLES.move_to_end(key)
+        table = _TABLES[key]
+        return table, (table.numel() - 4 * len(flats)) // 2
+    rows: list[int] = []
+    programs: list[int] = []
+    offset = 0
+    for i, f in enumerate(flats):
+        rows += [f.data_ptr(), offset, f.numel(), CODES[f.dtype]]
+        for start in range(0, f.numel(), block):
+            programs += [i, start]
+        offset += f.numel()
+    host = torch.tensor(rows + programs, dtype=torch.int64)
+    if device.type == "cuda":  # pinned and asynchronous: no synchronisation (the copy is ordered on the stream)
+        table = host.pin_memory().to(device, non_blocking=True)
+    else:
+        table = host
+    _TABLES[key] = table
+    if len(_TABLES) > _MAX_TABLES:
+        _TABLES.popitem(last=False)
+    return table, len(programs) // 2
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never on other devices).
+
+    Example:
+        >>> capturing(torch.device("cpu"))
+        False
+    """
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def plan(leaves: Sequence[torch.Tensor], config: KernelConfig = DEFAULT_CONFIG) -> Plan:
+    """How :func:`run` reads ``leaves`` (see the module docstring): a flat view, a cached table, or a copy.
+
+    Example:
+        >>> leaves = [torch.ones(3), torch.ones(2, dtype=torch.float16)]
+        >>> p = plan(leaves)
+        >>> p.flat is None, p.leaves, p.programs, p.n, p.dtype
+        (True, 2, 2, 5, torch.float32)
+    """
+    flats = [x.detach().reshape(-1) for x in leaves]
+    dtype = common_dtype(flats)
+    n = sum(f.numel() for f in flats)
+    tile, tiles = tiling(config)
+    block = tile * tiles
+    flat, source = _flat_view(flats), "flat"
+    if flat is None and capturing(flats[0].device):
+        flat, source = torch.cat([f.to(dtype) for f in flats]), "copy"
+    if flat is not None:
+        return Plan(flat, None, 1, max(1, -(-n // block)), n, dtype, CODES[flat.dtype], tile, tiles, source)
+    table, programs = _table(flats, block)
+    dtypes = 0
+    for f in flats:
+        dtypes |= CODES[f.dtype]
+    return Plan(None, table, len(flats), max(1, programs), n, dtype, dtypes, tile, tiles, "table")
+
+
+def sample_size(config: KernelConfig = DEFAULT_CONFIG) -> int:
+    """Coordinates in the sample of step 1: ``config.sample_size`` rounded down to a power of 2, at most 4096.
+
+    Example:
+        >>> from functopk.sparse.config import KernelConfig
+        >>> sample_size(), sample_size(KernelConfig(sample_size=100))
+        (4096, 64)
+    """
+    return min(SAMPLE, 1 << max(4, config.sample_size.bit_length() - 1))
+
+
+def capacity(n: int, k: int | None, config: KernelConfig = DEFAULT_CONFIG) -> int:
+    """Candidates the buffers of step 2 hold: the count the sample predicts, with room (``abandon_*``).
+
+    A tensor ``k`` (``None`` here: not read) gets an eighth of the tree.
+
+    Example:
+        >>> capacity(25_557_032, 1000), capacity(1000, 10), capacity(25_557_032, None)
+        (65536, 1000, 3194629)
+    """
+    if k is None:
+        expected = n / 8
+    else:
+        s = min(n, sample_size(config))
+        p = k / n
+        mean = s * p
+        rank = math.floor(mean + config.margin * math.sqrt(mean * (1.0 - p))) + 2
+        expected = config.abandon_factor * rank * n / s
+    return max(1, int(min(n, max(config.abandon_min, expected))))
+
+
+def _kernels():
+    """The kernels module (imports Triton: only when a kernel runs)."""
+    from functopk.sparse.kernels import triton_kernels
+
+    return triton_kernels
+
+
+def _even(size: int, per: int) -> int:
+    """``size`` rounded up to a multiple of ``per`` (so every buffer cut from a workspace is 16-byte aligned)."""
+    return -(-size // per) * per
+
+
+@dataclasses.dataclass
+class _Buffers:
+    """The scratch of one call: sizes fixed by the plan, ``k`` and the capacity, nothing data-dependent."""
+
+    state: torch.Tensor  # int64: candidate threshold, candidate count, then (prefix, need) per radix slot
+    hist: torch.Tensor  # int32 (passes, 256): the radix histograms
+    rec_base: torch.Tensor  # int64 per tile: where its candidates start in the s* buffers
+    rec_cnt: torch.Tensor  # int32 per tile: how many it has
+    totals: torch.Tensor  # int32 per program: its candidates
+    skey: torch.Tensor  # the candidates as compact_kernel wrote them (tile by tile, in the atomics' order)
+    sidx: torch.Tensor
+    sval: torch.Tensor
+    ckey: torch.Tensor  # the same in flat order (order_kernel)
+    cidx: torch.Tensor
+    cval: torch.Tensor
+    above_rows: torch.Tensor  # int32 per program: keys above the prefix (last radix pass)
+    digit_rows: torch.Tensor  # int32 (programs, 256): keys at or above each last digit (last radix pass)
+
+
+def _buffers(p: Plan, cap: int, passes: int, grid: int, device: torch.device) -> _Buffers:
+    key_dtype = torch.int64 if p.dtype == torch.float64 else torch.int32
+    tiles = p.programs * p.tiles
+    c = _even(cap, 4)
+    sizes64 = [_even(2 + 2 * (passes + 1), 2), _even(tiles, 2), c, c]
+    sizes32 = [passes * 256, _even(tiles, 4), _even(p.programs, 4), _even(grid, 4), grid * 256]
+    i64 = torch.empty(sum(sizes64), dtype=torch.int64, device=device).split(sizes64)
+    i32 = torch.empty(sum(sizes32), dtype=torch.int32, device=device).split(sizes32)
+    keys = torch.empty(2 * c, dtype=key_dtype, device=device).split(c)
+    vals = torch.empty(2 * c, dtype=p.dtype, device=device).split(c)
+    return _Buffers(i64[0], i32[0], i64[1], i32[1], i32[2], keys[0], i64[2], vals[0], keys[1], i64[3], vals[1],
+                    i32[3], i32[4])
+
+
+@dataclasses.dataclass
+class TritonStats:
+    """What one :func:`run` did (filled in when passed: host reads, for tests and benchmarks).
+
+    Attributes:
+        path: ``"candidates"`` (the radix passes read the candidates) or ``"fallback"`` (they read the
+            leaves: the sample gave fewer than ``k`` candidates, or more than the buffer holds).
+        candidates: Coordinates at or above the sampled threshold.
+        capacity: Candidates the buffer holds.
+        source: ``"flat"`` (one buffer), ``"table"`` (a leaf table) or ``"copy"`` (concatenated first).
+    """
+
+    path: str = ""
+    candidates: int = -1
+    capacity: int = 0
+    source: str = ""
+
+
+def _outputs(output: str, size: int, p: Plan, device: torch.device) -> tuple:
+    """(indices, values, mask, dense) for the emit kernel: the one ``output`` asks for, ``None`` for the rest."""
+    if output == "indices":
+        return (torch.empty(size, dtype=torch.int64, device=device), torch.empty(size, dtype=p.dtype, device=device),
+                None, None)
+    if output == "masks":
+        return None, None, torch.zeros(p.n, dtype=torch.uint8, device=device), None
+    return None, None, None, torch.zeros(p.n, dtype=p.dtype, device=device)
+
+
+def _launch(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: KernelConfig) -> tuple:
+    """Steps 1 to 4 on the plan's source; returns the emit kernel's outputs and the scratch."""
+    kern = _kernels()
+    device = p.flat.device if p.flat is not None else p.table.device  # type: ignore[union-attr]
+    key64 = p.dtype == torch.float64
+    passes = 8 if key64 else 4
+    on_device = isinstance(k, torch.Tensor)
+    block = p.tile * p.tiles
+    grid = max(p.programs, -(-cap // block))
+    buf = _buffers(p, cap, passes, grid, device)
+    k_ptr, k_int = (k, 0) if on_device else (buf.state, int(k))
+    src, table = p.flat, p.table
+    flags = dict(FLAT=src is not None, DTYPES=p.dtypes, KEY64=key64)
+    tile = dict(TILE=p.tile, SUB=p.tiles, num_warps=8 if p.tile >= 1024 else 4)
+    log_leaves = max(1, math.ceil(math.log2(p.leaves)) + 1)
+    kern.bracket_kernel[(1,)](src, table, buf.state, buf.hist, k_ptr, k_int, p.n, p.leaves, float(config.margin),
+                              L=passes, K_ON_DEVICE=on_device, SAMPLE=sample_size(config), LOG_LEAVES=log_leaves,
+                              num_warps=8, **flags)
+    kern.compact_kernel[(p.programs,)](src, table, buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey,
+                                       buf.sidx, buf.sval, p.n, p.leaves, cap, **flags, **tile)
+    kern.order_kernel[(p.programs,)](buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey, buf.sidx, buf.sval,
+                                     buf.ckey, buf.cidx, buf.cval, k_ptr, k_int, cap, K_ON_DEVICE=on_device, **tile)
+    scratch = (buf.state, buf.hist, buf.ckey, buf.cidx, buf.cval, buf.above_rows, buf.digit_rows, k_ptr, k_int)
+    common = dict(K_ON_DEVICE=on_device, L=passes, **flags, **tile)
+    for j in range(1, passes + 1):
+        kern.digit_kernel[(grid,)](src, table, *scratch, p.n, p.leaves, p.programs, cap, j, **common)
+    out = _outputs(output, p.n if on_device else int(k), p, device)
+    kern.emit_kernel[(grid,)](src, table, *scratch, *out, p.n, p.leaves, p.programs, cap,
+                              WRITE_LIST=output == "indices", WRITE_MASK=output == "masks",
+                              WRITE_DENSE=output == "dense", **common)
+    return out, buf
+
+
+def run(
+    leaves: Sequence[torch.Tensor],
+    k: int | torch.Tensor,
+    output: str,
+    config: KernelConfig = DEFAULT_CONFIG,
+    *,
+    stats: TritonStats | None = None,
+) -> list[torch.Tensor]:
+    """The exact top ``k`` of ``leaves`` by the Triton kernels (see the module docstring).
+
+    Args:
+        leaves: Supported float tensors on one device (CUDA, or CPU under ``TRITON_INTERPRET=1``), at most
+            ``2**31 - 1`` coordinates in all.
+        k: An int in ``[1, n]``, or a 0-d int64 tensor in ``[1, n]`` on the leaves' device (never read here).
+        output: ``"indices"``: ``[indices, values]``, ascending flat indices (int64) and their values in the
+            common dtype, ``k`` of each (a tensor ``k``: ``n`` of each, the first ``k`` written);
+            ``"masks"``: ``[mask]``, a flat bool tensor of ``n``; ``"dense"``: ``[values]``, the values in
+            the common dtype at the selected flat indices, zeros elsewhere.
+        config: The tuning constants (``triton_block``, ``margin``, ``abandon_min``, ``abandon_factor``).
+        stats: Filled in with what the call did, when given (reads the device).
+    """
+    p = plan(leaves, config)
+    cap = capacity(p.n, None if isinstance(k, torch.Tensor) else int(k), config)
+    out, buf = _launch(p, k, output, cap, config)
+    if stats is not None:
+        m = int(buf.state[1])
+        stats.candidates, stats.capacity = m, cap
+        stats.path = "fallback" if m > cap or m < int(k) else "candidates"
+        stats.source = p.source
+    if output == "indices":
+        return [out[0], out[1]]
+    if output == "masks":
+        return [out[2].view(torch.bool)]
+    return [out[3]]
