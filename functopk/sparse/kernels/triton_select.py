@@ -51,6 +51,7 @@ __all__ = [
     "capacity",
     "capturing",
     "interpreting",
+    "launches",
     "plan",
     "run",
     "sample_size",
@@ -68,6 +69,7 @@ MAX_NUMEL = 2**31 - 1
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MAX_TABLES = 16
 _TRITON: list[bool] = []  # whether triton imports, once known
+_PRIMED: set[tuple] = set()  # launch signatures whose flat-buffer kernels are compiled (see _prime)
 
 
 @torch.compiler.assume_constant_result
@@ -354,37 +356,71 @@ def _outputs(output: str, size: int, p: Plan, device: torch.device) -> tuple:
     return None, None, None, torch.zeros(p.n, dtype=p.dtype, device=device)
 
 
-def _launch(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: KernelConfig) -> tuple:
-    """Steps 1 to 4 on the plan's source; returns the emit kernel's outputs and the scratch."""
+def launches(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: KernelConfig = DEFAULT_CONFIG) -> tuple:
+    """Steps 1 to 4 on the plan's source as ``(kernel, grid, args, meta)`` launches, the outputs and the scratch.
+
+    Nothing runs here: :func:`run` launches them in order (``kernel[grid](*args, **meta)``); a test
+    compiles them for a GPU without one.
+    """
     kern = _kernels()
     device = p.flat.device if p.flat is not None else p.table.device  # type: ignore[union-attr]
     key64 = p.dtype == torch.float64
     passes = 8 if key64 else 4
     on_device = isinstance(k, torch.Tensor)
-    block = p.tile * p.tiles
-    grid = max(p.programs, -(-cap // block))
+    grid = max(p.programs, -(-cap // (p.tile * p.tiles)))
     buf = _buffers(p, cap, passes, grid, device)
     k_ptr, k_int = (k, 0) if on_device else (buf.state, int(k))
     src, table = p.flat, p.table
     flags = dict(FLAT=src is not None, DTYPES=p.dtypes, KEY64=key64)
     tile = dict(TILE=p.tile, SUB=p.tiles, num_warps=8 if p.tile >= 1024 else 4)
     log_leaves = max(1, math.ceil(math.log2(p.leaves)) + 1)
-    kern.bracket_kernel[(1,)](src, table, buf.state, buf.hist, k_ptr, k_int, p.n, p.leaves, float(config.margin),
-                              L=passes, K_ON_DEVICE=on_device, SAMPLE=sample_size(config), LOG_LEAVES=log_leaves,
-                              num_warps=8, **flags)
-    kern.compact_kernel[(p.programs,)](src, table, buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey,
-                                       buf.sidx, buf.sval, p.n, p.leaves, cap, **flags, **tile)
-    kern.order_kernel[(p.programs,)](buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey, buf.sidx, buf.sval,
-                                     buf.ckey, buf.cidx, buf.cval, k_ptr, k_int, cap, K_ON_DEVICE=on_device, **tile)
+    steps = [
+        (kern.bracket_kernel, 1, (src, table, buf.state, buf.hist, k_ptr, k_int, p.n, p.leaves, float(config.margin)),
+         dict(L=passes, K_ON_DEVICE=on_device, SAMPLE=sample_size(config), LOG_LEAVES=log_leaves, num_warps=8,
+              **flags)),
+        (kern.compact_kernel, p.programs, (src, table, buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey,
+                                           buf.sidx, buf.sval, p.n, p.leaves, cap), dict(**flags, **tile)),
+        (kern.order_kernel, p.programs, (buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey, buf.sidx,
+                                         buf.sval, buf.ckey, buf.cidx, buf.cval, k_ptr, k_int, cap),
+         dict(K_ON_DEVICE=on_device, **tile)),
+    ]
     scratch = (buf.state, buf.hist, buf.ckey, buf.cidx, buf.cval, buf.above_rows, buf.digit_rows, k_ptr, k_int)
     common = dict(K_ON_DEVICE=on_device, L=passes, **flags, **tile)
     for j in range(1, passes + 1):
-        kern.digit_kernel[(grid,)](src, table, *scratch, p.n, p.leaves, p.programs, cap, j, **common)
+        steps.append((kern.digit_kernel, grid, (src, table, *scratch, p.n, p.leaves, p.programs, cap, j), common))
     out = _outputs(output, p.n if on_device else int(k), p, device)
-    kern.emit_kernel[(grid,)](src, table, *scratch, *out, p.n, p.leaves, p.programs, cap,
-                              WRITE_LIST=output == "indices", WRITE_MASK=output == "masks",
-                              WRITE_DENSE=output == "dense", **common)
+    writes = dict(WRITE_LIST=output == "indices", WRITE_MASK=output == "masks", WRITE_DENSE=output == "dense")
+    steps.append((kern.emit_kernel, grid, (src, table, *scratch, *out, p.n, p.leaves, p.programs, cap),
+                  dict(**writes, **common)))
+    return steps, out, buf
+
+
+def _launch(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: KernelConfig) -> tuple:
+    """Run :func:`launches`; returns the outputs and the scratch."""
+    steps, out, buf = launches(p, k, output, cap, config)
+    for kernel, grid, args, meta in steps:
+        kernel[(grid,)](*args, **meta)
     return out, buf
+
+
+def _prime(leaves: Sequence[torch.Tensor], p: Plan, k: int | torch.Tensor, output: str, cap: int,
+           config: KernelConfig) -> None:
+    """Compile, once per signature, the kernels a CUDA graph capture of this call would run.
+
+    A capture concatenates the leaves and reads one flat buffer (:func:`plan`): other kernels than the
+    leaf table's. Triton compiles a kernel at its first launch, which must not happen while a graph is
+    being captured; the usual warm-up call before a capture reaches this point and runs them once on
+    the concatenated leaves (the result is dropped).
+    """
+    key = (p.table.device, p.dtype, isinstance(k, torch.Tensor), output, p.tile, p.tiles,  # type: ignore[union-attr]
+           config.sample_size)
+    if key in _PRIMED:
+        return
+    _PRIMED.add(key)
+    flat = torch.cat([x.detach().reshape(-1).to(p.dtype) for x in leaves])
+    flat_plan = dataclasses.replace(p, flat=flat, table=None, leaves=1, programs=max(1, -(-p.n // (p.tile * p.tiles))),
+                                    dtypes=CODES[p.dtype], source="copy")
+    _launch(flat_plan, k, output, cap, config)
 
 
 def run(
@@ -411,6 +447,8 @@ def run(
     p = plan(leaves, config)
     cap = capacity(p.n, None if isinstance(k, torch.Tensor) else int(k), config)
     out, buf = _launch(p, k, output, cap, config)
+    if p.source == "table" and p.table is not None and p.table.device.type == "cuda":
+        _prime(leaves, p, k, output, cap, config)
     if stats is not None:
         m = int(buf.state[1])
         stats.candidates, stats.capacity = m, cap
