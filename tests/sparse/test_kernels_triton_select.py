@@ -28,7 +28,8 @@ needs_triton = pytest.mark.skipif(not triton_select.available(), reason="triton 
 
 @needs_triton
 def test_interpreted_kernels_all_run_and_pass():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
          "tests/sparse/triton_interpreted.py"],
@@ -72,7 +73,6 @@ def test_leaves_in_one_buffer_are_read_in_place_and_others_through_a_cached_tabl
     leaves = [torch.zeros(130), torch.zeros(0), torch.zeros(3, dtype=torch.float16)]
     p = triton_select.plan(leaves, config)
     assert p.source == "table" and p.dtype == torch.float32 and p.programs == 4 and p.leaves == 3
-    assert p.dtypes == triton_select.CODES[torch.float32] | triton_select.CODES[torch.float16]
     rows = p.table.view(-1).tolist()  # per leaf (address, flat offset, numel, code), then per program (leaf, start)
     assert rows[:12] == [leaves[0].data_ptr(), 0, 130, 1, leaves[1].data_ptr(), 130, 0, 1,
                          leaves[2].data_ptr(), 130, 3, 2]

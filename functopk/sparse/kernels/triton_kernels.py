@@ -37,7 +37,7 @@ import triton.language as tl
 __all__ = ["bracket_kernel", "compact_kernel", "digit_kernel", "emit_kernel", "order_kernel"]
 
 NB = tl.constexpr(256)  # bins per radix digit (8 bits)
-# dtype codes of the leaf table (bits of the DTYPES constexpr)
+# dtype codes of the leaf table (every kernel reading a table compiles a branch per dtype its keys allow)
 F32 = tl.constexpr(1)
 F16 = tl.constexpr(2)
 BF16 = tl.constexpr(4)
@@ -63,7 +63,7 @@ def _load_as(addr, offs, mask, DT: tl.constexpr, KEY64: tl.constexpr, VAL_T: tl.
 
 
 @triton.jit
-def _leaf_tile(src, table, n, n_leaves, p, s, FLAT: tl.constexpr, DTYPES: tl.constexpr, KEY64: tl.constexpr,
+def _leaf_tile(src, table, n, n_leaves, p, s, FLAT: tl.constexpr, KEY64: tl.constexpr,
                VAL_T: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
     """Tile ``s`` of program ``p`` read from the leaves: (keys, flat indices, values, valid)."""
     if FLAT:  # one buffer: program p owns [p * SUB * TILE, (p + 1) * SUB * TILE)
@@ -80,27 +80,24 @@ def _leaf_tile(src, table, n, n_leaves, p, s, FLAT: tl.constexpr, DTYPES: tl.con
         key_t: tl.constexpr = tl.int64 if KEY64 else tl.int32
         key = tl.zeros([TILE], key_t)
         val = tl.zeros([TILE], VAL_T)
-        if F32 & DTYPES:
-            if code == F32:
-                key, val = _load_as(addr, offs, mask, tl.float32, KEY64, VAL_T)
-        if F16 & DTYPES:
-            if code == F16:
-                key, val = _load_as(addr, offs, mask, tl.float16, KEY64, VAL_T)
-        if BF16 & DTYPES:
-            if code == BF16:
-                key, val = _load_as(addr, offs, mask, tl.bfloat16, KEY64, VAL_T)
-        if F64 & DTYPES:
+        if code == F32:
+            key, val = _load_as(addr, offs, mask, tl.float32, KEY64, VAL_T)
+        if code == F16:
+            key, val = _load_as(addr, offs, mask, tl.float16, KEY64, VAL_T)
+        if code == BF16:
+            key, val = _load_as(addr, offs, mask, tl.bfloat16, KEY64, VAL_T)
+        if KEY64:  # only fp64 trees have fp64 leaves
             if code == F64:
                 key, val = _load_as(addr, offs, mask, tl.float64, KEY64, VAL_T)
         return key, tl.load(table + 4 * leaf + 1) + offs, val, mask
 
 
 @triton.jit
-def _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT: tl.constexpr, DTYPES: tl.constexpr,
+def _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT: tl.constexpr,
           KEY64: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
     """Tile ``s`` of program ``p``: of the leaves (fallback) or of the ``m`` candidates in flat order (normal)."""
     if fallback:
-        key, idx, val, mask = _leaf_tile(src, table, n, n_leaves, p, s, FLAT, DTYPES, KEY64,
+        key, idx, val, mask = _leaf_tile(src, table, n, n_leaves, p, s, FLAT, KEY64,
                                          cval.dtype.element_ty, TILE, SUB)
     else:
         offs = (p * SUB + s).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -112,9 +109,15 @@ def _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT: tl
 
 
 @triton.jit
-def _mode(state, k_ptr, k_int, cap, K_ON_DEVICE: tl.constexpr):
+def _k(k_ptr, k_int, k_dev):
+    """``k``: read from ``k_ptr`` (a 0-d tensor) when ``k_dev``, else ``k_int`` (then ``k_ptr`` is any int64 word)."""
+    return tl.where(k_dev != 0, tl.load(k_ptr).to(tl.int64), k_int.to(tl.int64))
+
+
+@triton.jit
+def _mode(state, k_ptr, k_int, k_dev, cap):
     """(k, candidate count, fallback?): fallback when the candidates overflowed their buffer or are fewer than k."""
-    k = tl.load(k_ptr).to(tl.int64) if K_ON_DEVICE else k_int.to(tl.int64)
+    k = _k(k_ptr, k_int, k_dev)
     m = tl.load(state + 1)
     return k, m, (m > cap) | (m < k)
 
@@ -133,8 +136,8 @@ def _sample_key(addr, local, valid, code, key, C: tl.constexpr, DT: tl.constexpr
 
 
 @triton.jit
-def _sample_keys(src, table, n_leaves, stride, count, FLAT: tl.constexpr, DTYPES: tl.constexpr,
-                 KEY64: tl.constexpr, SAMPLE: tl.constexpr, LOG_LEAVES: tl.constexpr):
+def _sample_keys(src, table, n_leaves, stride, count, FLAT: tl.constexpr, KEY64: tl.constexpr, SAMPLE: tl.constexpr,
+                 LOG_LEAVES: tl.constexpr):
     """Keys of the systematic sample (flat indices ``0, stride, 2 stride, ...``; ``count`` of them), -1 past it."""
     j = tl.arange(0, SAMPLE)
     valid = j < count
@@ -156,13 +159,10 @@ def _sample_keys(src, table, n_leaves, stride, count, FLAT: tl.constexpr, DTYPES
         code = tl.load(table + 4 * lo + 3, mask=valid, other=0)
         key_t: tl.constexpr = tl.int64 if KEY64 else tl.int32
         key = tl.zeros([SAMPLE], key_t)
-        if F32 & DTYPES:
-            key = _sample_key(addr, local, valid, code, key, F32, tl.float32, KEY64)
-        if F16 & DTYPES:
-            key = _sample_key(addr, local, valid, code, key, F16, tl.float16, KEY64)
-        if BF16 & DTYPES:
-            key = _sample_key(addr, local, valid, code, key, BF16, tl.bfloat16, KEY64)
-        if F64 & DTYPES:
+        key = _sample_key(addr, local, valid, code, key, F32, tl.float32, KEY64)
+        key = _sample_key(addr, local, valid, code, key, F16, tl.float16, KEY64)
+        key = _sample_key(addr, local, valid, code, key, BF16, tl.bfloat16, KEY64)
+        if KEY64:  # only fp64 trees have fp64 leaves
             key = _sample_key(addr, local, valid, code, key, F64, tl.float64, KEY64)
     return tl.where(valid, key, -1)
 
@@ -182,10 +182,9 @@ def _rank_key(keys, rank, KEY64: tl.constexpr):
     return prefix
 
 
-@triton.jit(do_not_specialize=["k_int", "n", "n_leaves"])
-def bracket_kernel(src, table, state, hist, k_ptr, k_int, n, n_leaves, margin, L: tl.constexpr, FLAT: tl.constexpr,
-                   DTYPES: tl.constexpr, KEY64: tl.constexpr, K_ON_DEVICE: tl.constexpr, SAMPLE: tl.constexpr,
-                   LOG_LEAVES: tl.constexpr):
+@triton.jit(do_not_specialize=["k_int", "k_dev", "n", "n_leaves"])
+def bracket_kernel(src, table, state, hist, k_ptr, k_int, k_dev, n, n_leaves, margin, L: tl.constexpr,
+                   FLAT: tl.constexpr, KEY64: tl.constexpr, SAMPLE: tl.constexpr, LOG_LEAVES: tl.constexpr):
     """Step 1 (one program): zero the counters; the candidate threshold from a systematic sample.
 
     Writes ``state[0]``: a key expected to have a little more than ``k`` coordinates at or above it (the
@@ -193,11 +192,11 @@ def bracket_kernel(src, table, state, hist, k_ptr, k_int, n, n_leaves, margin, L
     exclude anything, or the exact k-th largest key when the sample is the whole tree. Only the speed
     depends on it: too few or too many candidates send the later kernels to the fallback.
     """
-    k = tl.load(k_ptr).to(tl.int64) if K_ON_DEVICE else k_int.to(tl.int64)
+    k = _k(k_ptr, k_int, k_dev)
     tl.store(hist + tl.arange(0, L * NB), tl.zeros([L * NB], tl.int32))
     count = tl.minimum(n, SAMPLE)
     stride = tl.maximum(n // SAMPLE, 1)
-    keys = _sample_keys(src, table, n_leaves, stride, count, FLAT, DTYPES, KEY64, SAMPLE, LOG_LEAVES)
+    keys = _sample_keys(src, table, n_leaves, stride, count, FLAT, KEY64, SAMPLE, LOG_LEAVES)
     p = k.to(tl.float64) / n
     mean = count * p
     rank = (mean + margin * tl.sqrt(mean * (1.0 - p)) + 2.0).to(tl.int64)  # truncation floors: positive
@@ -211,7 +210,7 @@ def bracket_kernel(src, table, state, hist, k_ptr, k_int, n, n_leaves, margin, L
 
 @triton.jit(do_not_specialize=["n", "n_leaves", "cap"])
 def compact_kernel(src, table, state, rec_base, rec_cnt, totals, skey, sidx, sval, n, n_leaves, cap,
-                   FLAT: tl.constexpr, DTYPES: tl.constexpr, KEY64: tl.constexpr, TILE: tl.constexpr,
+                   FLAT: tl.constexpr, KEY64: tl.constexpr, TILE: tl.constexpr,
                    SUB: tl.constexpr):
     """Step 2 (the one full read): every coordinate whose key is at least ``state[0]`` becomes a candidate.
 
@@ -226,7 +225,7 @@ def compact_kernel(src, table, state, rec_base, rec_cnt, totals, skey, sidx, sva
     threshold = tl.load(state)
     total = 0
     for s in range(SUB):
-        key, idx, val, mask = _leaf_tile(src, table, n, n_leaves, p, s, FLAT, DTYPES, KEY64,
+        key, idx, val, mask = _leaf_tile(src, table, n, n_leaves, p, s, FLAT, KEY64,
                                          sval.dtype.element_ty, TILE, SUB)
         keep = mask & (key >= threshold)
         count = tl.sum(keep.to(tl.int32), 0)
@@ -256,16 +255,16 @@ def _sum_before(values, p, QB: tl.constexpr):
     return tl.sum(acc, 0)
 
 
-@triton.jit(do_not_specialize=["k_int", "cap"])
-def order_kernel(state, rec_base, rec_cnt, totals, skey, sidx, sval, ckey, cidx, cval, k_ptr, k_int, cap,
-                 K_ON_DEVICE: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
+@triton.jit(do_not_specialize=["k_int", "k_dev", "cap"])
+def order_kernel(state, rec_base, rec_cnt, totals, skey, sidx, sval, ckey, cidx, cval, k_ptr, k_int, k_dev, cap,
+                 TILE: tl.constexpr, SUB: tl.constexpr):
     """Step 2b: the candidates copied into ``ckey``, ``cidx``, ``cval`` in flat order (normal mode only).
 
     Program ``p`` starts after the candidates of the programs before it (a sum of ``totals``) and copies
     its tiles' candidates in tile order: the layout depends on the data only, never on the atomics.
     """
     p = tl.program_id(0)
-    k, m, fallback = _mode(state, k_ptr, k_int, cap, K_ON_DEVICE)
+    k, m, fallback = _mode(state, k_ptr, k_int, k_dev, cap)
     if fallback == 0:
         out = _sum_before(totals, p, 512)
         for s in range(SUB):
@@ -319,10 +318,10 @@ def _prefix_of(state, hist, j):
     return prefix, need
 
 
-@triton.jit(do_not_specialize=["k_int", "n", "n_leaves", "n_programs", "cap", "j"])
-def digit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_rows, k_ptr, k_int, n, n_leaves,
-                 n_programs, cap, j, FLAT: tl.constexpr, DTYPES: tl.constexpr, KEY64: tl.constexpr,
-                 K_ON_DEVICE: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
+@triton.jit(do_not_specialize=["k_int", "k_dev", "n", "n_leaves", "n_programs", "cap", "j"])
+def digit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_rows, k_ptr, k_int, k_dev, n,
+                 n_leaves, n_programs, cap, j, FLAT: tl.constexpr, KEY64: tl.constexpr,
+                 L: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
     """Step 3, radix pass ``j`` (of ``L``, 8 bits each from the top): the histogram of digit ``j``.
 
     Over the keys whose digits 1 to ``j - 1`` equal the prefix of slot ``j - 1`` (the candidates in
@@ -333,7 +332,7 @@ def digit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_ro
     each program's output.
     """
     p = tl.program_id(0)
-    k, m, fallback = _mode(state, k_ptr, k_int, cap, K_ON_DEVICE)
+    k, m, fallback = _mode(state, k_ptr, k_int, k_dev, cap)
     prefix, need = _prefix_of(state, hist, j)
     bits: tl.constexpr = 64 if KEY64 else 32
     shift = bits - 8 * j
@@ -342,8 +341,8 @@ def digit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_ro
     above = 0
     for s in range(SUB):
         if _busy(p, s, fallback, m, n_programs, TILE, SUB):
-            key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT, DTYPES,
-                                        KEY64, TILE, SUB)
+            key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT, KEY64,
+                                        TILE, SUB)
             top = key >> high
             live = mask & (top == prefix)
             local += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), NB, mask=live)
@@ -373,40 +372,38 @@ def _before(above_rows, digit_rows, p, d, QB: tl.constexpr):
     return tl.sum(above, 0), tl.sum(ties, 0)
 
 
-@triton.jit(do_not_specialize=["k_int", "n", "n_leaves", "n_programs", "cap"])
-def emit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_rows, k_ptr, k_int, out_idx, out_val,
-                out_mask, out_dense, n, n_leaves, n_programs, cap, FLAT: tl.constexpr, DTYPES: tl.constexpr,
-                KEY64: tl.constexpr, K_ON_DEVICE: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr,
-                SUB: tl.constexpr, WRITE_LIST: tl.constexpr, WRITE_MASK: tl.constexpr, WRITE_DENSE: tl.constexpr):
+@triton.jit(do_not_specialize=["k_int", "k_dev", "write", "n", "n_leaves", "n_programs", "cap"])
+def emit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_rows, k_ptr, k_int, k_dev, out_idx,
+                out_val, out_mask, out_dense, write, n, n_leaves, n_programs, cap, FLAT: tl.constexpr,
+                KEY64: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
     """Step 4: with the k-th largest key ``t`` known, keep every key above it and the first ``need`` ties.
 
     Each program learns how many keys above ``t`` and ties at ``t`` come before it in flat order from
     the last radix pass's rows (a sum over the programs before it), then walks its tiles in flat order:
     a tie is kept while fewer than ``need`` ties precede it, and every kept coordinate's rank is the
-    number of kept ones before it. Outputs: the sorted flat indices and values (``WRITE_LIST``: exactly
-    ``k``, each at its rank), a flat mask (``WRITE_MASK``), the values scattered into a zeroed flat
-    buffer (``WRITE_DENSE``).
+    number of kept ones before it. Outputs, by ``write``: 0, the sorted flat indices and values (exactly
+    ``k``, each at its rank); 1, a flat mask; 2, the values scattered into a zeroed flat buffer.
     """
     p = tl.program_id(0)
-    k, m, fallback = _mode(state, k_ptr, k_int, cap, K_ON_DEVICE)
+    k, m, fallback = _mode(state, k_ptr, k_int, k_dev, cap)
     t, need = _find(state, hist, L)
     d = (t & 0xFF).to(tl.int32)
     above_before, ties_before = _before(above_rows, digit_rows, p, d, 512)
     for s in range(SUB):
         if _busy(p, s, fallback, m, n_programs, TILE, SUB):
-            key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT, DTYPES,
-                                        KEY64, TILE, SUB)
+            key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT, KEY64,
+                                        TILE, SUB)
             above = (mask & (key > t)).to(tl.int64)
             tie = (mask & (key == t)).to(tl.int64)
             ties_ex = ties_before + tl.cumsum(tie, 0) - tie
             keep = (above > 0) | ((tie > 0) & (ties_ex < need))
-            if WRITE_LIST:
+            if write == 0:
                 pos = above_before + tl.cumsum(above, 0) - above + tl.minimum(ties_ex, need)
                 tl.store(out_idx + pos, idx, mask=keep)
                 tl.store(out_val + pos, val, mask=keep)
-            if WRITE_MASK:
+            if write == 1:
                 tl.store(out_mask + idx, tl.full([TILE], 1, tl.uint8), mask=keep)
-            if WRITE_DENSE:
+            if write == 2:
                 tl.store(out_dense + idx, val, mask=keep)
             above_before += tl.sum(above, 0)
             ties_before += tl.sum(tie, 0)

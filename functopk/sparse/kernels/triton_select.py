@@ -45,6 +45,7 @@ from functopk.sparse.kernels.base import common_dtype
 __all__ = [
     "CODES",
     "MAX_NUMEL",
+    "OUTPUTS",
     "Plan",
     "TritonStats",
     "available",
@@ -61,6 +62,9 @@ __all__ = [
 
 CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 4, torch.float64: 8}
 """Dtype codes of the leaf table (the same numbers as the kernels' ``F32``, ``F16``, ``BF16``, ``F64``)."""
+
+OUTPUTS = ("indices", "masks", "dense")
+"""What :func:`run` can write (the emit kernel's ``write`` argument is the index)."""
 
 SAMPLE = 4096  # the most coordinates in the sample of step 1 (one program ranks them)
 MAX_NUMEL = 2**31 - 1
@@ -139,7 +143,6 @@ class Plan:
         programs: Programs of every launch after step 1 (each owns ``tiles * tile`` coordinates of one leaf).
         n: Coordinates in all.
         dtype: The common dtype (values are returned in it).
-        dtypes: The leaves' dtype codes, or-ed.
         tile: Coordinates per tile; ``tiles``: tiles per program.
         source: ``"flat"`` (the leaves lie back to back in one buffer), ``"table"`` or ``"copy"`` (concatenated,
             while a CUDA graph is captured).
@@ -151,7 +154,6 @@ class Plan:
     programs: int
     n: int
     dtype: torch.dtype
-    dtypes: int
     tile: int
     tiles: int
     source: str
@@ -244,12 +246,9 @@ def plan(leaves: Sequence[torch.Tensor], config: KernelConfig = DEFAULT_CONFIG) 
     if flat is None and capturing(flats[0].device):
         flat, source = torch.cat([f.to(dtype) for f in flats]), "copy"
     if flat is not None:
-        return Plan(flat, None, 1, max(1, -(-n // block)), n, dtype, CODES[flat.dtype], tile, tiles, source)
+        return Plan(flat, None, 1, max(1, -(-n // block)), n, dtype, tile, tiles, source)
     table, programs = _table(flats, block)
-    dtypes = 0
-    for f in flats:
-        dtypes |= CODES[f.dtype]
-    return Plan(None, table, len(flats), max(1, programs), n, dtype, dtypes, tile, tiles, "table")
+    return Plan(None, table, len(flats), max(1, programs), n, dtype, tile, tiles, "table")
 
 
 def sample_size(config: KernelConfig = DEFAULT_CONFIG) -> int:
@@ -369,29 +368,30 @@ def launches(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: Kern
     on_device = isinstance(k, torch.Tensor)
     grid = max(p.programs, -(-cap // (p.tile * p.tiles)))
     buf = _buffers(p, cap, passes, grid, device)
-    k_ptr, k_int = (k, 0) if on_device else (buf.state, int(k))
+    k_ptr, k_int = (k, 0) if on_device else (buf.state, int(k))  # (k_ptr is read only for a tensor k)
     src, table = p.flat, p.table
-    flags = dict(FLAT=src is not None, DTYPES=p.dtypes, KEY64=key64)
+    meta = dict(FLAT=src is not None, KEY64=key64)
     tile = dict(TILE=p.tile, SUB=p.tiles, num_warps=8 if p.tile >= 1024 else 4)
     log_leaves = max(1, math.ceil(math.log2(p.leaves)) + 1)
+    k_args = (k_ptr, k_int, int(on_device))
     steps = [
-        (kern.bracket_kernel, 1, (src, table, buf.state, buf.hist, k_ptr, k_int, p.n, p.leaves, float(config.margin)),
-         dict(L=passes, K_ON_DEVICE=on_device, SAMPLE=sample_size(config), LOG_LEAVES=log_leaves, num_warps=8,
-              **flags)),
+        (kern.bracket_kernel, 1, (src, table, buf.state, buf.hist, *k_args, p.n, p.leaves, float(config.margin)),
+         dict(L=passes, SAMPLE=sample_size(config), LOG_LEAVES=log_leaves, num_warps=8, **meta)),
         (kern.compact_kernel, p.programs, (src, table, buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey,
-                                           buf.sidx, buf.sval, p.n, p.leaves, cap), dict(**flags, **tile)),
+                                           buf.sidx, buf.sval, p.n, p.leaves, cap), dict(**meta, **tile)),
         (kern.order_kernel, p.programs, (buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey, buf.sidx,
-                                         buf.sval, buf.ckey, buf.cidx, buf.cval, k_ptr, k_int, cap),
-         dict(K_ON_DEVICE=on_device, **tile)),
+                                         buf.sval, buf.ckey, buf.cidx, buf.cval, *k_args, cap), tile),
     ]
-    scratch = (buf.state, buf.hist, buf.ckey, buf.cidx, buf.cval, buf.above_rows, buf.digit_rows, k_ptr, k_int)
-    common = dict(K_ON_DEVICE=on_device, L=passes, **flags, **tile)
+    scratch = (buf.state, buf.hist, buf.ckey, buf.cidx, buf.cval, buf.above_rows, buf.digit_rows, *k_args)
+    common = dict(L=passes, **meta, **tile)
     for j in range(1, passes + 1):
         steps.append((kern.digit_kernel, grid, (src, table, *scratch, p.n, p.leaves, p.programs, cap, j), common))
     out = _outputs(output, p.n if on_device else int(k), p, device)
-    writes = dict(WRITE_LIST=output == "indices", WRITE_MASK=output == "masks", WRITE_DENSE=output == "dense")
-    steps.append((kern.emit_kernel, grid, (src, table, *scratch, *out, p.n, p.leaves, p.programs, cap),
-                  dict(**writes, **common)))
+    # the outputs not written get stand-ins of the same dtypes: one compiled emit kernel serves all three
+    stand_ins = (buf.cidx, buf.cval, buf.hist.view(torch.uint8), buf.cval)
+    targets = tuple(stand_in if o is None else o for o, stand_in in zip(out, stand_ins))
+    steps.append((kern.emit_kernel, grid, (src, table, *scratch, *targets, OUTPUTS.index(output), p.n, p.leaves,
+                                           p.programs, cap), common))
     return steps, out, buf
 
 
@@ -412,14 +412,13 @@ def _prime(leaves: Sequence[torch.Tensor], p: Plan, k: int | torch.Tensor, outpu
     being captured; the usual warm-up call before a capture reaches this point and runs them once on
     the concatenated leaves (the result is dropped).
     """
-    key = (p.table.device, p.dtype, isinstance(k, torch.Tensor), output, p.tile, p.tiles,  # type: ignore[union-attr]
-           config.sample_size)
+    key = (p.table.device, p.dtype, p.tile, p.tiles, sample_size(config))  # type: ignore[union-attr]
     if key in _PRIMED:
         return
     _PRIMED.add(key)
     flat = torch.cat([x.detach().reshape(-1).to(p.dtype) for x in leaves])
     flat_plan = dataclasses.replace(p, flat=flat, table=None, leaves=1, programs=max(1, -(-p.n // (p.tile * p.tiles))),
-                                    dtypes=CODES[p.dtype], source="copy")
+                                    source="copy")
     _launch(flat_plan, k, output, cap, config)
 
 
