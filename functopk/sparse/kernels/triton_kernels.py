@@ -229,7 +229,7 @@ def compact_kernel(src, table, state, rec_base, rec_cnt, totals, skey, sidx, sva
                                          sval.dtype.element_ty, TILE, SUB)
         keep = mask & (key >= threshold)
         count = tl.sum(keep.to(tl.int32), 0)
-        base = tl.atomic_add(state + 1, count.to(tl.int64), mask=count > 0)
+        base = tl.atomic_add(state + 1, count.to(tl.int64), mask=count > 0, sem="relaxed")
         base = tl.where(count > 0, base, 0)
         pos = base + tl.cumsum(keep.to(tl.int64), 0) - 1
         ok = keep & (pos < cap)
@@ -347,7 +347,7 @@ def digit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_ro
             live = mask & (top == prefix)
             local += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), NB, mask=live)
             above += tl.sum((mask & (top > prefix)).to(tl.int32), 0)
-    tl.atomic_add(hist + (j - 1) * NB + tl.arange(0, NB), local, mask=local > 0)
+    tl.atomic_add(hist + (j - 1) * NB + tl.arange(0, NB), local, mask=local > 0, sem="relaxed")
     if j == L:
         tl.store(above_rows + p, above)
         tl.store(digit_rows + p * NB + tl.arange(0, NB), tl.sum(local, 0) - tl.cumsum(local, 0) + local)

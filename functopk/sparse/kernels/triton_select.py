@@ -269,7 +269,7 @@ def capacity(n: int, k: int | None, config: KernelConfig = DEFAULT_CONFIG) -> in
 
     Example:
         >>> capacity(25_557_032, 1000), capacity(1000, 10), capacity(25_557_032, None)
-        (65536, 1000, 3194629)
+        (149748, 1000, 3194629)
     """
     if k is None:
         expected = n / 8
