@@ -7,6 +7,7 @@ patterns, tolerances, the canonical functional step, and
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import optree
@@ -60,6 +61,17 @@ def assert_tree_close(a, b, rtol: float = 1e-6, atol: float = 0.0) -> None:
     for x, y in zip(la, lb):
         assert x.shape == y.shape and x.dtype == y.dtype
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+@contextlib.contextmanager
+def no_sync():
+    """Every synchronising CUDA call (``.item()``, ``nonzero``, a device-to-host copy) is an error inside."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def clone_tree(tree):

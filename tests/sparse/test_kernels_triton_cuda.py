@@ -8,7 +8,6 @@ CUDA graph capture and replay.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -18,7 +17,7 @@ from hypothesis import strategies as st
 
 import functopk as ft
 from functopk.sparse.kernels import triton_select
-from tests.helpers import assert_compiles_like_eager, bits, numel, to_device, trees_st
+from tests.helpers import assert_compiles_like_eager, bits, no_sync, numel, to_device, trees_st
 from tests.sparse.triton_checks import ATEN, CONFIGS, assert_selects_like_cpu, path_of
 
 pytestmark = [
@@ -28,16 +27,6 @@ pytestmark = [
 ]
 
 TRITON = ft.sparse.KernelConfig(backend="triton")
-
-
-@contextlib.contextmanager
-def no_sync():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @settings(max_examples=30)
