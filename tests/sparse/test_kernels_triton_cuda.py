@@ -67,6 +67,15 @@ def test_production_sized_trees_select_like_the_cpu_kernel(zeros):
             assert stats.path == "fallback", stats
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_thousands_of_programs_place_their_output_in_flat_order(name):
+    """Small programs on a 200K tree: 3000+ programs, so each sums its predecessors' counts in several blocks."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tree = {"a": torch.randn(150_000, generator=g, device="cuda"), "b": torch.randn(50_000, generator=g, device="cuda")}
+    for k in (100, 20_000):
+        assert_selects_like_cpu(tree, k, CONFIGS[name], "cuda")
+
+
 def test_results_do_not_depend_on_the_order_programs_run_in():
     tree = _big_tree()
     tree = {key: torch.round(x * 4) / 4 for key, x in tree.items()}  # heavy ties across programs

@@ -184,9 +184,9 @@ def _flat_view(flats: Sequence[torch.Tensor]) -> torch.Tensor | None:
             return None
         offset += f.numel()
     if len(flats) == 1:
-        return first
+        return first.detach().reshape(-1)
     try:
-        return first.as_strided((offset,), (1,))
+        return first.detach().as_strided((offset,), (1,))
     except RuntimeError:  # the leaves lie back to back but not all in first's storage
         return None
 
@@ -237,14 +237,15 @@ def plan(leaves: Sequence[torch.Tensor], config: KernelConfig = DEFAULT_CONFIG) 
         >>> p.flat is None, p.leaves, p.programs, p.n, p.dtype
         (True, 2, 2, 5, torch.float32)
     """
-    flats = [x.detach().reshape(-1) for x in leaves]
+    # only addresses, sizes and dtypes are read: a contiguous leaf is used as it is (no view per leaf)
+    flats = [x if x.is_contiguous() else x.detach().reshape(-1) for x in leaves]
     dtype = common_dtype(flats)
     n = sum(f.numel() for f in flats)
     tile, tiles = tiling(config)
     block = tile * tiles
     flat, source = _flat_view(flats), "flat"
     if flat is None and capturing(flats[0].device):
-        flat, source = torch.cat([f.to(dtype) for f in flats]), "copy"
+        flat, source = torch.cat([f.detach().reshape(-1).to(dtype) for f in flats]), "copy"
     if flat is not None:
         return Plan(flat, None, 1, max(1, -(-n // block)), n, dtype, tile, tiles, source)
     table, programs = _table(flats, block)
