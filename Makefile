@@ -49,9 +49,9 @@ bench: $(STAMP)
 
 # On a machine with a CUDA GPU: CUDA tests and GPU benchmarks, tables in benchmarks/results/gpu/.
 # No install: the script imports functopk from this checkout with the machine's own torch and Triton
-# (.venv/bin/python if there is one, else python3; or PY=...).
+# (GPU_PY=..., else .venv/bin/python if there is one, else python3).
 gpu-check:
-	bash benchmarks/gpu_check.sh
+	PY="$${GPU_PY:-}" bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis out
