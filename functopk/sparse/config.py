@@ -57,8 +57,11 @@ class KernelConfig:
             tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``"aten"``
             (never). The result is the same on every backend.
         triton_block: Coordinates each program of the Triton kernel owns (a power
-            of 2, at least 64); ``margin``, ``abandon_min`` and ``abandon_factor``
-            tune its sample and candidate buffer as they tune the CPU scan.
+            of 2, at least 64).
+        triton_room: The Triton kernel's candidate buffer holds this many times
+            the count its sample predicts (at least ``abandon_min``); more
+            candidates send it to its fallback. Its sample is ``sample_size`` (at
+            most 4096) and its bracket ``margin`` wide, as for the CPU scan.
 
     Example:
         >>> import torch, functopk as ft
@@ -83,6 +86,7 @@ class KernelConfig:
     native: bool = True
     backend: str = "auto"
     triton_block: int = 1 << 15
+    triton_room: float = 2.0
 
     def __post_init__(self) -> None:
         check_choice(self.backend, "backend", BACKENDS)

@@ -16,7 +16,7 @@ def test_default_config_holds_the_measured_constants():
         "exact_min_numel": 1 << 16, "segment": 1 << 19, "sample_size": 1 << 16, "margin": 4.0, "band_min": 1 << 15,
         "max_rows": 256, "column_balance": 0.25, "column_max_fraction": 0.003, "words_max_fraction": 0.03,
         "min_columns": 256, "column_block": 1 << 21, "abandon_min": 1 << 16, "abandon_factor": 8.0, "native": True,
-        "backend": "auto", "triton_block": 1 << 15,
+        "backend": "auto", "triton_block": 1 << 15, "triton_room": 2.0,
     }
 
 

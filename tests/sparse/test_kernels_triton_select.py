@@ -84,7 +84,7 @@ def test_capacity_grows_with_k_and_the_margin():
     n = 1_000_000
     caps = [triton_select.capacity(n, k) for k in (1, 1000, 10_000, 100_000)]
     assert caps == sorted(caps) and caps[-1] > 100_000 and caps[0] == ft.sparse.KernelConfig().abandon_min
-    tight = ft.sparse.KernelConfig(abandon_min=0, abandon_factor=1.0, margin=0.0)
+    tight = ft.sparse.KernelConfig(abandon_min=0, triton_room=1.0, margin=0.0)
     assert triton_select.capacity(n, 1000, tight) < triton_select.capacity(n, 1000)
     assert triton_select.capacity(100, 5) == 100  # at most the tree
 

@@ -24,7 +24,7 @@ SMALL = ft.sparse.KernelConfig(backend="triton", triton_block=64, sample_size=16
 CONFIGS = {
     "candidates": SMALL,
     "too-few": dataclasses.replace(SMALL, margin=-10.0),  # the sampled threshold is too high: fallback
-    "overflow": dataclasses.replace(SMALL, margin=10.0, abandon_min=0, abandon_factor=0.01),  # buffer too small
+    "overflow": dataclasses.replace(SMALL, margin=10.0, abandon_min=0, triton_room=0.01),  # buffer too small
 }
 """The configurations that reach the normal path and both fallbacks (on trees of more than 16 coordinates)."""
 

@@ -12,12 +12,13 @@ Terms shared by the kernels:
   fp32 exactly) or int64 (fp64 trees), NaN mapped to the key of ``+inf``. Keys
   compare as the magnitudes do, and ties between equal keys go to the lower
   flat index.
-* a program owns ``SUB`` tiles of ``TILE`` consecutive coordinates: of one
+* a program owns ``SUB`` tiles of ``TILE`` consecutive coordinates of one
   leaf (per the leaf table; ``FLAT``: of the one flat buffer) when it reads
-  the leaves, or of the candidates (in flat order) when it reads those. Every
-  launch after step 1 has the same programs, so what program ``q`` counted in
-  one launch is what the next finds at ``q``: a prefix sum over ``q < p``
-  places program ``p``'s output in flat order, whatever order the programs ran.
+  the leaves, or one tile of the candidates (in flat order) when it reads
+  those. The launches of steps 3 and 4 have the same programs, so what program
+  ``q`` counted in one is what the next finds at ``q``: a prefix sum over
+  ``q < p`` places program ``p``'s output in flat order, whatever order the
+  programs ran in.
 * ``state`` (int64): ``[0]`` the candidate threshold key, ``[1]`` the number of
   candidates, then per radix pass ``j`` the slot ``j`` at ``[2 + 2 j]``:
   ``(prefix, need)``, the top ``8 j`` bits of the k-th largest key and its rank
@@ -95,12 +96,15 @@ def _leaf_tile(src, table, n, n_leaves, p, s, FLAT: tl.constexpr, KEY64: tl.cons
 @triton.jit
 def _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT: tl.constexpr,
           KEY64: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
-    """Tile ``s`` of program ``p``: of the leaves (fallback) or of the ``m`` candidates in flat order (normal)."""
+    """Tile ``s`` of program ``p``: of the leaves (fallback), or tile ``p`` of the ``m`` candidates in flat order.
+
+    (In normal mode each program owns one tile of candidates, so that they spread over many programs.)
+    """
     if fallback:
         key, idx, val, mask = _leaf_tile(src, table, n, n_leaves, p, s, FLAT, KEY64,
                                          cval.dtype.element_ty, TILE, SUB)
     else:
-        offs = (p * SUB + s).to(tl.int64) * TILE + tl.arange(0, TILE)
+        offs = p.to(tl.int64) * TILE + tl.arange(0, TILE)
         mask = offs < m
         key = tl.load(ckey + offs, mask=mask, other=0)
         idx = tl.load(cidx + offs, mask=mask, other=0)
@@ -123,9 +127,9 @@ def _mode(state, k_ptr, k_int, k_dev, cap):
 
 
 @triton.jit
-def _busy(p, s, fallback, m, n_programs, TILE: tl.constexpr, SUB: tl.constexpr):
+def _busy(p, s, fallback, m, n_programs, TILE: tl.constexpr):
     """Whether tile ``s`` of program ``p`` holds anything in this mode (the launch covers both modes' programs)."""
-    return tl.where(fallback, p < n_programs, (p * SUB + s).to(tl.int64) * TILE < m)
+    return tl.where(fallback, p < n_programs, (s == 0) & (p.to(tl.int64) * TILE < m))
 
 
 @triton.jit
@@ -231,7 +235,7 @@ def compact_kernel(src, table, state, rec_base, rec_cnt, totals, skey, sidx, sva
         count = tl.sum(keep.to(tl.int32), 0)
         base = tl.atomic_add(state + 1, count.to(tl.int64), mask=count > 0, sem="relaxed")
         base = tl.where(count > 0, base, 0)
-        pos = base + tl.cumsum(keep.to(tl.int64), 0) - 1
+        pos = base + (tl.cumsum(keep.to(tl.int32), 0) - 1).to(tl.int64)
         ok = keep & (pos < cap)
         tl.store(skey + pos, key, mask=ok)
         tl.store(sidx + pos, idx, mask=ok)
@@ -340,7 +344,7 @@ def digit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_ro
     local = tl.zeros([NB], tl.int32)
     above = 0
     for s in range(SUB):
-        if _busy(p, s, fallback, m, n_programs, TILE, SUB):
+        if _busy(p, s, fallback, m, n_programs, TILE):
             key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT, KEY64,
                                         TILE, SUB)
             top = key >> high
@@ -390,20 +394,20 @@ def emit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_row
     d = (t & 0xFF).to(tl.int32)
     above_before, ties_before = _before(above_rows, digit_rows, p, d, 512)
     for s in range(SUB):
-        if _busy(p, s, fallback, m, n_programs, TILE, SUB):
+        if _busy(p, s, fallback, m, n_programs, TILE):
             key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT, KEY64,
                                         TILE, SUB)
-            above = (mask & (key > t)).to(tl.int64)
-            tie = (mask & (key == t)).to(tl.int64)
-            ties_ex = ties_before + tl.cumsum(tie, 0) - tie
+            above = (mask & (key > t)).to(tl.int32)
+            tie = (mask & (key == t)).to(tl.int32)
+            ties_ex = ties_before + (tl.cumsum(tie, 0) - tie).to(tl.int64)
             keep = (above > 0) | ((tie > 0) & (ties_ex < need))
             if write == 0:
-                pos = above_before + tl.cumsum(above, 0) - above + tl.minimum(ties_ex, need)
+                pos = above_before + (tl.cumsum(above, 0) - above).to(tl.int64) + tl.minimum(ties_ex, need)
                 tl.store(out_idx + pos, idx, mask=keep)
                 tl.store(out_val + pos, val, mask=keep)
             if write == 1:
                 tl.store(out_mask + idx, tl.full([TILE], 1, tl.uint8), mask=keep)
             if write == 2:
                 tl.store(out_dense + idx, val, mask=keep)
-            above_before += tl.sum(above, 0)
-            ties_before += tl.sum(tie, 0)
+            above_before += tl.sum(above, 0).to(tl.int64)
+            ties_before += tl.sum(tie, 0).to(tl.int64)

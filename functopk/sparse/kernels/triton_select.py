@@ -264,13 +264,14 @@ def sample_size(config: KernelConfig = DEFAULT_CONFIG) -> int:
 
 
 def capacity(n: int, k: int | None, config: KernelConfig = DEFAULT_CONFIG) -> int:
-    """Candidates the buffers of step 2 hold: the count the sample predicts, with room (``abandon_*``).
+    """Candidates the buffers of step 2 hold: ``triton_room`` times the count the sample predicts, at least
+    ``abandon_min``, at most ``n``.
 
     A tensor ``k`` (``None`` here: not read) gets an eighth of the tree.
 
     Example:
         >>> capacity(25_557_032, 1000), capacity(1000, 10), capacity(25_557_032, None)
-        (149748, 1000, 3194629)
+        (65536, 1000, 3194629)
     """
     if k is None:
         expected = n / 8
@@ -279,7 +280,7 @@ def capacity(n: int, k: int | None, config: KernelConfig = DEFAULT_CONFIG) -> in
         p = k / n
         mean = s * p
         rank = math.floor(mean + config.margin * math.sqrt(mean * (1.0 - p))) + 2
-        expected = config.abandon_factor * rank * n / s
+        expected = config.triton_room * rank * n / s
     return max(1, int(min(n, max(config.abandon_min, expected))))
 
 
@@ -367,7 +368,7 @@ def launches(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: Kern
     key64 = p.dtype == torch.float64
     passes = 8 if key64 else 4
     on_device = isinstance(k, torch.Tensor)
-    grid = max(p.programs, -(-cap // (p.tile * p.tiles)))
+    grid = max(p.programs, -(-cap // p.tile))  # leaf programs (fallback), or one tile of candidates each
     buf = _buffers(p, cap, passes, grid, device)
     k_ptr, k_int = (k, 0) if on_device else (buf.state, int(k))  # (k_ptr is read only for a tensor k)
     src, table = p.flat, p.table
@@ -441,7 +442,7 @@ def run(
             common dtype, ``k`` of each (a tensor ``k``: ``n`` of each, the first ``k`` written);
             ``"masks"``: ``[mask]``, a flat bool tensor of ``n``; ``"dense"``: ``[values]``, the values in
             the common dtype at the selected flat indices, zeros elsewhere.
-        config: The tuning constants (``triton_block``, ``margin``, ``abandon_min``, ``abandon_factor``).
+        config: The tuning constants (``triton_block``, ``triton_room``, ``sample_size``, ``margin``, ``abandon_min``).
         stats: Filled in with what the call did, when given (reads the device).
     """
     p = plan(leaves, config)
