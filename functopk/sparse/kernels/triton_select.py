@@ -40,7 +40,6 @@ from collections.abc import Sequence
 import torch
 
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
-from functopk.sparse.kernels.base import common_dtype
 
 __all__ = [
     "CODES",
@@ -70,8 +69,8 @@ SAMPLE = 4096  # the most coordinates in the sample of step 1 (one program ranks
 MAX_NUMEL = 2**31 - 1
 """The largest tree the kernels take (their counts are int32); larger trees keep the ATen kernels."""
 
-_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-_MAX_TABLES = 16
+_LAYOUTS: OrderedDict[tuple, tuple] = OrderedDict()  # leaves' key -> ("flat", None, 0) or ("table", table, programs)
+_MAX_LAYOUTS = 16
 _TRITON: list[bool] = []  # whether triton imports, once known
 _PRIMED: set[tuple] = set()  # launch signatures whose flat-buffer kernels are compiled (see _prime)
 
@@ -172,33 +171,30 @@ def tiling(config: KernelConfig) -> tuple[int, int]:
     return tile, max(1, block // tile)
 
 
-def _flat_view(flats: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The leaves as one 1-d view when they lie back to back in one storage with one dtype, else ``None``."""
-    first = flats[0]
-    if any(f.dtype != first.dtype for f in flats):
-        return None
-    size, start = first.element_size(), first.data_ptr()
-    offset = 0
-    for f in flats:
-        if f.numel() and f.data_ptr() != start + offset * size:
-            return None
-        offset += f.numel()
+def _back_to_back(ptrs: tuple[int, ...], sizes: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether the leaves lie back to back in memory, in flat order, with one dtype."""
+    if any(d != dtypes[0] for d in dtypes):
+        return False
+    size, offset = dtypes[0].itemsize, 0
+    for ptr, numel in zip(ptrs, sizes):
+        if numel and ptr != ptrs[0] + offset * size:
+            return False
+        offset += numel
+    return True
+
+
+def _flat_view(flats: Sequence[torch.Tensor], n: int) -> torch.Tensor | None:
+    """The leaves (back to back) as one 1-d view of the first one's storage, or ``None`` if it does not hold them."""
     if len(flats) == 1:
-        return first.detach().reshape(-1)
+        return flats[0].detach().reshape(-1)
     try:
-        return first.detach().as_strided((offset,), (1,))
-    except RuntimeError:  # the leaves lie back to back but not all in first's storage
+        return flats[0].detach().as_strided((n,), (1,))
+    except RuntimeError:  # back to back in memory, but not all in the first leaf's storage
         return None
 
 
 def _table(flats: Sequence[torch.Tensor], block: int) -> tuple[torch.Tensor, int]:
-    """The leaf table (see :class:`Plan`), cached by the leaves' addresses, sizes and dtypes; and the programs."""
-    device = flats[0].device
-    key = (device, block, *((f.data_ptr(), f.numel(), f.dtype) for f in flats))
-    if key in _TABLES:
-        _TABLES.move_to_end(key)
-        table = _TABLES[key]
-        return table, (table.numel() - 4 * len(flats)) // 2
+    """The leaf table (see :class:`Plan`) on the leaves' device, and the number of programs."""
     rows: list[int] = []
     programs: list[int] = []
     offset = 0
@@ -208,14 +204,9 @@ def _table(flats: Sequence[torch.Tensor], block: int) -> tuple[torch.Tensor, int
             programs += [i, start]
         offset += f.numel()
     host = torch.tensor(rows + programs, dtype=torch.int64)
-    if device.type == "cuda":  # pinned and asynchronous: no synchronisation (the copy is ordered on the stream)
-        table = host.pin_memory().to(device, non_blocking=True)
-    else:
-        table = host
-    _TABLES[key] = table
-    if len(_TABLES) > _MAX_TABLES:
-        _TABLES.popitem(last=False)
-    return table, len(programs) // 2
+    if flats[0].device.type == "cuda":  # pinned and asynchronous: no synchronisation (ordered on the stream)
+        return host.pin_memory().to(flats[0].device, non_blocking=True), len(programs) // 2
+    return host, len(programs) // 2
 
 
 def capturing(device: torch.device) -> bool:
@@ -231,25 +222,43 @@ def capturing(device: torch.device) -> bool:
 def plan(leaves: Sequence[torch.Tensor], config: KernelConfig = DEFAULT_CONFIG) -> Plan:
     """How :func:`run` reads ``leaves`` (see the module docstring): a flat view, a cached table, or a copy.
 
+    Which of the first two, and the table, are cached by the leaves' addresses, sizes and dtypes (a few
+    passes of attribute reads over the leaves: the host work of a call on a tree of many leaves).
+
     Example:
         >>> leaves = [torch.ones(3), torch.ones(2, dtype=torch.float16)]
         >>> p = plan(leaves)
         >>> p.flat is None, p.leaves, p.programs, p.n, p.dtype
         (True, 2, 2, 5, torch.float32)
     """
-    # only addresses, sizes and dtypes are read: a contiguous leaf is used as it is (no view per leaf)
-    flats = [x if x.is_contiguous() else x.detach().reshape(-1) for x in leaves]
-    dtype = common_dtype(flats)
-    n = sum(f.numel() for f in flats)
-    tile, tiles = tiling(config)
+    flats = [x if x.is_contiguous() else x.detach().reshape(-1) for x in leaves]  # no view per contiguous leaf
+    sizes = tuple(map(torch.Tensor.numel, flats))
+    dtypes = tuple(x.dtype for x in flats)
+    dtype = dtypes[0]
+    for other in set(dtypes):
+        dtype = torch.promote_types(dtype, other)
+    n, (tile, tiles), device = sum(sizes), tiling(config), flats[0].device
     block = tile * tiles
-    flat, source = _flat_view(flats), "flat"
-    if flat is None and capturing(flats[0].device):
-        flat, source = torch.cat([f.detach().reshape(-1).to(dtype) for f in flats]), "copy"
-    if flat is not None:
-        return Plan(flat, None, 1, max(1, -(-n // block)), n, dtype, tile, tiles, source)
-    table, programs = _table(flats, block)
-    return Plan(None, table, len(flats), max(1, programs), n, dtype, tile, tiles, "table")
+    key = (device, block, tuple(map(torch.Tensor.data_ptr, flats)), sizes, dtypes)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if _back_to_back(key[2], sizes, dtypes) and _flat_view(flats, n) is not None:
+            layout = ("flat", None, 0)
+        elif not capturing(device):  # (a table copied while capturing is filled only when the graph replays)
+            layout = ("table", *_table(flats, block))
+        if layout is not None and not capturing(device):
+            _LAYOUTS[key] = layout
+            if len(_LAYOUTS) > _MAX_LAYOUTS:
+                _LAYOUTS.popitem(last=False)
+    else:
+        _LAYOUTS.move_to_end(key)
+    programs = max(1, -(-n // block))
+    if layout is not None and layout[0] == "flat":
+        return Plan(_flat_view(flats, n), None, 1, programs, n, dtype, tile, tiles, "flat")
+    if layout is None or capturing(device):  # no table can be copied in while capturing: concatenate
+        flat = torch.cat([f.detach().reshape(-1).to(dtype) for f in flats])
+        return Plan(flat, None, 1, programs, n, dtype, tile, tiles, "copy")
+    return Plan(None, layout[1], len(flats), max(1, layout[2]), n, dtype, tile, tiles, "table")
 
 
 def sample_size(config: KernelConfig = DEFAULT_CONFIG) -> int:
