@@ -68,7 +68,7 @@ tests_rc=0
 triton_tests="tests/sparse/test_kernels_triton_cuda.py tests/sparse/test_cuda.py"
 if want triton; then
     # shellcheck disable=SC2086
-    part triton_tests "$OUT/triton_tests.txt" 180 $PY -m pytest -q -p no:cacheprovider -m cuda -ra $triton_tests
+    part triton_tests "$OUT/triton_tests.txt" 240 $PY -m pytest -q -p no:cacheprovider -m cuda -ra $triton_tests
     tests_rc=$?
     tail -15 "$OUT/triton_tests.txt"
 fi

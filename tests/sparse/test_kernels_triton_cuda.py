@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import functopk as ft
@@ -29,7 +29,6 @@ pytestmark = [
 TRITON = ft.sparse.KernelConfig(backend="triton")
 
 
-@settings(max_examples=30)
 @given(tree=trees_st(allow_nonfinite=True, max_leaves=6), data=st.data())
 def test_selects_like_the_cpu_kernel(tree, data):
     n = numel(tree)
