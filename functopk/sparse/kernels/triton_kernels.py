@@ -140,8 +140,7 @@ def _sample_key(addr, local, valid, code, key, C: tl.constexpr, DT: tl.constexpr
 
 
 @triton.jit
-def _sample_keys(src, table, n_leaves, stride, count, FLAT: tl.constexpr, KEY64: tl.constexpr, SAMPLE: tl.constexpr,
-                 LOG_LEAVES: tl.constexpr):
+def _sample_keys(src, table, n_leaves, stride, count, FLAT: tl.constexpr, KEY64: tl.constexpr, SAMPLE: tl.constexpr):
     """Keys of the systematic sample (flat indices ``0, stride, 2 stride, ...``; ``count`` of them), -1 past it."""
     j = tl.arange(0, SAMPLE)
     valid = j < count
@@ -153,9 +152,9 @@ def _sample_keys(src, table, n_leaves, stride, count, FLAT: tl.constexpr, KEY64:
         # next one, so the search passes it)
         lo = tl.zeros([SAMPLE], tl.int64)
         size = n_leaves
-        for _ in tl.static_range(LOG_LEAVES):
+        while size > 1:
             half = size // 2
-            ok = (tl.load(table + 4 * (lo + half) + 1, mask=valid & (half > 0), other=0) <= pos) & (half > 0)
+            ok = tl.load(table + 4 * (lo + half) + 1, mask=valid, other=0) <= pos
             lo = tl.where(ok, lo + half, lo)
             size = size - half
         addr = tl.load(table + 4 * lo, mask=valid, other=0)
@@ -188,7 +187,7 @@ def _rank_key(keys, rank, KEY64: tl.constexpr):
 
 @triton.jit(do_not_specialize=["k_int", "k_dev", "n", "n_leaves"])
 def bracket_kernel(src, table, state, hist, k_ptr, k_int, k_dev, n, n_leaves, margin, L: tl.constexpr,
-                   FLAT: tl.constexpr, KEY64: tl.constexpr, SAMPLE: tl.constexpr, LOG_LEAVES: tl.constexpr):
+                   FLAT: tl.constexpr, KEY64: tl.constexpr, SAMPLE: tl.constexpr):
     """Step 1 (one program): zero the counters; the candidate threshold from a systematic sample.
 
     Writes ``state[0]``: a key expected to have a little more than ``k`` coordinates at or above it (the
@@ -200,7 +199,7 @@ def bracket_kernel(src, table, state, hist, k_ptr, k_int, k_dev, n, n_leaves, ma
     tl.store(hist + tl.arange(0, L * NB), tl.zeros([L * NB], tl.int32))
     count = tl.minimum(n, SAMPLE)
     stride = tl.maximum(n // SAMPLE, 1)
-    keys = _sample_keys(src, table, n_leaves, stride, count, FLAT, KEY64, SAMPLE, LOG_LEAVES)
+    keys = _sample_keys(src, table, n_leaves, stride, count, FLAT, KEY64, SAMPLE)
     p = k.to(tl.float64) / n
     mean = count * p
     rank = (mean + margin * tl.sqrt(mean * (1.0 - p)) + 2.0).to(tl.int64)  # truncation floors: positive

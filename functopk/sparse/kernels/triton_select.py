@@ -383,11 +383,10 @@ def launches(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: Kern
     src, table = p.flat, p.table
     meta = dict(FLAT=src is not None, KEY64=key64)
     tile = dict(TILE=p.tile, SUB=p.tiles, num_warps=8 if p.tile >= 1024 else 4)
-    log_leaves = max(1, math.ceil(math.log2(p.leaves)) + 1)
     k_args = (k_ptr, k_int, int(on_device))
     steps = [
         (kern.bracket_kernel, 1, (src, table, buf.state, buf.hist, *k_args, p.n, p.leaves, float(config.margin)),
-         dict(L=passes, SAMPLE=sample_size(config), LOG_LEAVES=log_leaves, num_warps=8, **meta)),
+         dict(L=passes, SAMPLE=sample_size(config), num_warps=8, **meta)),
         (kern.compact_kernel, p.programs, (src, table, buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey,
                                            buf.sidx, buf.sval, p.n, p.leaves, cap), dict(**meta, **tile)),
         (kern.order_kernel, p.programs, (buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey, buf.sidx,
