@@ -47,9 +47,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/convergence.py
 
-# On a machine with a CUDA GPU: CUDA tests and GPU benchmarks, tables in benchmarks/results/gpu/
-gpu-check: $(STAMP)
-	PY=$(PY) bash benchmarks/gpu_check.sh
+# On a machine with a CUDA GPU: CUDA tests and GPU benchmarks, tables in benchmarks/results/gpu/.
+# No install: the script imports functopk from this checkout with the machine's own torch and Triton
+# (GPU_PY=..., else .venv/bin/python if there is one, else python3).
+gpu-check:
+	PY="$${GPU_PY:-}" bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis out

@@ -5,7 +5,8 @@ once to warm up, then ``--steps`` times under ``torch.profiler``:
 
   torch.topk (concatenated)     the floor of the selection
   cat+topk+scatter              the usual dense top-k
-  ft.topk_indices / topk_sparsify (k = 1000 and 1% of n)
+  ft.topk_indices / topk_sparsify (k = 1000 and 1% of n; the default backend, Triton on CUDA), and
+  ft.topk_indices with KernelConfig(backend="aten")
   torch.optim SGD / Adam foreach, and functopk's pure step, apply_updates_ and ft.update_
 
 It prints, per case: wall milliseconds per call (device synchronised), device kernels
@@ -30,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functopk as ft  # noqa: E402
-from benchmarks.device_topk import trees, usual_dense_topk  # noqa: E402
+from benchmarks.device_topk import ATEN, trees, usual_dense_topk  # noqa: E402
 from benchmarks.timing import device_sync  # noqa: E402
 
 
@@ -102,6 +103,7 @@ def main() -> None:
         cases[f"torch.topk (concatenated), {label}"] = lambda k=k: torch.topk(flat_mags, k, sorted=False)
         cases[f"cat+topk+scatter, {label}"] = lambda k=k: usual_dense_topk(leaves, k)
         cases[f"ft.topk_indices, {label}"] = lambda k=k: ft.topk_indices(leaves, k)
+        cases[f"ft.topk_indices (aten), {label}"] = lambda k=k: ft.topk_indices(leaves, k, config=ATEN)
         cases[f"ft.topk_sparsify, {label}"] = lambda k=k: ft.topk_sparsify(leaves, k)
     cases.update(optimizer_cases(leaves))
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

@@ -1,17 +1,22 @@
-"""Global top-k on one device (CUDA first): functopk against torch.topk and cat + topk + scatter.
+"""Global top-k on one device (CUDA first): functopk's kernels against torch.topk, and the bandwidth reached.
 
-Trees, filled with standard normal values on the device: the resnet50
-parameter shapes (25.6M coordinates) and a 100M-coordinate tree (40 leaves of
-2.5M). For k = 1000 and 1% of n, in interleaved rounds (medians, the device
-synchronised after each call):
+Trees, filled with standard normal values on the device: the resnet50 parameter shapes (161
+leaves, 25.6M fp32 coordinates) and a 100M-coordinate tree (40 leaves of 2.5M). For k = 1000 and
+1% of n, in interleaved rounds (medians), each case timed over a batch of calls between two CUDA
+events (no synchronisation inside the batch: host and device work overlap as in a training loop):
 
-  topk on concatenated   torch.topk(|v|, k) on an already concatenated vector (the floor)
+  topk on concatenated   torch.topk(|v|, k) on an already concatenated vector (the floor of the usual way)
   cat+topk+scatter       the usual dense top-k: cat, abs, topk, scatter into zeros, split
-  ft.topk_indices        functopk, SparseUpdates out
-  ft.topk_sparsify       functopk, dense tree out
+  indices (aten)         ft.topk_indices with KernelConfig(backend="aten") (the static kernel)
+  indices (triton)       ft.topk_indices with KernelConfig(backend="triton")
+  sparsify               ft.topk_sparsify (the default backend: Triton on CUDA where it imports)
 
-Targets: ft.topk_indices within 2x of the floor and faster than
-cat+topk+scatter. Runs on the CPU too (a smoke run).
+Bandwidth: the tree's bytes read once over the time of ``indices (triton)`` (without Triton: of
+``indices (aten)``; so is the speed-up over cat+topk+scatter), against the copy
+bandwidth measured here (``dst.copy_(src)`` of 1 GiB: bytes read plus bytes written, over its time).
+Targets (H200): indices (triton) at most 0.10 ms (k = 1000) and 0.15 ms (1%) on resnet50, at least 8x
+faster than cat+topk+scatter, at most 0.3 ms on the 100M tree; sparsify at most indices plus one
+write pass. Runs on the CPU too (a smoke run; the Triton rows need a GPU there).
 
 Usage:
     python benchmarks/device_topk.py --device cuda --out benchmarks/results/gpu/topk.md
@@ -21,6 +26,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functopk as ft  # noqa: E402
 from benchmarks.timing import device_sync, interleaved  # noqa: E402
+from functopk.sparse.kernels import triton_select  # noqa: E402
+
+ATEN = ft.sparse.KernelConfig(backend="aten")
+TRITON = ft.sparse.KernelConfig(backend="triton")
 
 
 def trees(device: str, small: bool) -> dict[str, list[torch.Tensor]]:
@@ -49,44 +59,94 @@ def usual_dense_topk(leaves: list[torch.Tensor], k: int) -> list[torch.Tensor]:
     return list(torch.split(out, [x.numel() for x in leaves]))
 
 
+def event_times(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """Median seconds per call of each function: ``calls`` calls between two CUDA events, rounds interleaved."""
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / 1e3 / calls)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes read plus written per second by ``dst.copy_(src)`` of 1 GiB (median of 10)."""
+    src = torch.empty(1 << 28, device=device)
+    dst = torch.empty_like(src)
+    sync = device_sync(device)
+    if device.startswith("cuda"):
+        seconds = event_times({"copy": lambda: dst.copy_(src)}, 10, 5)["copy"]
+    else:
+        seconds = interleaved({"copy": lambda: dst.copy_(src)}, 3, sync)["copy"]
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def cases(leaves: list[torch.Tensor], flat_mags: torch.Tensor, k: int, triton: bool) -> dict:
+    out = {
+        "floor": lambda: torch.topk(flat_mags, k, sorted=False),
+        "usual": lambda: usual_dense_topk(leaves, k),
+        "aten": lambda: ft.topk_indices(leaves, k, config=ATEN),
+    }
+    if triton:
+        out["triton"] = lambda: ft.topk_indices(leaves, k, config=TRITON)
+    out["sparsify"] = lambda: ft.topk_sparsify(leaves, k)
+    return out
+
+
+def check(leaves: list[torch.Tensor], flat_mags: torch.Tensor, k: int, triton: bool) -> None:
+    """Every variant selects the same coordinates (ties are unlikely on normal data)."""
+    expected = ft.topk_indices(leaves, k, config=ATEN)
+    got = torch.topk(flat_mags, k).indices.sort().values
+    assert torch.equal(expected.indices, got), "the ATen kernel differs from torch.topk"
+    if triton:
+        fast = ft.topk_indices(leaves, k, config=TRITON)
+        assert torch.equal(fast.indices, expected.indices) and torch.equal(fast.values, expected.values)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=20, help="calls per timed batch (CUDA)")
     parser.add_argument("--small", action="store_true", help="trees 100x smaller (smoke run)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     args = parser.parse_args()
-    sync = device_sync(args.device)
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    cuda = args.device.startswith("cuda")
+    triton = cuda and triton_select.available()
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    bandwidth = copy_bandwidth(args.device)
+    timing = f"medians of {args.rounds} interleaved rounds, " + (
+        f"each {args.calls} calls between CUDA events" if cuda else "each call synchronised")
     lines = [
-        f"torch {torch.__version__}, device {args.device} ({name}), {args.rounds} interleaved rounds, medians",
+        f"torch {torch.__version__}, device {args.device} ({name}), {timing}; copy bandwidth "
+        f"{bandwidth / 1e12:.2f} TB/s (bytes read + written by a 1 GiB copy, over its time)",
         "",
-        "| tree | k | topk on concatenated (ms) | cat+topk+scatter (ms) | ft.topk_indices (ms) | "
-        "ft.topk_sparsify (ms) | indices / floor | indices / cat+topk+scatter |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| tree | k | topk on concatenated (ms) | cat+topk+scatter (ms) | indices, aten (ms) | indices, triton (ms) "
+        "| sparsify (ms) | cat+topk+scatter / triton | bandwidth reached (TB/s) | of copy bandwidth |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for tree_name, leaves in trees(args.device, args.small).items():
         n = sum(x.numel() for x in leaves)
+        nbytes = sum(x.numel() * x.element_size() for x in leaves)
         flat_mags = torch.cat([x.reshape(-1) for x in leaves]).abs()
         for label, k in (("1000", 1000), ("1% n", n // 100)):
-            expected = ft.topk_indices(leaves, k).indices.cpu()
-            got = torch.topk(flat_mags, k).indices.sort().values.cpu()
-            assert torch.equal(expected, got), "selection differs from torch.topk (ties are unlikely on normal data)"
-            med = interleaved(
-                {
-                    "floor": lambda k=k: torch.topk(flat_mags, k, sorted=False),
-                    "usual": lambda k=k: usual_dense_topk(leaves, k),
-                    "indices": lambda k=k: ft.topk_indices(leaves, k),
-                    "sparsify": lambda k=k: ft.topk_sparsify(leaves, k),
-                },
-                args.rounds,
-                sync,
-            )
+            check(leaves, flat_mags, k, triton)
+            fns = cases(leaves, flat_mags, k, triton)
+            med = event_times(fns, args.rounds, args.calls) if cuda else interleaved(fns, args.rounds)
             ms = {key: 1e3 * v for key, v in med.items()}
+            fast = med.get("triton", med["aten"])
             lines.append(
-                f"| {tree_name} ({n / 1e6:.1f}M) | {label} | {ms['floor']:.2f} | {ms['usual']:.2f} | "
-                f"{ms['indices']:.2f} | {ms['sparsify']:.2f} | {med['indices'] / med['floor']:.2f}x | "
-                f"{med['indices'] / med['usual']:.2f}x |"
+                f"| {tree_name} ({n / 1e6:.1f}M) | {label} | {ms['floor']:.3f} | {ms['usual']:.3f} | "
+                f"{ms['aten']:.3f} | {ms.get('triton', float('nan')):.3f} | {ms['sparsify']:.3f} | "
+                f"{med['usual'] / fast:.1f}x | {nbytes / fast / 1e12:.2f} | {nbytes / fast / bandwidth:.0%} |"
             )
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ patterns, tolerances, the canonical functional step, and
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import optree
@@ -60,6 +61,17 @@ def assert_tree_close(a, b, rtol: float = 1e-6, atol: float = 0.0) -> None:
     for x, y in zip(la, lb):
         assert x.shape == y.shape and x.dtype == y.dtype
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+@contextlib.contextmanager
+def no_sync():
+    """Every synchronising CUDA call (``.item()``, ``nonzero``, a device-to-host copy) is an error inside."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def clone_tree(tree):
@@ -192,14 +204,14 @@ def leaves_st(draw, dtype):
 
 
 @st.composite
-def trees_st(draw, allow_nonfinite=False):
-    """Random trees: 1-20 leaves, odd shapes, one or mixed dtypes, nesting and None nodes."""
-    num_leaves = draw(st.integers(1, 20))
+def trees_st(draw, allow_nonfinite=False, dtypes=tuple(FLOAT_DTYPES), max_leaves=20):
+    """Random trees: 1-``max_leaves`` leaves, odd shapes, one or mixed ``dtypes``, nesting and None nodes."""
+    num_leaves = draw(st.integers(1, max_leaves))
     mixed = draw(st.booleans())
-    base_dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    base_dtype = draw(st.sampled_from(dtypes))
     tree = {}
     for i in range(num_leaves):
-        dtype = draw(st.sampled_from(FLOAT_DTYPES)) if mixed else base_dtype
+        dtype = draw(st.sampled_from(dtypes)) if mixed else base_dtype
         leaf = draw(leaves_st(dtype))
         if allow_nonfinite and leaf.numel() and draw(st.booleans()):
             pos = draw(st.integers(0, leaf.numel() - 1))

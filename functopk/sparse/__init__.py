@@ -18,8 +18,9 @@
   (:class:`SparseOptState`, :mod:`~functopk.sparse.opt_state`);
 * ``sparse_optimizer_from_torch``: its ``torch.optim`` form (:mod:`functopk.adapter.sparse_classes`,
   in the interop layer, hence imported when first used);
-* :mod:`~functopk.sparse.ops`: the exact CPU kernel as custom operators, for compiled graphs;
-* :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx);
+* :mod:`~functopk.sparse.ops`: the exact CPU kernel and the Triton kernel as custom operators, for
+  compiled graphs;
+* :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx, Triton);
 * :mod:`~functopk.sparse.config`: :class:`KernelConfig`, their tuning constants.
 
 The transformation form, :func:`functopk.topk`, lives in :mod:`functopk.compress`.

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["DEFAULT_CONFIG", "KernelConfig"]
+from functopk._checks import check_choice, check_int
+
+__all__ = ["BACKENDS", "DEFAULT_CONFIG", "KernelConfig"]
+
+BACKENDS = ("auto", "triton", "aten")
+"""The values of :attr:`KernelConfig.backend`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,17 @@ class KernelConfig:
         native: Scan with the compiled loop of :mod:`functopk.sparse.kernels.native`
             where it could be built (CPU leaves); ``False``: always the ATen scan
             (its strategies are what the other fields tune).
+        backend: Which kernel serves ``method="exact"``: ``"auto"`` (the Triton
+            kernel for CUDA tensors where Triton imports, else ATen; CPU tensors
+            keep the CPU kernels), ``"triton"`` (always the Triton kernel: CUDA
+            tensors, or CPU tensors under ``TRITON_INTERPRET=1``) or ``"aten"``
+            (never). The result is the same on every backend.
+        triton_block: Coordinates each program of the Triton kernel owns (a power
+            of 2, at least 64).
+        triton_room: The Triton kernel's candidate buffer holds this many times
+            the count its sample predicts (at least ``abandon_min``); more
+            candidates send it to its fallback. Its sample is ``sample_size`` (at
+            most 4096) and its bracket ``margin`` wide, as for the CPU scan.
 
     Example:
         >>> import torch, functopk as ft
@@ -68,6 +84,15 @@ class KernelConfig:
     abandon_min: int = 1 << 16
     abandon_factor: float = 8.0
     native: bool = True
+    backend: str = "auto"
+    triton_block: int = 1 << 15
+    triton_room: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_choice(self.backend, "backend", BACKENDS)
+        block = check_int(self.triton_block, "triton_block", minimum=64)
+        if block & (block - 1):
+            raise ValueError(f"triton_block must be a power of 2, got {block}")
 
 
 DEFAULT_CONFIG = KernelConfig()

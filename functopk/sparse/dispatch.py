@@ -24,6 +24,12 @@ of them a :class:`~functopk.sparse.selection.Selection`):
 So ``"exact"`` selects the same coordinates on every route, and eager and
 compiled CPU code run the very same kernel (bit-identical outputs).
 
+Before the table: where :attr:`~.config.KernelConfig.backend` says so
+(``"auto"``: CUDA leaves where Triton imports; ``"triton"``: always),
+``"exact"`` runs the Triton kernel instead, eager or compiled
+(:class:`~functopk.sparse.ops.TritonTopK`), unless a leaf requires grad
+(the static kernel is the differentiable one). Same coordinates again.
+
 What ``k`` becomes is decided in :mod:`functopk.sparse.k`: the exact CPU
 kernel reads it on the host anyway (:func:`~functopk.sparse.k.k_on_host`;
 eager, or inside the operator: a CPU scalar, no device synchronisation), and
@@ -41,12 +47,13 @@ import torch
 
 from functopk._checks import check_choice
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
-from functopk.sparse.k import KLike, k_on_device, k_on_host
+from functopk.sparse.k import KLike, clamp_k, k_on_device, k_on_host
+from functopk.sparse.kernels import triton_select
 from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
 from functopk.sparse.kernels.base import common_dtype, magnitudes_
 from functopk.sparse.kernels.exact import select_exact
 from functopk.sparse.kernels.static import mask_static, topk_static
-from functopk.sparse.ops import ExactOp
+from functopk.sparse.ops import ExactOp, TritonTopK
 from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
 
 __all__ = [
@@ -75,9 +82,14 @@ def route(leaves: list[torch.Tensor]) -> str:
         >>> route([torch.ones(3)]), route([torch.ones(3, requires_grad=True)]), route([torch.ones(3, device="meta")])
         ('eager', 'static', 'static')
     """
-    if leaves[0].device.type != "cpu" or (torch.is_grad_enabled() and any(x.requires_grad for x in leaves)):
+    if leaves[0].device.type != "cpu" or _differentiable(leaves):
         return "static"
     return "op" if torch.compiler.is_compiling() else "eager"
+
+
+def _differentiable(leaves: list[torch.Tensor]) -> bool:
+    """Whether the selection must be differentiable (the static kernel's ``Mask`` is, the others are not)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in leaves)
 
 
 SLOW_STATIC_NUMEL = 1 << 20
@@ -136,11 +148,15 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
+    n = sum(x.numel() for x in leaves)
+    if method == "exact" and not _differentiable(leaves) and triton_select.serves(leaves, n, config.backend):
+        if isinstance(k, int):
+            return TritonTopK(k, None, config)
+        return TritonTopK(0, clamp_k(k, n).to(leaves[0].device), config)
     where = route(leaves)
     if method == "exact" and where == "op":  # the operator does the rest, on the real tensors
         return ExactOp(k, None, config) if isinstance(k, int) else ExactOp(0, k, config)
     dtype = common_dtype(leaves)
-    n = sum(x.numel() for x in leaves)
     if method == "exact" and where == "eager":
         return Indices(*select_exact([x.detach().reshape(-1) for x in leaves], k_on_host(k, n), dtype, config))
     k = k_on_device(k, n)

@@ -1,4 +1,4 @@
-"""The eager exact kernel as custom operators: compiled graphs run the same kernel as eager mode.
+"""The exact kernels as custom operators: compiled graphs run the same kernels as eager mode.
 
 :func:`~functopk.sparse.kernels.exact.select_exact` reads sizes and a
 threshold on the host and returns data-dependent shapes, which
@@ -32,6 +32,17 @@ a NaN tensor ``k`` is the same ``ValueError`` as in eager mode.
 
 The operators have no autograd formula: :func:`functopk.sparse.dispatch.select`
 sends leaves that require grad to the static kernel instead, as in eager mode.
+
+The Triton kernel (:mod:`~functopk.sparse.kernels.triton_select`: CUDA
+tensors, or CPU tensors under ``TRITON_INTERPRET=1``) is one more operator,
+``functopk::topk_triton`` (:func:`triton_topk`), taking ``(leaves, k,
+k_tensor, output, config)`` with ``output`` one of ``"indices"``, ``"masks"``
+and ``"dense"``. It never reads the device: its outputs have static shapes
+(``(k,)`` indices and values for an int ``k``; a flat mask or flat values of
+the tree's size), except the indices for a tensor ``k`` (their number is
+``k``: one host read). :class:`TritonTopK` calls it when compiling and its
+implementation directly in eager mode (the same code), so the selection is
+the same both ways, and both can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -42,14 +53,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk.sparse.config import KernelConfig
+from functopk.sparse.config import BACKENDS, KernelConfig
 from functopk.sparse.k import k_on_host
+from functopk.sparse.kernels import triton_select
 from functopk.sparse.kernels.base import common_dtype
 from functopk.sparse.kernels.exact import select_exact
-from functopk.sparse.selection import Indices, sparse_updates
+from functopk.sparse.selection import Indices, leaf_views, sparse_updates
 from functopk.sparse.updates import SparseUpdates
 
-__all__ = ["ExactOp", "config_values", "exact_dense", "exact_indices", "exact_masks"]
+__all__ = ["ExactOp", "TritonTopK", "config_values", "exact_dense", "exact_indices", "exact_masks", "triton_topk"]
 
 _FIELDS = dataclasses.fields(KernelConfig)
 
@@ -62,12 +74,13 @@ def config_values(config: KernelConfig) -> list[float]:
         >>> _config(config_values(DEFAULT_CONFIG)) == DEFAULT_CONFIG
         True
     """
-    return [float(getattr(config, f.name)) for f in _FIELDS]
+    return [float(BACKENDS.index(config.backend)) if f.name == "backend" else float(getattr(config, f.name))
+            for f in _FIELDS]
 
 
 def _config(values: list[float]) -> KernelConfig:
     """The :class:`KernelConfig` that :func:`config_values` flattened (int fields come back as ints)."""
-    cast = {"int": int, "bool": bool}
+    cast: dict[str, Callable[[float], Any]] = {"int": int, "bool": bool, "str": lambda v: BACKENDS[int(v)]}
     kw: dict[str, Any] = {f.name: cast.get(str(f.type), float)(v) for f, v in zip(_FIELDS, values)}
     return KernelConfig(**kw)
 
@@ -162,4 +175,75 @@ class ExactOp(NamedTuple):
     def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
         """A :class:`~functopk.SparseUpdates` (``functopk::topk_indices``)."""
         idx, vals = exact_indices(leaves, self.k, self.k_tensor, config_values(self.config))
+        return sparse_updates(leaves, idx, vals)
+
+
+def _triton_outputs(
+    leaves: list[torch.Tensor], k: int, k_tensor: torch.Tensor | None, output: str, config: KernelConfig
+) -> list[torch.Tensor]:
+    """The Triton kernel's ``output`` (see :func:`~functopk.sparse.kernels.triton_select.run`)."""
+    out = triton_select.run(leaves, k if k_tensor is None else k_tensor, output, config)
+    if output == "indices" and k_tensor is not None:  # k of the n-sized buffers hold the selection
+        size = int(k_tensor)
+        return [out[0][:size], out[1][:size]]
+    return out
+
+
+@torch.library.custom_op("functopk::topk_triton", mutates_args=())
+def triton_topk(
+    leaves: list[torch.Tensor], k: int, k_tensor: torch.Tensor | None, output: str, config: list[float]
+) -> list[torch.Tensor]:
+    """The Triton kernel's ``output`` for the top ``k`` (or ``k_tensor``: int64 in ``[1, n]`` on the leaves' device).
+
+    ``"indices"``: ascending flat indices and their values (common dtype); ``"masks"``: a flat bool
+    mask; ``"dense"``: the selected values (common dtype) in a flat buffer of zeros. Runs where
+    :func:`~functopk.sparse.kernels.triton_select.serves` says it can (CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``).
+
+    Example:
+        >>> triton_topk.__name__
+        'triton_topk'
+    """
+    return _triton_outputs(leaves, k, k_tensor, output, _config(config))
+
+
+@triton_topk.register_fake
+def _(leaves, k, k_tensor, output, config):
+    n, dtype, device = sum(x.numel() for x in leaves), common_dtype(leaves), leaves[0].device
+    if output == "indices":
+        size = k if k_tensor is None else torch.library.get_ctx().new_dynamic_size(min=1, max=n)
+        return [torch.empty(size, dtype=torch.int64, device=device), torch.empty(size, dtype=dtype, device=device)]
+    return [torch.empty(n, dtype=torch.bool if output == "masks" else dtype, device=device)]
+
+
+class TritonTopK(NamedTuple):
+    """The exact top-k by the Triton kernel (what :func:`~.dispatch.select` returns where it serves).
+
+    A :class:`~functopk.sparse.selection.Selection`: each output runs the kernel for that output,
+    through :func:`triton_topk` when compiling (one opaque node), directly otherwise.
+    """
+
+    k: int
+    k_tensor: torch.Tensor | None
+    config: KernelConfig
+
+    def _run(self, leaves: list[torch.Tensor], output: str) -> list[torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return triton_topk(leaves, self.k, self.k_tensor, output, config_values(self.config))
+        return _triton_outputs(leaves, self.k, self.k_tensor, output, self.config)
+
+    def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The selected values in one flat buffer of zeros, cut into the leaves (mixed dtypes: a mask per leaf)."""
+        dtype = common_dtype(leaves)
+        if all(x.dtype == dtype for x in leaves):
+            return leaf_views(self._run(leaves, "dense")[0], leaves)
+        return [torch.where(m, x, 0.0) for m, x in zip(self.masks(leaves), leaves)]
+
+    def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One flat mask, cut into the leaves."""
+        return leaf_views(self._run(leaves, "masks")[0], leaves)
+
+    def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
+        """Ascending flat indices and their values: ``(k,)`` each for an int ``k``."""
+        idx, vals = self._run(leaves, "indices")
         return sparse_updates(leaves, idx, vals)

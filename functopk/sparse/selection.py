@@ -17,6 +17,8 @@ type                   made by                                        shapes
 :class:`HostThreshold` the same in eager CPU mode, read on the host    data-dependent, eager only
 ``ops.ExactOp``        the eager exact kernel as custom operators     as :class:`Indices`, compiled
                        (compiling on the CPU)
+``ops.TritonTopK``     the Triton kernel (a custom operator when      static (data-dependent
+                       compiling)                                     indices for a tensor ``k``)
 =====================  =============================================  ==========================
 """
 
@@ -31,7 +33,7 @@ from functopk.sparse.kernels.base import common_dtype, round_down
 from functopk.sparse.kernels.scan import scan_above
 from functopk.sparse.updates import SparseUpdates, zeros_with
 
-__all__ = ["HostThreshold", "Indices", "Mask", "Selection", "Threshold", "sparse_updates"]
+__all__ = ["HostThreshold", "Indices", "Mask", "Selection", "Threshold", "leaf_views", "sparse_updates"]
 
 
 @runtime_checkable
@@ -105,12 +107,12 @@ class Mask(NamedTuple):
 
     def masks(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The mask cut into leaf-shaped views (no offsets needed: one ``torch.split``)."""
-        return _leaf_views(self.mask, leaves)
+        return leaf_views(self.mask, leaves)
 
     def dense(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """``where(mask, x, 0)``: over ``values`` at once (views of one buffer) when every leaf has its dtype."""
         if self.values is not None and all(x.dtype == self.values.dtype for x in leaves):
-            return _leaf_views(torch.where(self.mask, self.values, 0.0), leaves)
+            return leaf_views(torch.where(self.mask, self.values, 0.0), leaves)
         return [torch.where(m, x, 0.0) for m, x in zip(self.masks(leaves), leaves)]
 
     def sparse(self, leaves: list[torch.Tensor]) -> SparseUpdates:
@@ -125,8 +127,14 @@ class Mask(NamedTuple):
         return sparse_updates(leaves, idx, flat[idx])
 
 
-def _leaf_views(flat: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+def leaf_views(flat: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """``flat`` cut into views shaped like ``leaves`` (contiguous, in flat order).
+
+    Example:
+        >>> import torch
+        >>> leaf_views(torch.arange(5), [torch.ones(2, 1), torch.ones(3)])
+        [tensor([[0],
+                [1]]), tensor([2, 3, 4])]
 
     A 1-d leaf's piece is its view already: skipping ``view`` there saves host time (biases and norms
     are most of a network's leaves), which is what a GPU call is bound by.

@@ -7,25 +7,13 @@ tests fail if the default path waits for the device.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import functopk as ft
-from tests.helpers import assert_tree_bitwise_equal, reference_sparsify, to_device
+from tests.helpers import assert_tree_bitwise_equal, no_sync, reference_sparsify, to_device
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
-
-
-@contextlib.contextmanager
-def no_sync():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _tree():

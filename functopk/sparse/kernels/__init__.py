@@ -14,7 +14,11 @@
 * :mod:`~functopk.sparse.kernels.exact`: the eager exact kernel (sampled bracket,
   scan, exact selection among the candidates, bounded fallbacks);
 * :mod:`~functopk.sparse.kernels.approx`: the systematic sample and the approximate
-  thresholds.
+  thresholds;
+* :mod:`~functopk.sparse.kernels.triton_select`: the exact kernel in Triton for CUDA
+  tensors (where the leaves are read from, the launches), whose ``@triton.jit``
+  kernels are in :mod:`~functopk.sparse.kernels.triton_kernels` (imported only
+  when one runs).
 
 They work on the list of a tree's leaves, each flattened to 1-d in flat order
 (see :mod:`functopk.tree`), and never change them. Which one runs is decided in

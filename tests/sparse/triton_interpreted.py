@@ -1,0 +1,139 @@
+"""The Triton kernel on CPU tensors under Triton's interpreter, bit for bit against the CPU kernel.
+
+Not collected by the suite itself: ``TRITON_INTERPRET=1`` must be set before ``triton`` is first
+imported, so ``tests/sparse/test_kernels_triton_select.py`` runs this file in its own pytest process
+with it set (and checks that every test here ran). By hand:
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/sparse/triton_interpreted.py
+
+The interpreter runs one program at a time in numpy: trees are small and the configurations
+(:data:`tests.sparse.triton_checks.CONFIGS`) shrink the programs, the sample and the candidate
+buffer so that small trees reach every path. It has no bfloat16: that dtype is checked on a GPU
+(``tests/sparse/test_kernels_triton_cuda.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functopk as ft
+from functopk.sparse.kernels import triton_select
+from functopk.sparse.ops import TritonTopK
+from tests.helpers import assert_compiles_like_eager, numel, trees_st
+from tests.sparse.triton_checks import CONFIGS, SMALL, assert_selects_like_cpu, path_of
+
+pytestmark = pytest.mark.skipif(not triton_select.interpreting(), reason="needs TRITON_INTERPRET=1")
+
+DTYPES = (torch.float32, torch.float64, torch.float16)
+SPECIAL = [0.0, -0.0, 1e-45, -1e-40, 6e-8, -6e-8, 1.0, -1.0, 2.0, math.inf, -math.inf, math.nan, 65504.0]
+"""Ties, signed zeros, subnormals of fp32 and fp16, infinities and NaN."""
+
+
+@st.composite
+def special_trees(draw):
+    """A few leaves of ``SPECIAL`` values (rounded into each leaf's dtype), some empty."""
+    tree = {}
+    for i in range(draw(st.integers(1, 4))):
+        size = draw(st.sampled_from([0, 1, 7, 40]))
+        values = draw(st.lists(st.sampled_from(SPECIAL), min_size=size, max_size=size))
+        tree[f"p{i}"] = torch.tensor(values, dtype=torch.float64).to(draw(st.sampled_from(DTYPES)))
+    return tree
+
+
+@settings(max_examples=10)
+@given(tree=trees_st(allow_nonfinite=True, dtypes=DTYPES, max_leaves=4) | special_trees(), data=st.data())
+def test_selects_like_the_cpu_kernel(tree, data):
+    n = numel(tree)
+    if n == 0:
+        return
+    config = CONFIGS[data.draw(st.sampled_from(sorted(CONFIGS)), label="config")]
+    k = data.draw(st.integers(1, n), label="k")
+    if data.draw(st.booleans(), label="tensor k"):
+        k = ("tensor", float(k) + data.draw(st.sampled_from([0.0, 0.4, -0.4]), label="fraction"))
+    assert_selects_like_cpu(tree, k, config, "cpu")
+
+
+def _tree() -> dict:
+    """227 coordinates in three dtypes (flat order a, b, c), with ties across leaves.
+
+    The systematic sample of :data:`SMALL` reads every 14th coordinate (``227 // 16``): those hold the
+    largest magnitudes, so a threshold at the sample's top keeps 1 coordinate (too few for ``k > 1``).
+    """
+    flat = torch.randn(227, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    flat[20:24] = flat[130:134] = -1.5
+    flat[::14] = 100.0 + torch.arange(17, dtype=torch.float64)
+    return {"a": flat[:117].float().view(9, 13), "b": flat[117:177].half(), "c": flat[177:].clone()}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_path_is_reached_and_exact(name):
+    tree = _tree()
+    # (k = 37 has too few candidates with the production margin too: the sample is the 17 largest)
+    for k in (3, 117) if name == "candidates" else (3, 37, 117):
+        stats = path_of(tree, k, CONFIGS[name], "cpu")
+        assert stats.source == "table"
+        assert stats.path == ("candidates" if name == "candidates" else "fallback"), (k, stats)
+    for k in (1, 37, numel(tree)):
+        assert_selects_like_cpu(tree, k, CONFIGS[name], "cpu")
+
+
+def test_nan_and_infinities_tie_and_go_first():
+    tree = {"a": torch.tensor([1.0, math.nan, -math.inf, 3.0]), "b": torch.tensor([math.inf, -0.0, math.nan]).half()}
+    for k in (1, 2, 4, 7):
+        assert_selects_like_cpu(tree, k, SMALL, "cpu")
+    for name in ("overflow", "too-few"):
+        assert_selects_like_cpu(tree, 3, CONFIGS[name], "cpu")
+
+
+def test_leaves_of_one_flat_buffer_are_read_in_place():
+    flat = torch.randn(300, generator=torch.Generator().manual_seed(1))
+    flat[::7] = -2.0  # ties
+    tree = {"a": flat[:120].view(10, 12), "b": flat[120:121], "c": flat[121:]}
+    assert path_of(tree, 50, SMALL, "cpu").source == "flat"
+    for k in (1, 299, ("tensor", 77.0)):
+        assert_selects_like_cpu(tree, k, SMALL, "cpu")
+
+
+def test_wide_keys_of_float64_trees_rank_by_every_bit():
+    """fp64 magnitudes that agree in their top 40 bits: the 8 radix passes of 64-bit keys see the rest."""
+    base = torch.full((200,), 1.0, dtype=torch.float64)
+    noise = torch.randperm(200, generator=torch.Generator().manual_seed(2)).double()
+    tree = {"a": (base + noise * 2.0**-50)[:120] * -1.0, "b": (base + noise * 2.0**-50)[120:]}
+    for name in sorted(CONFIGS):
+        assert_selects_like_cpu(tree, 33, CONFIGS[name], "cpu")
+
+
+def test_half_and_single_leaves_rank_in_single_precision():
+    """fp16 subnormals and their fp32 neighbours: converted exactly, ranked together."""
+    tree = {"h": torch.tensor([6e-8, 1.2e-7, -6e-8, 0.0, 3e-5], dtype=torch.float16),
+            "s": torch.tensor([5.9604645e-08, -1.1920929e-07, 1e-45, -0.0])}
+    for k in (1, 4, 9):
+        assert_selects_like_cpu(tree, k, SMALL, "cpu")
+
+
+def test_dispatch_picks_the_triton_kernel_when_asked():
+    from functopk.sparse import dispatch
+
+    leaves = [torch.randn(5)]
+    assert isinstance(dispatch.select(leaves, 2, "exact", SMALL), TritonTopK)
+    assert not isinstance(dispatch.select(leaves, 2, "exact", None), TritonTopK)  # "auto", CPU tensors: CPU kernel
+    assert not isinstance(dispatch.select(leaves, 2, "torch", SMALL), TritonTopK)
+    with torch.enable_grad():  # the differentiable selection stays the static kernel's
+        grad_leaves = [torch.randn(5, requires_grad=True)]
+        assert not isinstance(dispatch.select(grad_leaves, 2, "exact", SMALL), TritonTopK)
+    with pytest.raises(ValueError, match="at most 2147483647 coordinates"):  # its counts are int32
+        triton_select.serves(leaves, 2**31, "triton")
+
+
+def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
+    def step(tree, k):
+        return ft.topk_sparsify(tree, k, config=SMALL), ft.topk_indices(tree, 5, config=SMALL).values
+
+    trees = [{"w": torch.randn(6, 7, generator=torch.Generator().manual_seed(i)), "b": torch.randn(20)}
+             for i in range(2)]
+    assert_compiles_like_eager(step, [(t, torch.tensor(9)) for t in trees], backend="aot_eager", bitwise=True)
