@@ -45,6 +45,7 @@ from functopk._checks import (
     path_str,
     require_params,
 )
+from functopk._compat import replace
 from functopk.base import GradientTransformation, Recorded
 from functopk.sparse.api import topk_indices
 from functopk.sparse.k import k_on_host, resolve_k
@@ -309,7 +310,7 @@ def _update(
     refresh = check_bool(refresh, "refresh")
     state = check_state(state, SparseOptState, "sparse_optimizer")
     kept_as = state.indices.dtype
-    state = state._replace(indices=state.indices.long())  # int64, as SparseUpdates holds them (O(k))
+    state = replace(state, indices=state.indices.long())  # int64, as SparseUpdates holds them (O(k))
     p_leaves, treedef = check_leaves(require_params(params, "sparse_optimizer"), "params", floating=True)
     if isinstance(grads, SparseUpdates):
         idx, g, new_score = _from_sparse(grads, state, params, refresh, cfg.score)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from functopk._compat import FOREACH_TENSOR_SCALARS_TRACE
+
 Leaves = Sequence[torch.Tensor]
 Scalar = float | torch.Tensor
 
@@ -49,9 +51,12 @@ def per_leaf(scalar: Scalar, xs: Leaves) -> Scalar | list[torch.Tensor]:
     A scalar tensor with dimensions (one value per coordinate, as
     :func:`functopk.sparse.sparse_optimizer` keeps step counts) goes through
     the list overloads, which broadcast it against each leaf; the scalar
-    overloads take only 0-d tensors.
+    overloads take only 0-d tensors. A 0-d tensor does too while torch 2.10
+    compiles (its dynamo cannot trace the scalar overloads with a tensor).
     """
-    if isinstance(scalar, torch.Tensor) and scalar.dim():
+    if isinstance(scalar, torch.Tensor) and (
+        scalar.dim() or (not FOREACH_TENSOR_SCALARS_TRACE and torch.compiler.is_compiling())
+    ):
         return [scalar] * len(xs)
     return scalar
 
