@@ -28,6 +28,7 @@ import optree
 import torch
 
 from functopk._overlap import overlaps_itself, share_an_element, span
+from functopk._compat import check_compiling, same_structure
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The floating-point dtypes functopk computes with (gradients, parameters, states)."""
@@ -203,7 +204,12 @@ def check_k_or_density(
 
 
 def check_tree(tree: Any, name: str) -> Any:
-    """Reject what is not a pytree of tensors but is often passed for one (iterators, generators)."""
+    """Reject what is not a pytree of tensors but is often passed for one (iterators, generators).
+
+    Every tree functopk reads passes here first, so this is also where a
+    compiled step on a torch too old to trace functopk stops (``RuntimeError``).
+    """
+    check_compiling()
     if isinstance(tree, Iterator):
         raise TypeError(
             f"{name} must be a pytree of tensors (a dict, list or tuple), got {type(tree).__name__}, an iterator "
@@ -231,7 +237,7 @@ def check_same_structure(expected: Any, actual: Any, *, name: str, expected_name
     """``ValueError`` naming the first differing leaf path when two trees differ in structure."""
     expected_def = optree.tree_structure(expected)
     actual_def = optree.tree_structure(actual)
-    if expected_def != actual_def:
+    if not same_structure(expected_def, actual_def):
         raise ValueError(
             f"{name} does not have the tree structure of {expected_name}: "
             f"{first_difference(expected_def, actual_def)}"
@@ -432,7 +438,7 @@ def check_like(
     leaf's shape differs from its counterpart's (no broadcasting).
     """
     expected_leaves, expected_def = optree.tree_flatten(expected)
-    if expected_def != treedef:
+    if not same_structure(expected_def, treedef):
         raise ValueError(
             f"{name} does not have the tree structure of {expected_name}: {first_difference(expected_def, treedef)}"
         )

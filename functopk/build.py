@@ -32,6 +32,7 @@ from functopk._checks import (
     path_str,
     require_params,
 )
+from functopk._compat import replace
 from functopk.base import (
     EmptyState,
     GradientTransformation,
@@ -112,7 +113,7 @@ def _leaf_init(rules: _LeafRules, init: Callable[[list[torch.Tensor]], Any] | No
         if init is None:
             return rules.state(count=init_count(leaves)) if rules.counted else EmptyState()
         new = init(leaves)
-        return new._replace(**{
+        return replace(new, **{
             f: optree.tree_unflatten(treedef, getattr(new, f)) for f in rules.tree_fields if getattr(new, f) is not None
         })
 
@@ -136,11 +137,11 @@ def _leaf_update(rules: _LeafRules, update: LeafUpdateFn) -> TransformUpdateFn:
         if needs_params:
             p = flatten_like(require_params(params, name), treedef, "params", "updates")
             check_shapes(treedef, p, grads, name="params", expected_name="updates")
-        out, new = update(grads, state._replace(**lists) if lists else state, p)
+        out, new = update(grads, replace(state, **lists) if lists else state, p)
         if counted:
-            new = new._replace(count=state.count + 1)
+            new = replace(new, count=state.count + 1)
         out = foreach.keep_dtypes(out, grads)
-        return optree.tree_unflatten(treedef, out), new._replace(**{
+        return optree.tree_unflatten(treedef, out), replace(new, **{
             f: optree.tree_unflatten(treedef, foreach.keep_dtypes(getattr(new, f), old)) for f, old in lists.items()
         })
 

@@ -20,6 +20,7 @@ import optree
 import torch
 
 from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
+from functopk._compat import replace
 from functopk.adapter.checkpoint import check_group_sizes
 from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
 from functopk.adapter.group_digest import check_groups_digest, groups_digest
@@ -306,7 +307,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         run_state = state if full else remap(state, union, active, self._shape_template(active))
         if self._injected:
             lr = self._injected_lr(active)
-            run_state = run_state._replace(hyperparams={**run_state.hyperparams, "learning_rate": lr})
+            run_state = replace(run_state, hyperparams={**run_state.hyperparams, "learning_rate": lr})
         updates, new_state = self._tx.update(grad_tree, run_state, active)
         if not full:
             new_state = remap(new_state, active, union, state)

@@ -15,6 +15,7 @@ import optree
 import torch
 
 from functopk._checks import check_tree, check_writable, describe, first_difference, path_str
+from functopk._compat import same_structure
 from functopk.base import Params, Updates
 
 __all__ = ["apply_updates", "apply_updates_"]
@@ -56,7 +57,7 @@ def paired_leaves(
     check_tree(updates, "updates")
     p_leaves, p_def = optree.tree_flatten(params, none_is_leaf=True)
     u_leaves, u_def = optree.tree_flatten(updates, none_is_leaf=True)
-    if p_def != u_def:
+    if not same_structure(p_def, u_def):
         raise ValueError(f"updates does not have the tree structure of params: {first_difference(p_def, u_def)}")
     pairs = []
     for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):

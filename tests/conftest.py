@@ -8,6 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from functopk._compat import COMPILE_TOO_OLD
+
 settings.register_profile(
     "default",
     deadline=None,
@@ -16,6 +18,17 @@ settings.register_profile(
     derandomize=False,
 )
 settings.load_profile("default")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a torch too old to compile functopk (before 2.10), tests marked ``compile`` skip, saying why.
+
+    ``tests/test_compat.py`` checks there that compiling functopk code fails with that message.
+    """
+    if COMPILE_TOO_OLD is not None:
+        for item in items:
+            if item.get_closest_marker("compile") is not None:
+                item.add_marker(pytest.mark.skip(reason=COMPILE_TOO_OLD))
 
 DEVICES = [
     "cpu",

@@ -16,7 +16,7 @@ from tests.helpers import (
     small_cnn,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
 
 @pytest.fixture(autouse=True)

@@ -130,6 +130,7 @@ def close_per_dtype(got, expected):
             assert torch.equal(a, b)
 
 
+@pytest.mark.compile
 def test_every_transformation_compiles_fullgraph_without_recompiling(fresh_dynamo):
     txs = [factory(**kwargs) for _, factory, kwargs, _ in TRANSFORMS]
     by_name = {t[0]: t for t in TRANSFORMS}
@@ -141,6 +142,7 @@ def test_every_transformation_compiles_fullgraph_without_recompiling(fresh_dynam
     assert_updates_compile_like_eager(txs, MIXED, mixed_grads, compare=close_per_dtype)
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_optimizers_compile_with_inductor(fresh_dynamo):
     params = {"w": torch.randn(8, 4), "b": torch.randn(4), "s": torch.randn(())}

@@ -22,6 +22,7 @@ import torch
 import functopk as ft
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.integrations
 
 def run_example(script: str, tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict:
     out = tmp_path_factory.mktemp(script.split(".")[0]) / "result.json"

@@ -159,6 +159,7 @@ def test_per_example_gradients_through_vmap_equal_a_per_sample_loop(make_model):
         torch.testing.assert_close(per_example[name].mean(0), full[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_model_function_compiles_fullgraph_with_per_call_mode():
     model = small_cnn()

@@ -393,6 +393,7 @@ def test_bad_param_groups_in_a_checkpoint_raise_before_anything_changes():
     train(model, opt, sched, range(2, 3))  # and it still steps
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_compiled_step_equals_eager_and_does_not_recompile(fresh_dynamo):
     torch.manual_seed(0)

@@ -71,6 +71,7 @@ def test_sparse_method_changes_at_most_k_body_coordinates_per_step(tasks):
     assert 0.0 <= acc <= 1.0
 
 
+@pytest.mark.integrations
 def test_lora_rank_formula_matches_peft_and_the_curve_is_recorded(tasks, monkeypatch):
     model = tiny(0)
     rank = transfer.lora_rank_for(model, 36)

@@ -77,9 +77,19 @@ _NOT_COMPILED = (
 )
 
 
-@torch.compiler.disable(reason=_NOT_COMPILED)
-def _refuse_compiled_step() -> None:
+def _refuse() -> None:
     raise NotImplementedError(_NOT_COMPILED)
+
+
+_refuse_compiled_step: Callable[[], None] = _refuse
+
+
+def _disable_refusal() -> None:
+    """Make :func:`_refuse` a function dynamo does not trace, once an optimizer exists (not at import:
+    ``torch.compiler.disable`` imports ``torch._dynamo``, a second of ``import functopk``)."""
+    global _refuse_compiled_step
+    if _refuse_compiled_step is _refuse:
+        _refuse_compiled_step = torch.compiler.disable(_refuse, reason=_NOT_COMPILED)
 
 
 def _check_step_allowed(groups: list[dict[str, Any]]) -> None:
@@ -177,6 +187,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         self._sparsify_on = check_choice(sparsify_on, "sparsify_on", SPARSIFY_ON)
         self._parts: dict[int, tuple[Any, Part]] = {}
         super().__init__(params, torch_hyperparams(optimizer_class, defaults))
+        _disable_refusal()
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's groups and state, the torch class and sparsify; the rest (spec, transformations) is rebuilt
@@ -193,6 +204,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         sparsify = state.pop("sparsify", None)
         sparsify_on = state.pop("sparsify_on", "gradient")
         super().__setstate__(state)
+        _disable_refusal()
         if unpickled:  # the torch class's TorchSpec is looked up again (its build functions do not pickle)
             self._spec = spec_for(self.optimizer_class)
             self._sparsify = None if sparsify is None else Sparsify(sparsify)

@@ -52,6 +52,7 @@ from functopk._checks import (
     is_zero,
     require_params,
 )
+from functopk._compat import replace
 from functopk.base import (
     EmptyState,
     GradientTransformation,
@@ -134,8 +135,8 @@ def _clear_sent(
     if masking:
         u = [torch.where(s != 0, 0.0, x) if c else x for s, x, c in zip(sent_leaves, u, compressed)]
     return MomentumCorrectionState(
-        trace=state.trace._replace(trace=optree.tree_unflatten(treedef, u)),
-        feedback=state.feedback._replace(residual=optree.tree_unflatten(treedef, v)),
+        trace=replace(state.trace, trace=optree.tree_unflatten(treedef, u)),
+        feedback=replace(state.feedback, residual=optree.tree_unflatten(treedef, v)),
     )
 
 

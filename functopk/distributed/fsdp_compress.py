@@ -40,18 +40,18 @@ saying so.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from functopk._checks import describe
+from functopk.distributed import fsdp_torch
 from functopk.distributed.agree import check_agreement, layout_code
 from functopk.distributed.config import ExchangeConfig
-from functopk.distributed.fsdp_torch import FSDPModule, ReduceScatter
 from functopk.distributed.wire import comm_error, local_topk, nonfinite, start_exchange, unpack, wire_bytes
 
 __all__ = ["FSDPCompressState", "compress_fsdp"]
@@ -97,11 +97,12 @@ class FSDPCompressState:
             local = unit.residual.view(1, -1)
             if self.hsdp:
                 shards = self.mesh.size(1)
-                shape, placements = (world, local.shape[1] * shards), [Shard(0), Shard(1)]
+                shape, placements = (world, local.shape[1] * shards), [fsdp_torch.Shard(0), fsdp_torch.Shard(1)]
             else:
-                shape, placements = (world, local.shape[1]), [Shard(0)]
-            out[f"residual/{name}"] = DTensor.from_local(local, self.mesh, placements, run_check=False,
-                                                         shape=torch.Size(shape), stride=(shape[1], 1))  # fmt: skip
+                shape, placements = (world, local.shape[1]), [fsdp_torch.Shard(0)]
+            residual = fsdp_torch.DTensor.from_local(local, self.mesh, placements, run_check=False,
+                                                     shape=torch.Size(shape), stride=(shape[1], 1))  # fmt: skip
+            out[f"residual/{name}"] = residual
             if unit.scale_at is not None:
                 out[f"scale/{name}"] = unit.scale_at
         return out
@@ -112,7 +113,7 @@ class FSDPCompressState:
             got = state.get(f"residual/{name}")
             if got is None:
                 raise ValueError(f"state has no residual for FSDP unit {name!r}")
-            local = got.to_local() if isinstance(got, DTensor) else got
+            local = got.to_local() if isinstance(got, fsdp_torch.DTensor) else got
             if local.numel() != unit.residual.numel():
                 raise ValueError(f"residual of unit {name!r}: expected {unit.residual.numel()} coordinates, "
                                  f"got {local.numel()}")  # fmt: skip
@@ -183,26 +184,32 @@ def _sum_pairs(out: torch.Tensor, gathered: torch.Tensor, world: int, k: int, nu
     out.copy_(acc[:size])
 
 
-class _TopKReduceScatter(ReduceScatter):
-    """One FSDP unit's reduce-scatter, as top-k pairs with error feedback (see the module docstring)."""
+@functools.cache
+def _topk_reduce_scatter() -> type:
+    """The custom comm's class, made at the first ``compress_fsdp``: its base is FSDP2's ``ReduceScatter``."""
 
-    def __init__(self, state: FSDPCompressState, name: str) -> None:
-        self.state, self.name = state, name
+    class _TopKReduceScatter(fsdp_torch.ReduceScatter):
+        """One FSDP unit's reduce-scatter, as top-k pairs with error feedback (see the module docstring)."""
 
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        def __init__(self, state: FSDPCompressState, name: str) -> None:
+            self.state, self.name = state, name
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any, async_op: bool = False) -> None:  # fmt: skip
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise ValueError(f"compress_fsdp supports the SUM and AVG reductions, got {op}: do not combine it "
-                             "with set_gradient_divide_factor")  # fmt: skip
-        world, rank = group.size(), dist.get_rank(group)
-        gathered, k = self.state.exchange(self.name, input_tensor, group)
-        size = output_tensor.numel()
-        _sum_pairs(output_tensor, gathered, world, k, input_tensor.numel(), rank * size,
-                   1.0 / world if op == dist.ReduceOp.AVG else 1.0)  # fmt: skip
-        return None
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     op: Any, async_op: bool = False) -> None:  # fmt: skip
+            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                raise ValueError(f"compress_fsdp supports the SUM and AVG reductions, got {op}: do not combine it "
+                                 "with set_gradient_divide_factor")  # fmt: skip
+            world, rank = group.size(), dist.get_rank(group)
+            gathered, k = self.state.exchange(self.name, input_tensor, group)
+            size = output_tensor.numel()
+            _sum_pairs(output_tensor, gathered, world, k, input_tensor.numel(), rank * size,
+                       1.0 / world if op == dist.ReduceOp.AVG else 1.0)  # fmt: skip
+            return None
+
+    return _TopKReduceScatter
 
 
 def _replica_hook(state: FSDPCompressState, name: str):
@@ -218,11 +225,11 @@ def _replica_hook(state: FSDPCompressState, name: str):
 
 def _units(module: nn.Module) -> list[tuple[str, Any, list[torch.Tensor]]]:
     """Every FSDP unit of ``module`` with the parameters it manages (those of no nested unit)."""
-    found = [(name or "<root>", m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    found = [(name or "<root>", m) for name, m in module.named_modules() if isinstance(m, fsdp_torch.FSDPModule)]
     out: list[tuple[str, Any, list[torch.Tensor]]] = []
     for name, m in found:
         assert isinstance(m, nn.Module)  # fully_shard makes a module an FSDPModule too
-        nested = {id(p) for sub in m.modules() if sub is not m and isinstance(sub, FSDPModule)
+        nested = {id(p) for sub in m.modules() if sub is not m and isinstance(sub, fsdp_torch.FSDPModule)
                   for p in sub.parameters()}  # fmt: skip
         out.append((name, m, [p for p in m.parameters() if id(p) not in nested]))
     return out
@@ -230,12 +237,12 @@ def _units(module: nn.Module) -> list[tuple[str, Any, list[torch.Tensor]]]:
 
 def _padded_numel(p: torch.Tensor, world: int) -> int:
     """The coordinates FSDP's reduce-scatter input holds for ``p``: dim 0 padded to a multiple of ``world``."""
-    if not isinstance(p, DTensor):
+    if not isinstance(p, fsdp_torch.DTensor):
         raise ValueError(f"compress_fsdp: a parameter is not sharded by fully_shard ({describe(p)})")
     shape = p.shape
     if not shape:
         return world
-    rows = -(-shape[0] // world) * world if p.placements[0] == Shard(0) else shape[0]
+    rows = -(-shape[0] // world) * world if p.placements[0] == fsdp_torch.Shard(0) else shape[0]
     return rows * (p.numel() // shape[0] if shape[0] else 0)
 
 
@@ -282,7 +289,7 @@ def compress_fsdp(
         raise ValueError("compress_fsdp: module has no FSDP unit: shard it with torch.distributed.fsdp.fully_shard "
                          "first")  # fmt: skip
     first = units[0][2][0]
-    if not isinstance(first, DTensor):
+    if not isinstance(first, fsdp_torch.DTensor):
         raise ValueError(f"compress_fsdp: a parameter is not sharded by fully_shard ({describe(first)})")
     shard_mesh = first.device_mesh
     if shard_mesh.ndim != 1:
@@ -306,5 +313,5 @@ def compress_fsdp(
             unit.set_all_reduce_hook(_replica_hook(state, name))
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG/PREMUL_SUM reduce-scatter
         else:
-            unit.set_custom_reduce_scatter(_TopKReduceScatter(state, name))
+            unit.set_custom_reduce_scatter(_topk_reduce_scatter()(state, name))
     return state

@@ -44,12 +44,12 @@ from typing import Any, NamedTuple
 import optree
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 from functopk._checks import check_k_or_density, check_leaves, check_state, path_str
+from functopk._compat import replace
 from functopk.base import GradientTransformation, Params, Updates
+from functopk.distributed import fsdp_torch
 from functopk.distributed.agree import check_agreement, layout_code
-from functopk.distributed.fsdp_torch import compute_local_shape_and_global_offset
 from functopk.distributed.wire import gather_or_fail, local_topk, pack, unpack
 from functopk.sparse.api import topk_indices
 from functopk.sparse.k import resolve_k
@@ -167,7 +167,7 @@ def _update(
     check_state(state, FSDPTopKState, _WHAT)
     leaves, treedef = check_leaves(updates, "updates", floating=True)
     if not leaves:
-        return updates, state._replace(count=state.count + 1)
+        return updates, replace(state, count=state.count + 1)
     shards = _shards(leaves, treedef, "updates")
     kk, n = _k(k, density, shards.numel), shards.numel
     # Step I: this rank's candidates (the library's selection over the local shards as a tree: no concatenation),
@@ -218,16 +218,17 @@ def _scatter_own(gidx: torch.Tensor, vals: torch.Tensor, shards: _Shards) -> lis
     return list(out[:local_n].split(sizes))
 
 
-def _like(leaf: torch.Tensor, local: torch.Tensor) -> DTensor:
+def _like(leaf: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (flat, this rank's shard) as a DTensor shaped and placed like ``leaf`` (a checked DTensor)."""
-    assert isinstance(leaf, DTensor)
+    assert isinstance(leaf, fsdp_torch.DTensor)
     piece = local.to(leaf.dtype).view(leaf.to_local().shape)
-    return DTensor.from_local(piece, leaf.device_mesh, leaf.placements, run_check=False,
-                              shape=leaf.shape, stride=leaf.stride())  # fmt: skip
+    return fsdp_torch.DTensor.from_local(piece, leaf.device_mesh, leaf.placements, run_check=False,
+                                         shape=leaf.shape, stride=leaf.stride())  # fmt: skip
 
 
 def _shards(leaves: list[torch.Tensor], treedef: Any, name: str) -> _Shards:
     """Check that every leaf is a ``Shard(0)`` DTensor of one 1-d mesh; where each rank's shards lie."""
+    DTensor, Shard = fsdp_torch.DTensor, fsdp_torch.Shard
     mesh = None
     starts, offsets, local, start = [], [], [], 0
     for path, leaf in zip(treedef.paths(), leaves):
@@ -242,7 +243,7 @@ def _shards(leaves: list[torch.Tensor], treedef: Any, name: str) -> _Shards:
         elif leaf.device_mesh != mesh:
             raise TypeError(f"{where} lives on another device mesh than the first leaf; fsdp_topk selects over "
                             "one mesh")  # fmt: skip
-        _, offset = compute_local_shape_and_global_offset(leaf.shape, mesh, leaf.placements)
+        _, offset = fsdp_torch.compute_local_shape_and_global_offset(leaf.shape, mesh, leaf.placements)
         row = math.prod(leaf.shape[1:])
         starts.append(start)
         offsets.append(offset[0] * row)

@@ -25,6 +25,7 @@ import optree
 import torch
 
 from functopk._checks import check_like, check_state, describe, first_difference, path_str
+from functopk._compat import replace
 from functopk.sparse.updates import check_ascending_indices
 from functopk.tree.maths import PyTree
 
@@ -106,7 +107,7 @@ def per_coordinate(state: Any, k: int, name: str) -> Any:
     def widen(path: tuple[Any, ...], x: Any) -> Any:
         if is_shared(x):  # its shared fields stay as they are; the rest, per coordinate
             keep = _SHARED[type(x)]
-            return x._replace(**{f: per_coordinate(getattr(x, f), k, name) for f in x._fields if f not in keep})
+            return replace(x, **{f: per_coordinate(getattr(x, f), k, name) for f in x._fields if f not in keep})
         if x is None:  # an absent buffer (Adam's nu_max without amsgrad); torch.compile maps over None too
             return None
         if not isinstance(x, torch.Tensor):

@@ -44,6 +44,7 @@ from functopk._checks import (
     one_device,
     require_params,
 )
+from functopk._compat import replace
 from functopk.base import GradientTransformation, Recorded
 from functopk.sparse.api import topk_indices
 from functopk.sparse.k import k_on_host, resolve_k
@@ -248,7 +249,7 @@ def _update(
     template = cfg.template(k, common_dtype(p_leaves))
     state = check_sparse_state(state, k, template, cfg.score == "accumulated", p_leaves, treedef)
     kept_as = state.indices.dtype
-    state = state._replace(indices=state.indices.long())  # int64, as SparseUpdates holds them (O(k))
+    state = replace(state, indices=state.indices.long())  # int64, as SparseUpdates holds them (O(k))
     if isinstance(grads, SparseUpdates):
         idx, g, new_score = _from_sparse(grads, state, params, refresh, cfg.score)
     else:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from functopk._compat import FOREACH_TENSOR_SCALARS_TRACE
+
 Leaves = Sequence[torch.Tensor]
 Scalar = float | torch.Tensor
 
@@ -50,9 +52,15 @@ def per_leaf(scalar: Scalar, xs: Leaves) -> Scalar | list[torch.Tensor]:
     :func:`functopk.sparse.sparse_optimizer` keeps step counts) goes through
     the list overloads, which broadcast it against each leaf; the scalar
     overloads take only 0-d tensors. So does a 0-d tensor on the meta device
-    (the scalar overloads read its value there, which a meta tensor has not).
+    (the scalar overloads read its value there, which a meta tensor has not),
+    and a 0-d tensor while torch 2.10 compiles (its dynamo cannot trace the
+    scalar overloads with a tensor).
     """
-    if isinstance(scalar, torch.Tensor) and (scalar.dim() or scalar.device.type == "meta"):
+    if isinstance(scalar, torch.Tensor) and (
+        scalar.dim()
+        or scalar.device.type == "meta"
+        or (not FOREACH_TENSOR_SCALARS_TRACE and torch.compiler.is_compiling())
+    ):
         return [scalar] * len(xs)
     return scalar
 

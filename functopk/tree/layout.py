@@ -20,6 +20,7 @@ import optree
 import torch
 
 from functopk._checks import check_leaves, first_difference, path_str
+from functopk._compat import same_structure
 
 __all__ = ["FlatLayout", "ravel_pytree"]
 
@@ -111,7 +112,7 @@ class FlatLayout:
         """True when ``tree`` has this layout's structure, shapes and dtypes."""
         leaves, treedef = optree.tree_flatten(tree)
         return (
-            treedef == self.treedef
+            same_structure(treedef, self.treedef)
             and tuple(x.shape for x in leaves) == self.shapes
             and tuple(x.dtype for x in leaves) == self.dtypes
         )
@@ -119,7 +120,7 @@ class FlatLayout:
     def leaves(self, tree: PyTree, *, name: str = "tree") -> list[torch.Tensor]:
         """The leaves of ``tree`` after checking its structure and shapes against the layout."""
         leaves, treedef = optree.tree_flatten(tree)
-        if treedef != self.treedef:
+        if not same_structure(treedef, self.treedef):
             raise ValueError(f"{name} does not have the layout's tree structure: "
                              f"{first_difference(self.treedef, treedef)}")
         for path, leaf, shape in zip(treedef.paths(), leaves, self.shapes):

@@ -16,6 +16,7 @@ import optree
 import torch
 
 from functopk._checks import check_leaves, first_difference
+from functopk._compat import same_structure
 from functopk.tree import foreach
 
 PyTree = Any
@@ -63,7 +64,7 @@ def map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:  # noqa:
 def flatten_like(tree: PyTree, treedef: optree.PyTreeSpec, name: str, expected_name: str) -> list[Any]:
     """The leaves of ``tree``, after checking that its structure is ``treedef`` (``ValueError`` naming the path)."""
     leaves_, actual = optree.tree_flatten(tree)
-    if actual != treedef:
+    if not same_structure(actual, treedef):
         raise ValueError(f"{name} does not have the tree structure of {expected_name}: "
                          f"{first_difference(treedef, actual)}")
     return leaves_

@@ -322,6 +322,7 @@ def test_dgc_density_warmup_values_at_documented_steps():
     assert float(constant(0)) == float(constant(50)) == pytest.approx(0.01)
 
 
+@pytest.mark.compile
 def test_dgc_density_warmup_compiles_and_errors():
     s = ft.dgc_density_warmup(0.01, steps_per_epoch=2, warmup_epochs=3)
     compiled = torch.compile(s, fullgraph=True, backend="aot_eager")
@@ -394,6 +395,7 @@ def test_dgc_with_inject_hyperparams_equals_plain():
     assert set(si.hyperparams) == {"learning_rate", "momentum", "weight_decay", "max_norm"}
 
 
+@pytest.mark.compile
 def test_dgc_training_step_compiles_fullgraph_without_recompiling(fresh_dynamo):
     model_fn, params, buffers = ft.nn.functionalize(small_cnn())
     tx = ft.dgc(0.1, momentum=0.9, density=0.05, max_norm=1.0, weight_decay=1e-4, min_size=8, method="torch")
@@ -404,6 +406,7 @@ def test_dgc_training_step_compiles_fullgraph_without_recompiling(fresh_dynamo):
     assert not torch.equal(comp[0]["7.weight"], params["7.weight"])
 
 
+@pytest.mark.compile
 def test_dgc_density_warmup_compiles_once_across_density_changes(fresh_dynamo):
     """k changes every 2 steps; compiled, k is a 0-d tensor and the selection a radix select: one graph."""
     params = normal_tree(0)

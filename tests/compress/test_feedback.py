@@ -171,6 +171,7 @@ def test_errors():
         bad.update({"w": torch.zeros(3)}, bad.init({"w": torch.zeros(3)}))
 
 
+@pytest.mark.compile
 def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     params = normal_tree(0)
     tx = ft.chain(ft.error_feedback(ft.topk(density=0.1, method="torch")), ft.sgd(0.1, momentum=0.9))

@@ -68,6 +68,7 @@ def test_layerwise_topk_errors():
         ft.layerwise_topk()
 
 
+@pytest.mark.compile
 def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     check_compiled(ft.layerwise_topk(density=0.2, min_size=8, method="torch"), tree_of((6, 5), (4,), (3, 3)))
 

@@ -191,6 +191,7 @@ def test_randk_errors():
         tx.update({"w": torch.zeros(4)}, ft.EmptyState())
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize(
     "make",
     [lambda: ft.randk(density=0.1, seed=4), lambda: ft.randk(5, seed=4, unbiased=True)],
@@ -200,6 +201,7 @@ def test_compiles_fullgraph_without_recompiling(make, fresh_dynamo):
     check_compiled(make(), tree_of((6, 5), (4,), (3, 3)))
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_randk_keys_under_inductor_equal_eager(fresh_dynamo):
     """Inductor generates its own integer code for the hash: it must give the same keys."""

@@ -63,6 +63,7 @@ def test_threshold_errors():
         ft.threshold(0.1).update({"w": torch.ones(2, dtype=torch.int32)}, ft.EmptyState())
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize(
     "make", [lambda: ft.threshold(0.5), lambda: ft.inject_hyperparams(ft.threshold)(v=0.5)],
     ids=["threshold", "threshold-injected"],

@@ -201,6 +201,7 @@ TREE = {"a": torch.randn(6, 5, generator=torch.Generator().manual_seed(0)), "b":
         "c": (torch.tensor([[-8.0, 0.2]], dtype=torch.float64), None)}
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_scheduled_density_chain_compiles_without_recompiling():

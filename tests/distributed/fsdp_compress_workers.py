@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 
 from functopk.distributed import compress_fsdp
-from functopk.distributed.fsdp_compress import _replica_hook, _TopKReduceScatter
+from functopk.distributed.fsdp_compress import _replica_hook, _topk_reduce_scatter
 from functopk.distributed.fsdp_torch import fully_shard
 from tests.distributed.common import DEATH_EXIT_CODE, start_gloo
 
@@ -61,7 +61,7 @@ def recording(net, state, log: list, step: list, rank: int, hsdp: bool) -> None:
             unit.set_all_reduce_hook(hook)
         else:
 
-            class Recording(_TopKReduceScatter):
+            class Recording(_topk_reduce_scatter()):
                 def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
                     res = _record(self.state, self.name, input_tensor, log, step, rank)
                     super().__call__(output_tensor, input_tensor, group, op, async_op)

@@ -46,11 +46,12 @@ def test_fsdp_training_equals_topk_of_the_full_gradient(fsdp_run, how):
         rec = _rank(fsdp_run, r)[how]
         assert len(rec["got"]) == FSDP_STEPS
         for got, expected in zip(rec["got"], rec["expected"]):
-            if how == "chain":  # the same SGD maths on shards and on the full tensors
-                assert_tree_bitwise_equal(got, expected)
-            else:  # functopk's AdamW against torch's
-                for g, e in zip(got, expected):
-                    torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+            # functopk's SGD or AdamW against torch's, which adds lr * update into the parameters with one fused
+            # multiply-add where its CPU kernel vectorises (whether that rounds like functopk's separate multiply
+            # and add depends on the CPU and the leaf's size): equal to the last bits; a coordinate selected
+            # wrongly would be off by lr * g
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
         assert any(not torch.equal(a, b) for a, b in zip(rec["got"][0], rec["got"][-1]))
 
 

@@ -384,6 +384,7 @@ def test_pure(name, decay):
     assert updates["b"].dtype == torch.float64 and updates["w"].dtype == torch.float32
 
 
+@pytest.mark.compile
 def test_updates_compile_without_graph_breaks(fresh_dynamo):
     """Every step-dependent switch (RAdam's rho_t > 5, NAdam's schedule) is traced: no host sync, no recompile."""
     params = make_params(torch.float32)

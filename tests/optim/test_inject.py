@@ -46,6 +46,7 @@ def test_schedule_hyperparams_follow_the_count_and_pure(device):
     assert float(state.hyperparams["learning_rate"]) == 0.25
 
 
+@pytest.mark.compile
 def test_changed_hyperparameter_is_used_and_compiled_step_does_not_recompile():
     torch._dynamo.reset()
     tx = ft.inject_hyperparams(ft.sgd)(learning_rate=0.1)

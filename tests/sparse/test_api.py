@@ -378,6 +378,7 @@ TREE = {"a": torch.randn(6, 5, generator=torch.Generator().manual_seed(0)), "b":
         "c": (torch.tensor([[-8.0, 0.2]], dtype=torch.float64), None)}
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("method", ["exact", "torch", "approx", "gaussian"])
@@ -387,6 +388,7 @@ def test_methods_compile_fullgraph(method):
         assert_tree_bitwise_equal(out, reference_sparsify(TREE, 7))
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_tensor_k_compiles_without_recompiling():
@@ -399,6 +401,7 @@ def test_tensor_k_compiles_without_recompiling():
         assert_compiles_like_eager(fn, [(TREE, torch.tensor(3)), (TREE, torch.tensor(20))], bitwise=True)
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_nan_and_huge_tensor_k_compile_to_n():

@@ -41,6 +41,7 @@ def test_dispatch_table(method, k, requires_grad, kind):
     assert type(dispatch.select(leaves, k, method)) is kind
 
 
+@pytest.mark.compile
 def test_route():
     leaves = _leaves()
     assert dispatch.route(leaves) == "eager"

@@ -93,6 +93,7 @@ def test_stats_name_the_paths():
         assert torch.equal(idx, brute_topk(flats, k, torch.float32)[0])
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_the_eager_exact_kernel_does_not_compile():

@@ -54,6 +54,7 @@ def _graph_targets(fn, *args):
     return targets
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("config", [DEFAULT_CONFIG, COLUMNS, DIRECT], ids=["default", "columns", "direct"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=trees_st(allow_nonfinite=True), data=st.data())
@@ -71,6 +72,7 @@ def test_compiled_exact_is_bit_identical_to_eager_on_the_property_suite(config, 
     assert_tree_bitwise_equal(compiled[0], reference_sparsify(tree, k))  # and both are the exact top-k
 
 
+@pytest.mark.compile
 def test_the_operator_is_what_compiled_exact_runs():
     tree = {"a": torch.randn(300), "b": torch.randn(20, 10, dtype=torch.float64)}
     for fn, op in [
@@ -107,6 +109,7 @@ def test_config_round_trips_through_the_operator_arguments():
         assert ops._config(ops.config_values(config)) == config
 
 
+@pytest.mark.compile
 def test_tensor_k_and_new_values_do_not_recompile():
     compiled = torch.compile(lambda t, k: (ft.topk_sparsify(t, k), ft.topk_indices(t, k)), fullgraph=True)
     g = torch.Generator().manual_seed(0)
@@ -119,6 +122,7 @@ def test_tensor_k_and_new_values_do_not_recompile():
         assert torch.equal(sparse.indices, expected.indices) and torch.equal(bits(sparse.values), bits(expected.values))
 
 
+@pytest.mark.compile
 def test_nan_tensor_k_is_the_eager_error_when_compiled():
     compiled = torch.compile(lambda t, k: ft.topk_sparsify(t, k), fullgraph=True)
     with pytest.raises(ValueError, match="k is NaN"):
@@ -142,6 +146,7 @@ def _loss(model_fn):
     return loss_fn
 
 
+@pytest.mark.compile
 def test_whole_compiled_step_under_inductor_selects_like_eager():
     """A whole ResNet-style step (conv, BatchNorm, grad, top-k, SGD with momentum) compiles under inductor.
 
@@ -198,6 +203,7 @@ def test_whole_compiled_step_under_inductor_selects_like_eager():
     assert not torch.equal(carry[0]["7.weight"], params["7.weight"])  # it trained
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("method", ["exact", "approx", "gaussian"])
 def test_selection_compiles_with_symbolic_sizes(method):
     """``dynamic=True``: the sample stride (a prime search) and sizes become guards, not graph breaks."""

@@ -253,6 +253,7 @@ def test_a_schedule_inside_is_refused_and_other_bad_arguments_named():
         opt.update({"w": torch.ones(3)}, state, refresh=True)
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_compiles_with_fullgraph_and_matches_eager():
     params, grads = problem(3)
