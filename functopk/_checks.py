@@ -27,8 +27,8 @@ from typing import Any
 import optree
 import torch
 
-from functopk._overlap import overlaps_itself, share_an_element, span
 from functopk._compat import check_compiling, same_structure
+from functopk._overlap import overlaps_itself, share_an_element, span
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The floating-point dtypes functopk computes with (gradients, parameters, states)."""

@@ -8,16 +8,21 @@
   structures it makes while tracing);
 * :func:`replace`: a NamedTuple's ``_replace`` in a form every supported
   ``torch.compile`` traces (dynamo 2.11 compiles ``_replace`` into an empty
-  tuple). Code that can run in a compiled step calls it, never ``_replace``.
+  tuple). Code that can run in a compiled step calls it, never ``_replace``;
+* :func:`assume_constant_result`: ``torch.compiler.assume_constant_result``
+  without importing ``torch._dynamo`` (torch's own imports it, about a second,
+  at the decoration: ``import functopk`` must not).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 _T = TypeVar("_T", bound=tuple)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 TORCH_FLOOR = "2.9"
 """The oldest torch functopk supports (pyproject.toml's ``torch>=`` and the README say the same)."""
@@ -118,3 +123,17 @@ def replace(state: _T, **fields: Any) -> _T:
     if unknown:
         raise ValueError(f"{type(state).__name__} has no fields {sorted(unknown)}")
     return type(state)(*[fields.get(name, value) for name, value in zip(state._fields, state)])  # type: ignore
+
+
+def assume_constant_result(fn: _F) -> _F:
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo``: the same mark on ``fn``.
+
+    Dynamo reads the mark when it traces a call of ``fn`` and takes the result as a constant;
+    ``tests/test_compat.py`` checks that torch's decorator sets exactly this mark.
+
+    >>> f = assume_constant_result(lambda: 3)
+    >>> f()
+    3
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn

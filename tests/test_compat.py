@@ -185,3 +185,18 @@ def test_the_list_form_of_tensor_scalars_torch_2_10_compiles_gives_the_eager_num
         assert torch.equal(a, b)
     scalar = torch.tensor(2.0)
     assert foreach.per_leaf(scalar, [torch.ones(1)] * 3) is scalar  # eagerly: the scalar overload
+
+
+def test_assume_constant_result_sets_the_mark_torchs_decorator_sets():
+    """functopk marks constant results itself (no dynamo import); the mark must be the one torch's decorator sets."""
+    from functopk._compat import assume_constant_result
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    assert assume_constant_result(ours) is ours
+    assert torch.compiler.assume_constant_result(theirs) is theirs
+    assert vars(ours) == vars(theirs) == {"_dynamo_marked_constant": True}

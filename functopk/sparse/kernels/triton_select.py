@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from functopk._compat import assume_constant_result
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
 
 __all__ = [
@@ -75,7 +76,7 @@ _TRITON: list[bool] = []  # whether triton imports, once known
 _PRIMED: set[tuple] = set()  # launch signatures whose flat-buffer kernels are compiled (see _prime)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def available() -> bool:
     """Whether Triton imports here (tried once; a compiled graph takes the answer as a constant).
 
@@ -93,7 +94,7 @@ def available() -> bool:
     return _TRITON[0]
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def interpreting() -> bool:
     """Whether Triton's interpreter runs kernels on CPU tensors (``TRITON_INTERPRET=1``).
 
