@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import functopk as ft
+from functopk._compat import too_old_for
 from functopk.sparse.kernels import triton_select
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,15 +31,18 @@ needs_triton = pytest.mark.skipif(not triton_select.available(), reason="triton 
 def test_interpreted_kernels_all_run_and_pass():
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    # a torch too old to compile functopk runs all but the one compile case, which it deselects
+    old = too_old_for("torch.compile of functopk code") is not None
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-         "tests/sparse/triton_interpreted.py"],
+         "tests/sparse/triton_interpreted.py", *(["-m", "not compile"] if old else [])],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.fullmatch(r"\d+ passed in .*", summary), summary  # nothing skipped, deselected or xfailed
-    assert int(summary.split()[0]) >= 10, summary
+    expected = r"\d+ passed, 1 deselected in .*" if old else r"\d+ passed in .*"
+    assert re.fullmatch(expected, summary), summary  # nothing skipped or xfailed
+    assert int(summary.split()[0]) >= (9 if old else 10), summary
 
 
 def test_serves_cuda_leaves_by_default_and_cpu_leaves_only_when_forced():

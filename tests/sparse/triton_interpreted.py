@@ -130,6 +130,7 @@ def test_dispatch_picks_the_triton_kernel_when_asked():
         triton_select.serves(leaves, 2**31, "triton")
 
 
+@pytest.mark.compile
 def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     def step(tree, k):
         return ft.topk_sparsify(tree, k, config=SMALL), ft.topk_indices(tree, 5, config=SMALL).values
