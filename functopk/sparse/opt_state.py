@@ -25,7 +25,7 @@ import optree
 import torch
 
 from functopk._checks import check_like, check_state, describe, first_difference, path_str
-from functopk._compat import replace
+from functopk._compat import replace, same_structure
 from functopk.sparse.updates import check_ascending_indices
 from functopk.tree.maths import PyTree
 
@@ -173,7 +173,7 @@ def check_inner(inner: Any, template: Any) -> None:
     """``ValueError`` naming the first leaf of ``state.inner`` whose place, shape or dtype is not the template's."""
     paths, leaves, spec = optree.tree_flatten_with_path(inner, none_is_leaf=False)
     want, want_spec = optree.tree_flatten(template, none_is_leaf=False)
-    if spec != want_spec:
+    if not same_structure(spec, want_spec):  # (optree's == is not traceable by every supported dynamo)
         raise ValueError(
             f"state.inner does not have the structure of this optimizer's inner state: "
             f"{first_difference(spec, want_spec)}; is it the state of another optimizer?"
