@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import grad
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functopk as ft
 
@@ -72,6 +73,30 @@ def no_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+class CaptureBlockers(TorchDispatchMode):
+    """Inside, the first op a CUDA graph could not capture as it is raises ``AssertionError`` naming it.
+
+    Such an op reads a tensor on the host (``.item()``, ``bool(t)``, ``float(t)``: ``_local_scalar_dense``),
+    has an output whose shape depends on the data (``nonzero``, boolean indexing, ``unique``: torch's own op
+    tags), or mixes devices (a CPU tensor copied to the device or met by a device op, a device tensor copied
+    to the host). CPU tensors show the first two; fake CUDA tensors (``FakeTensorMode``, no GPU needed) all
+    three. What does not dispatch (a Triton launch, Python maths on sizes) is not seen.
+    """
+
+    DATA_DEPENDENT = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(tag in func.tags for tag in self.DATA_DEPENDENT):
+            raise AssertionError(f"{func} reads the device or has a data-dependent shape")
+        out = func(*args, **kwargs)
+        tensors = [x for x in optree.tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
+        devices = {x.device.type for x in tensors}
+        if len(devices) > 1:
+            raise AssertionError(f"{func} mixes devices: {sorted(devices)}")
+        return out
 
 
 def clone_tree(tree):
