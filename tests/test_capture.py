@@ -52,12 +52,19 @@ def test_the_check_sees_what_a_capture_refuses():
             torch.where(x > 0, x, torch.full((), 2.0)).sum()
 
 
-@pytest.mark.parametrize("name", sorted(TOPK_STEPS))
+UPDATES = {
+    **{name: lambda make=make: make(ft.topk(K, config=ATEN)) for name, make in TOPK_STEPS.items()},
+    "scheduled-k": lambda: ft.chain(ft.topk(lambda count: K + count, config=ATEN), ft.sgd(0.1, momentum=0.9)),
+    "from_torch-sgd": lambda: ft.chain(ft.topk(K, config=ATEN), ft.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UPDATES))
 def test_forward_update_and_apply_on_cuda_tensors_dispatch_nothing_a_capture_refuses(name):
     """Fake CUDA tensors, the static kernel (the Triton kernel's launches read real memory)."""
     with FakeTensorMode(), torch.device("cuda"):
         model_fn, params, buffers = ft.nn.functionalize(small_cnn())
-        tx = TOPK_STEPS[name](ft.topk(K, config=ATEN))
+        tx = UPDATES[name]()
         state = tx.init(params)
         x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,))
         with CaptureBlockers():
@@ -117,6 +124,26 @@ def test_a_captured_step_replays_the_eager_steps_bit_for_bit(name, backend, auto
         graph.replay()
         assert_tree_bitwise_equal(carry, eager)
     assert int(carry[1]["1.num_batches_tracked"]) == len(batches)
+
+
+@pytest.mark.parametrize("backend", ["auto", "aten"])
+@pytest.mark.usefixtures("deterministic_cudnn")
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_scheduled_k_is_read_on_the_device_at_each_replay(backend):
+    model_fn, params, buffers, batches = _cuda_start()
+    topk = ft.topk(lambda count: K + 10 * count, config=ft.sparse.KernelConfig(backend=backend))
+    step = make_step(model_fn, ft.chain(topk, ft.sgd(0.1)))
+    eager = (params, buffers, ft.chain(topk, ft.sgd(0.1)).init(params))
+    graph, carry, static_batch = captured_step(step, eager, batches[0])
+    for i, (x, y) in enumerate(batches):
+        before = {key: p.clone() for key, p in carry[0].items()}
+        eager = step(*eager, x, y)
+        static_batch[0].copy_(x)
+        static_batch[1].copy_(y)
+        graph.replay()
+        assert_tree_bitwise_equal(carry, eager)
+        assert sum(int((carry[0][key] != before[key]).sum()) for key in before) == K + 10 * i  # plain SGD
 
 
 @pytest.mark.usefixtures("deterministic_cudnn")

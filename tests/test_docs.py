@@ -297,3 +297,26 @@ def test_tests_readme_names_every_helper_module():
     assert len(helpers) >= 10
     missing = [str(path) for path in helpers if str(path) not in readme]
     assert missing == [], f"helper modules tests/README.md does not describe: {missing}"
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_gpu_capture_recipe_runs():
+    """docs/gpu.md's blocks run in order (without a GPU, all but the capture, which needs one): each step advances
+    the state's count, on the graph's tensors too."""
+    import torch
+
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 3 and "torch.cuda.graph" in blocks[1]
+    namespace: dict = {}
+    steps = 0
+    for i, block in enumerate(blocks):
+        if i == 1 and not torch.cuda.is_available():
+            continue
+        exec(compile(block, "docs/gpu.md", "exec"), namespace)
+        if i > 0:
+            steps += len(namespace["batches"])
+            assert int(namespace["opt_state"][1][0].count) == steps  # sgd's momentum count
+    assert steps > 0
