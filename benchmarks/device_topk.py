@@ -26,7 +26,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functopk as ft  # noqa: E402
-from benchmarks.timing import device_sync, interleaved  # noqa: E402
+from benchmarks.timing import device_sync, event_times, interleaved  # noqa: E402
 from functopk.sparse.kernels import triton_select  # noqa: E402
 
 ATEN = ft.sparse.KernelConfig(backend="aten")
@@ -57,24 +56,6 @@ def usual_dense_topk(leaves: list[torch.Tensor], k: int) -> list[torch.Tensor]:
     idx = torch.topk(flat.abs(), k, sorted=False).indices
     out = torch.zeros_like(flat).scatter_(0, idx, flat[idx])
     return list(torch.split(out, [x.numel() for x in leaves]))
-
-
-def event_times(fns: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median seconds per call of each function: ``calls`` calls between two CUDA events, rounds interleaved."""
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / 1e3 / calls)
-    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def copy_bandwidth(device: str) -> float:
