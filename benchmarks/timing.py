@@ -50,3 +50,10 @@ def event_times(fns: dict, rounds: int, calls: int) -> dict[str, float]:
             end.synchronize()
             times[name].append(start.elapsed_time(end) / 1e3 / calls)
     return {name: statistics.median(v) for name, v in times.items()}
+
+
+def medians(fns: dict, rounds: int, calls: int, device: str) -> dict[str, float]:
+    """Median seconds per call: :func:`event_times` on CUDA (``calls`` per timed batch), else :func:`interleaved`."""
+    if str(device).startswith("cuda"):
+        return event_times(fns, rounds, calls)
+    return interleaved(fns, rounds, device_sync(device))

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functopk as ft  # noqa: E402
-from benchmarks.timing import device_sync, event_times, interleaved  # noqa: E402
+from benchmarks.timing import medians  # noqa: E402
 
 TARGET = 1.05
 
@@ -185,11 +185,7 @@ def main() -> None:
     x = torch.randn(args.batch, 3, args.size, args.size, generator=g).to(args.device, memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), generator=g).to(args.device)
     fns = variants(args, x, y)
-    if args.device.startswith("cuda"):
-        med = event_times(fns, args.rounds, args.steps)
-    else:
-        med = interleaved(fns, args.rounds, device_sync(args.device))
-    text = table(args, med, load)
+    text = table(args, medians(fns, args.rounds, args.steps, args.device), load)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
