@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import functopk as ft
@@ -163,6 +164,10 @@ def test_a_device_tensor_learning_rate_changed_between_replays_is_read_by_the_gr
         static_batch[1].copy_(y)
         graph.replay()
         assert_tree_bitwise_equal(carry, eager)
+    lr.fill_(0.0)
+    before = {key: p.clone() for key, p in carry[0].items()}
+    graph.replay()
+    assert all(torch.equal(carry[0][key], before[key]) for key in before)  # the new lr, not the captured one
 
 
 @pytest.mark.parametrize("name", ["topk-sgd-momentum", "topk-adamw"])
@@ -176,6 +181,7 @@ def test_reduce_overhead_compiles_the_step_once_and_follows_eager(name):
     tx = TOPK_STEPS[name](ft.topk(K))
     step = make_step(model_fn, tx)
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    skips = counters["inductor"]["cudagraph_skips"]
     eager = comp = (params, buffers, tx.init(params))
     for i, (x, y) in enumerate(batches):
         moved_eager = step(*eager, x, y)
@@ -187,3 +193,4 @@ def test_reduce_overhead_compiles_the_step_once_and_follows_eager(name):
         for key in params:  # the same coordinates moved
             assert torch.equal(moved[0][key] != before[key], moved_eager[0][key] != eager[0][key]), key
         eager, comp = moved_eager, moved
+    assert counters["inductor"]["cudagraph_skips"] == skips  # replayed as a CUDA graph, not run without one
