@@ -26,7 +26,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import functopk as ft  # noqa: E402
-from benchmarks.timing import device_sync, interleaved  # noqa: E402
+from benchmarks.timing import medians  # noqa: E402
 from functopk.sparse.kernels import triton_select  # noqa: E402
 
 ATEN = ft.sparse.KernelConfig(backend="aten")
@@ -59,33 +58,12 @@ def usual_dense_topk(leaves: list[torch.Tensor], k: int) -> list[torch.Tensor]:
     return list(torch.split(out, [x.numel() for x in leaves]))
 
 
-def event_times(fns: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median seconds per call of each function: ``calls`` calls between two CUDA events, rounds interleaved."""
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / 1e3 / calls)
-    return {name: statistics.median(v) for name, v in times.items()}
-
-
 def copy_bandwidth(device: str) -> float:
-    """Bytes read plus written per second by ``dst.copy_(src)`` of 1 GiB (median of 10)."""
+    """Bytes read plus written per second by ``dst.copy_(src)`` of 1 GiB (median of 10 rounds; 3 on the CPU)."""
     src = torch.empty(1 << 28, device=device)
     dst = torch.empty_like(src)
-    sync = device_sync(device)
-    if device.startswith("cuda"):
-        seconds = event_times({"copy": lambda: dst.copy_(src)}, 10, 5)["copy"]
-    else:
-        seconds = interleaved({"copy": lambda: dst.copy_(src)}, 3, sync)["copy"]
+    rounds = 10 if device.startswith("cuda") else 3
+    seconds = medians({"copy": lambda: dst.copy_(src)}, rounds, 5, device)["copy"]
     return 2 * src.numel() * src.element_size() / seconds
 
 
@@ -140,7 +118,7 @@ def main() -> None:
         for label, k in (("1000", 1000), ("1% n", n // 100)):
             check(leaves, flat_mags, k, triton)
             fns = cases(leaves, flat_mags, k, triton)
-            med = event_times(fns, args.rounds, args.calls) if cuda else interleaved(fns, args.rounds)
+            med = medians(fns, args.rounds, args.calls, args.device)
             ms = {key: 1e3 * v for key, v in med.items()}
             fast = med.get("triton", med["aten"])
             lines.append(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import grad
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functopk as ft
 
@@ -74,6 +75,30 @@ def no_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+class CaptureBlockers(TorchDispatchMode):
+    """Inside, the first op a CUDA graph could not capture as it is raises ``AssertionError`` naming it.
+
+    Such an op reads a tensor on the host (``.item()``, ``bool(t)``, ``float(t)``: ``_local_scalar_dense``),
+    has an output whose shape depends on the data (``nonzero``, boolean indexing, ``unique``: torch's own op
+    tags), or mixes devices (a CPU tensor copied to the device or met by a device op, a device tensor copied
+    to the host). CPU tensors show the first two; fake CUDA tensors (``FakeTensorMode``, no GPU needed) all
+    three. What does not dispatch (a Triton launch, Python maths on sizes) is not seen.
+    """
+
+    DATA_DEPENDENT = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(tag in func.tags for tag in self.DATA_DEPENDENT):
+            raise AssertionError(f"{func} reads the device or has a data-dependent shape")
+        out = func(*args, **kwargs)
+        tensors = [x for x in optree.tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
+        devices = {x.device.type for x in tensors}
+        if len(devices) > 1:
+            raise AssertionError(f"{func} mixes devices: {sorted(devices)}")
+        return out
+
+
 def clone_tree(tree):
     return optree.tree_map(lambda x: x.clone(), tree)
 
@@ -106,11 +131,14 @@ def batch(n: int = 8, size: int = 8, num_classes: int = 3, seed: int = 0):
     return torch.randn(n, 1, size, size, generator=g), torch.randint(0, num_classes, (n,), generator=g)
 
 
-def make_step(model_fn, tx):
-    """The canonical functional training step: grad -> update -> apply."""
+def make_step(model_fn, tx, *, autocast: torch.dtype | None = None):
+    """The canonical functional training step: grad -> update -> apply (the forward pass under ``autocast``)."""
 
     def loss_fn(params, buffers, x, y):
-        out, new_buffers = model_fn(params, buffers, x)
+        # cache_enabled=False: autocast's cache of cast weights must not outlive a CUDA graph capture
+        cast = torch.autocast(x.device.type, autocast, cache_enabled=False) if autocast else contextlib.nullcontext()
+        with cast:
+            out, new_buffers = model_fn(params, buffers, x)
         return F.cross_entropy(out, y), new_buffers
 
     def step(params, buffers, opt_state, x, y):
@@ -119,6 +147,39 @@ def make_step(model_fn, tx):
         return ft.apply_updates(params, updates), buffers, opt_state
 
     return step
+
+
+TOPK_STEPS = {
+    "topk-sgd-momentum": lambda topk: ft.chain(topk, ft.sgd(0.1, momentum=0.9)),
+    "momentum-topk": lambda topk: ft.chain(
+        ft.trace(0.9), topk, ft.scale_by_learning_rate(lambda count: 0.1 * 0.9**count)
+    ),
+    "topk-adamw": lambda topk: ft.chain(topk, ft.adamw(0.01, weight_decay=0.1)),
+}
+"""The top-k training steps a CUDA graph must capture, around a given ``ft.topk(...)``: SGD with momentum after
+the selection, momentum before it with a scheduled learning rate, and AdamW."""
+
+
+def captured_step(step, carry, batch, *, warmup: int = 2):
+    """``carry = step(*carry, *batch)`` captured in a CUDA graph: ``(graph, carry, batch)``, with static copies.
+
+    Each ``graph.replay()`` runs one step on the static tensors and writes the new carry into them (the copies
+    are captured too); copy each new batch into the static ``batch`` first. The warm-up calls (on a side
+    stream, as ``torch.cuda.graph`` asks) drop their results: the step is pure, so the carry stays as given.
+    """
+    carry, batch = optree.tree_map(torch.clone, (carry, batch))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step(*carry, *batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        new = step(*carry, *batch)
+        for old, fresh in zip(optree.tree_leaves(carry), optree.tree_leaves(new)):
+            old.copy_(fresh)
+    return graph, carry, batch
 
 
 def assert_compiles_like_eager(

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import functopk as ft
 
@@ -297,3 +298,39 @@ def test_tests_readme_names_every_helper_module():
     assert len(helpers) >= 10
     missing = [str(path) for path in helpers if str(path) not in readme]
     assert missing == [], f"helper modules tests/README.md does not describe: {missing}"
+
+
+
+def run_gpu_recipe(capture: bool) -> None:
+    """docs/gpu.md's blocks in order (the capture only with ``capture``): every step advances the state's count."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 3 and "torch.cuda.graph" in blocks[1]
+    namespace: dict = {}
+    steps = 0
+    for i, block in enumerate(blocks):
+        if i == 1 and not capture:
+            continue
+        exec(compile(block, "docs/gpu.md", "exec"), namespace)
+        if i > 0:
+            steps += len(namespace["batches"])
+            assert int(namespace["opt_state"][1][0].count) == steps  # sgd's momentum count, in the graph's state too
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_gpu_recipe_runs_on_the_cpu_but_its_capture():
+    """On the CPU: the step and its reduce-overhead form (inductor without a graph)."""
+    if torch.cuda.is_available():
+        pytest.skip("test_gpu_recipe_runs_whole runs it on this GPU")
+    run_gpu_recipe(capture=False)
+
+
+@pytest.mark.compile
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_gpu_recipe_runs_whole():
+    """On a GPU: captured by hand, replayed, then compiled with reduce-overhead, as written."""
+    run_gpu_recipe(capture=True)

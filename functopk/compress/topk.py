@@ -11,6 +11,7 @@ from functopk._checks import check_k_or_density
 from functopk.base import EmptyState, GradientTransformation, recorded
 from functopk.build import leafwise
 from functopk.sparse import dispatch
+from functopk.sparse.config import KernelConfig
 from functopk.sparse.k import KLike, k_at_step
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES
 
@@ -35,6 +36,7 @@ def topk(
     *,
     density: float | torch.Tensor | Callable[[torch.Tensor], Any] | None = None,
     method: str = "exact",
+    config: KernelConfig | None = None,
 ) -> GradientTransformation:
     """Global top-k sparsification as a transformation (see :func:`~functopk.topk_sparsify`).
 
@@ -63,6 +65,9 @@ def topk(
         k: Coordinates kept per step.
         density: Fraction of coordinates kept per step, in ``(0, 1]``.
         method: Selection algorithm, as for :func:`~functopk.topk_sparsify`.
+        config: The kernels' settings, as for :func:`~functopk.topk_sparsify`
+            (``KernelConfig(backend="aten")``: the static kernel on CUDA instead
+            of the Triton kernel; the same selection).
 
     Example:
         >>> import torch, functopk as ft
@@ -78,6 +83,8 @@ def topk(
     """
     k, density = check_k_or_density(k, density, allow_schedule=True)
     method = dispatch.check_method(method)
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
     scheduled = callable(k) or callable(density)
 
     def k_of(leaves: list[torch.Tensor], step: torch.Tensor | None, name: str) -> KLike:
@@ -91,7 +98,7 @@ def topk(
         grads: list[torch.Tensor], state: Any, params: list[torch.Tensor] | None
     ) -> tuple[list[torch.Tensor], Any]:
         kk = k_of(grads, state.count if scheduled else None, "updates")  # EmptyState.count is tuple.count
-        return dispatch.select(grads, kk, method).dense(grads), state
+        return dispatch.select(grads, kk, method, config).dense(grads), state
 
     return leafwise(
         "topk", update, state=TopKState if scheduled else EmptyState, counted=scheduled, dtypes=SUPPORTED_DTYPES,

@@ -82,7 +82,20 @@ def add(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
 
 def add_scalar(xs: Leaves, scalar: Scalar) -> list[torch.Tensor]:
     """``x + scalar`` for each ``x``."""
-    return keep_dtypes(torch._foreach_add(list(xs), per_leaf(scalar, xs)), xs) if xs else []
+    return keep_dtypes(torch._foreach_add(list(xs), per_leaf(scalar, xs), **_as_tensor(scalar, xs)), xs) if xs else []
+
+
+def _as_tensor(scalar: Scalar, xs: Leaves) -> dict[str, int]:
+    """``alpha=1`` where ``scalar`` is a tensor on the leaves' device, so that ``_foreach_add`` takes it as a tensor.
+
+    Without ``alpha``, ``torch._foreach_add(xs, t)`` binds a 0-d tensor to its
+    ``Scalar`` overload, which reads it on the host (``.item()``: on a GPU a
+    synchronisation, and an error while a CUDA graph is being captured); the
+    tensor overload reads it on the device, with the same bits on the CPU. A
+    CPU tensor beside leaves elsewhere keeps the ``Scalar`` overload (a host
+    read of host memory; CUDA's tensor overload wants the scalar on its device).
+    """
+    return {"alpha": 1} if isinstance(scalar, torch.Tensor) and scalar.device == xs[0].device else {}
 
 
 def sub(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
@@ -267,7 +280,7 @@ def all_finite(xs: Leaves) -> torch.Tensor:
 def add_scalar_(buffers: list[torch.Tensor], scalar: Scalar) -> list[torch.Tensor]:
     """``b += scalar`` in place, in ``buffers`` (fresh tensors the caller owns), which are returned."""
     if buffers:
-        torch._foreach_add_(buffers, per_leaf(scalar, buffers))
+        torch._foreach_add_(buffers, per_leaf(scalar, buffers), **_as_tensor(scalar, buffers))
     return buffers
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopk as ft
+from functopk.sparse.kernels import triton_select
 from tests.helpers import (
     assert_compiles_like_eager,
     assert_tree_bitwise_equal,
@@ -108,6 +109,22 @@ def test_non_float_leaves_rejected(leaf):
 def test_unknown_method_rejected():
     with pytest.raises(ValueError, match="method must be one of"):
         ft.topk(1, method="fast")
+
+
+def test_config_reaches_the_kernel_and_is_checked(device):
+    """The tiny config runs the eager kernel's scan on the CPU; every backend selects the same coordinates."""
+    g = torch.Generator().manual_seed(0)
+    tree = to_device({"w": torch.randn(300, generator=g), "b": torch.randn(50, generator=g)}, device)
+    tiny = ft.sparse.KernelConfig(exact_min_numel=0, segment=64, sample_size=16)
+    for config in (tiny, ft.sparse.KernelConfig(backend="aten")):
+        tx = ft.topk(17, config=config)
+        assert_tree_bitwise_equal(tx.update(tree, tx.init(tree))[0], ft.topk_sparsify(tree, 17))
+    if triton_select.available() and device == "cpu" and not triton_select.interpreting():
+        tx = ft.topk(17, config=ft.sparse.KernelConfig(backend="triton"))  # reaches the kernel: says why not here
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            tx.update(tree, tx.init(tree))
+    with pytest.raises(TypeError, match="config must be a functopk.sparse.KernelConfig or None, got dict"):
+        ft.topk(1, config={"backend": "aten"})
 
 
 def test_nan_or_huge_tensor_k_and_density(device):

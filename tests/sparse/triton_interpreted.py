@@ -14,6 +14,7 @@ buffer so that small trees reach every path. It has no bfloat16: that dtype is c
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -24,8 +25,18 @@ from hypothesis import strategies as st
 import functopk as ft
 from functopk.sparse.kernels import triton_select
 from functopk.sparse.ops import TritonTopK
-from tests.helpers import assert_compiles_like_eager, numel, trees_st
-from tests.sparse.triton_checks import CONFIGS, SMALL, assert_selects_like_cpu, path_of
+from tests.helpers import (
+    TOPK_STEPS,
+    CaptureBlockers,
+    assert_compiles_like_eager,
+    assert_tree_bitwise_equal,
+    batch,
+    make_step,
+    numel,
+    small_cnn,
+    trees_st,
+)
+from tests.sparse.triton_checks import ATEN, CONFIGS, SMALL, assert_selects_like_cpu, path_of
 
 pytestmark = pytest.mark.skipif(not triton_select.interpreting(), reason="needs TRITON_INTERPRET=1")
 
@@ -138,3 +149,23 @@ def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     trees = [{"w": torch.randn(6, 7, generator=torch.Generator().manual_seed(i)), "b": torch.randn(20)}
              for i in range(2)]
     assert_compiles_like_eager(step, [(t, torch.tensor(9)) for t in trees], backend="aot_eager", bitwise=True)
+
+
+STEP = ft.sparse.KernelConfig(backend="triton", sample_size=16)
+"""One program over the small CNN's 315 gradients (the interpreter's cost is per program)."""
+
+
+@pytest.mark.parametrize("name", sorted(TOPK_STEPS))
+def test_a_training_step_dispatches_nothing_a_cuda_graph_refuses_and_trains_as_on_the_cpu_kernel(name):
+    """The Triton kernel's host side within a whole step (``tests/test_capture.py`` checks the rest of it)."""
+    model_fn, params, buffers = ft.nn.functionalize(small_cnn())
+    runs = []
+    for config in (STEP, ATEN):
+        tx = TOPK_STEPS[name](ft.topk(20, config=config))
+        step, carry = make_step(model_fn, tx), (params, buffers, tx.init(params))
+        for i in range(2):
+            with CaptureBlockers() if config is STEP else contextlib.nullcontext():
+                carry = step(*carry, *batch(seed=i))
+        runs.append(carry)
+    assert_tree_bitwise_equal(runs[0], runs[1])
+

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from functopk.tree import foreach
-from tests.helpers import bits, to_device
+from tests.helpers import CaptureBlockers, bits, to_device
 
 LEAVES = [
     torch.tensor([1.0, -2.0, 3.0]),
@@ -166,3 +166,15 @@ def test_the_accelerator_forms_of_the_into_kernels_give_the_same_numbers(monkeyp
     bufs = [y.clone() for y in ys]
     assert foreach.add_scaled_into(xs, 0.5, bufs) is bufs  # written into the buffers (the state) all the same
     same(bufs, per_leaf_add)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_tensor_scalar_on_the_leaves_device_is_never_read_on_the_host(dtype):
+    """``torch._foreach_add(xs, t)`` binds a 0-d ``t`` to its ``Scalar`` overload, which calls ``.item()``."""
+    xs = [x.clone() for x in LEAVES]
+    s = torch.tensor(0.25, dtype=dtype)
+    with CaptureBlockers():
+        out = [foreach.add_scalar(xs, s), foreach.add_scalar_([x.clone() for x in xs], s), foreach.mul(xs, s),
+               foreach.mul_([x.clone() for x in xs], s), foreach.add_scaled(xs, s, xs), foreach.div_scalar(xs, s)]
+    same(out[0], [(x + 0.25).to(x.dtype) for x in xs])
+    same(out[1], out[0])
