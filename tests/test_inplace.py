@@ -32,7 +32,7 @@ CASES = {
     "sgd-nesterov-decay-maximize": (
         lambda: ft.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1, maximize=True), 4
     ),
-    "sgd-dampening": (lambda: ft.sgd(0.1, momentum=0.9, dampening=0.3), 1),
+    "sgd-dampening": (lambda: ft.sgd(0.1, momentum=0.9, dampening=0.3), 2),
     "adam-decay-maximize": (lambda: ft.adam(1e-2, weight_decay=0.1, maximize=True), 1),
     "adamw": (lambda: ft.adamw(1e-2, weight_decay=0.1), 1),
     "adamw-amsgrad-mask": (lambda: ft.adamw(1e-2, amsgrad=True, mask=_no_decay), 1),
@@ -45,7 +45,7 @@ CASES = {
     "rmsprop-centered-momentum": (lambda: ft.rmsprop(1e-2, momentum=0.9, centered=True), 3),
     "adagrad": (lambda: ft.adagrad(1e-2, initial_accumulator_value=0.1), 2),
     "scale-by-rms-rss-optax": (lambda: ft.chain(ft.scale_by_rms(), ft.scale_by_rss(eps=0.0), ft.scale(-0.1)), 3),
-    "adagrad-lr-decay-partly": (lambda: ft.adagrad(1e-2, lr_decay=0.1), 0),
+    "adagrad-lr-decay": (lambda: ft.adagrad(1e-2, lr_decay=0.1), 2),
     "fallback-lion": (lambda: ft.lion(1e-3, weight_decay=0.1), 2),
     "fallback-apply-if-finite": (lambda: ft.apply_if_finite(ft.adam(1e-2), 2), 0),
     "fallback-inject-hyperparams": (lambda: ft.inject_hyperparams(ft.adam)(learning_rate=1e-2), 0),

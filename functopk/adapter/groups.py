@@ -26,7 +26,6 @@ import torch
 
 from functopk._checks import check_choice
 from functopk.adapter import checkpoint, per_param, views
-from functopk.adapter.inplace import MOSTLY_ZERO, UPDATES_WANTED
 from functopk.adapter.part import Part, cohorts
 from functopk.adapter.registry import (
     add_checked_group,
@@ -37,6 +36,7 @@ from functopk.adapter.registry import (
 )
 from functopk.adapter.sparsify import Sparsify
 from functopk.base import GradientTransformation, check_transformation
+from functopk.tree.writer import IN_PLACE, IN_PLACE_SPARSE, Writer
 
 __all__ = ["ParamGroupOptimizer"]
 
@@ -222,12 +222,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            on_updates = self._sparsify is not None and self._sparsify_on == "update"
-            topk = self._sparsify is not None and self._sparsify.constant is not None and not on_updates
-            hyper = {**self._hyper(group), MOSTLY_ZERO: topk, UPDATES_WANTED: on_updates}
-            step_ = None if self._spec.inplace is None else self._spec.inplace(hyper)
-            part = Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__,
-                         inplace=step_)  # fmt: skip
+            part = Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__)
             if cached is not None and _shape(cached[0]) == _shape(key):
                 part.reuse_layouts(cached[1])  # only a value changed (a scheduler's lr): the same state structure
             cached = self._parts[id(group)] = (key, part)
@@ -281,23 +276,23 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         for group, ps in zip(self.param_groups, active):  # torch's fused=True checks, as its step runs them
             check_torch_step_accepts(self.optimizer_class, self._hyper(group), ps, _fused_kinds_accepted(self))
         grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
-        written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has been computed
+        written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has stepped
         on_updates = self._sparsify is not None and self._sparsify_on == "update"
+        writer = IN_PLACE
         if self._sparsify is not None:
             if on_updates:  # its checks (k against the parameters) before any in-place step writes
                 self._sparsify.layout([p for ps in active for p in ps])
             else:
                 grads = self._sparsify.step(self.state, active, grads, written)
-        updates = self._updates(active, grads, written)
+                writer = IN_PLACE_SPARSE if self._sparsify.constant is not None else IN_PLACE
+        updates = self._updates(active, grads, written, add=not on_updates, writer=writer)
         if on_updates:
             assert self._sparsify is not None
             flat = self._sparsify.step(self.state, active, [[updates[p] for p in ps] for ps in active], written)
-            updates = {p: u for ps, us in zip(active, flat) for p, u in zip(ps, us)}
+            torch._foreach_add_([p for ps in active for p in ps], [u for us in flat for u in us])
         for p, e in written.items():
             if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
                 self.state[p].update(e)
-        if updates:
-            torch._foreach_add_(list(updates), list(updates.values()))
         return loss
 
     def _updates(
@@ -305,26 +300,30 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         active: list[list[torch.Tensor]],
         grads: list[list[torch.Tensor]],
         written: dict[torch.Tensor, dict[str, Any]],
+        *,
+        add: bool,
+        writer: Writer,
     ) -> dict[torch.Tensor, torch.Tensor]:
-        """Each group's step of its ``active`` parameters: their updates (none for a step that added its own
-        into the parameters), the new entries into ``written``."""
-        # The in-place cohorts run once every pure one has been computed: a failing step changes nothing.
-        results: list[tuple[list[torch.Tensor], Any]] = []
+        """Each group's step of its ``active`` parameters (through :mod:`functopk.inplace`: in place where its
+        transformation can), the new entries into ``written``; with ``add`` the updates are added into the
+        parameters, else returned."""
+        # Every cohort is checked and its pure parts computed before any writes: a failing step changes nothing.
+        runs = []
         for group, ps, gs in zip(self.param_groups, active, grads):
             if not ps:
                 continue
             part = self._part(group)
             entries = part.entries(ps, [self.state.get(p, {}) for p in ps])
             for idx in cohorts(entries, part.layout(ps)):
-                cohort, cohort_gs, cohort_es = [ps[i] for i in idx], [gs[i] for i in idx], [entries[i] for i in idx]
-                run = part.run_inplace(cohort_gs, cohort, cohort_es)
-                results.append((cohort, run if run is not None else part.run(cohort_gs, cohort, cohort_es)))
+                cohort = [ps[i] for i in idx]
+                runs.append((cohort, part.plan([gs[i] for i in idx], cohort, [entries[i] for i in idx])))
         out: dict[torch.Tensor, torch.Tensor] = {}
-        for cohort, result in results:
-            updates, new = result() if callable(result) else result
-            if self._sparsify is not None and not callable(result):  # pure maths may keep a gradient as state
+        for cohort, run in runs:
+            updates, new = run(add, writer)
+            if self._sparsify is not None:  # pure maths may keep a gradient (a view of sparsify's buffer) as state
                 new = self._sparsify.unshared(new)
-            if updates is not None:  # (None: an in-place step that added its updates itself)
+            if not add:
+                assert updates is not None
                 out.update(zip(cohort, updates))
             for p, e in zip(cohort, new):
                 written.setdefault(p, {}).update(e)

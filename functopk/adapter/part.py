@@ -8,13 +8,15 @@ their step counts).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from functopk.adapter import inplace, per_param, views
+from functopk.adapter import per_param, views
 from functopk.base import GradientTransformation, OptState
+from functopk.inplace import plan_step, run_step
+from functopk.tree.writer import Writer
 
 __all__ = ["Part", "cohorts"]
 
@@ -28,20 +30,13 @@ class Part:
 
     Its methods take the parameters and entries as ``opt.state`` keeps them, and run the maths on
     dense real views of them (:mod:`functopk.adapter.views`: complex parameters as real pairs).
-    ``class_name`` is the torch class whose complex-parameter refusal it applies; ``inplace`` the
-    same maths written into the state (:mod:`functopk.adapter.inplace`), where there is one.
+    ``class_name`` is the torch class whose complex-parameter refusal it applies.
     """
 
     def __init__(
-        self,
-        tx: GradientTransformation,
-        rename: Mapping[str, str],
-        prefix: str = "",
-        class_name: str = "",
-        inplace: inplace.InplaceStep | None = None,
+        self, tx: GradientTransformation, rename: Mapping[str, str], prefix: str = "", class_name: str = ""
     ) -> None:
         self.tx, self.rename, self.prefix, self.class_name = tx, rename, prefix, class_name
-        self.inplace = inplace
         self._layouts: dict[int, per_param.EntryLayout] = {}
 
     def reuse_layouts(self, other: Part) -> None:
@@ -93,36 +88,33 @@ class Part:
         fresh = self.fresh(params)
         return [{n: s[n] if n in s else fresh[i][n] for n in names} for i, s in enumerate(stored)]
 
-    def run_inplace(
+    def plan(
         self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
-    ) -> inplace.Run | None:
-        """The in-place step of ``params`` (run later: checking changes nothing), or ``None``: use :meth:`run`."""
-        if self.inplace is None or any(p.is_complex() for p in params):
-            return None
-        return self.inplace(grads, params, entries)
+    ) -> Callable[[bool, Writer], tuple[list[torch.Tensor] | None, list[dict[str, Any]]]]:
+        """One update of ``params`` whose entries share their shared leaves, checked and its pure part done:
+        ``run(add, writer) -> (updates, new entries)`` then writes it (:func:`functopk.inplace.run_step`).
 
-    def run(
-        self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
-    ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-        """One update of ``params`` whose entries share their shared leaves; the updates and the new entries.
-
-        ``grads`` are dense; the updates and entries come back shaped like ``params`` (complex for complex ones).
+        The in-place engine (:mod:`functopk.inplace`) runs the transformation: where its parts can, they
+        write into the entries' own tensors (and, with ``add``, add their updates into the parameters,
+        returning ``None`` for the updates); the rest runs purely. ``grads`` are dense; the updates and
+        entries come back shaped like ``params`` (complex for complex ones: the maths sees their real pairs).
         """
         names = self._part_names(params)
-        entries = views.real_entries(entries, names)
-        if not any(p.is_complex() for p in params):  # the usual case: nothing to view
-            return self._update(grads, params, entries)
-        real_ps = [views.real(p) for p in params]
-        updates, new = self._update([views.real(g) for g in grads], real_ps, entries)
-        return views.param_updates(params, updates), views.param_entries(params, new, names)
-
-    def _update(
-        self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
-    ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
         layout = self.layout(params)
-        state: OptState = per_param.join(entries, layout)
-        updates, new_state = self.tx.update(per_param.as_tree(grads), state, per_param.as_tree(params))
-        return [updates[i] for i in range(len(params))], per_param.split(new_state, layout)
+        real_gs, real_ps = [views.real(g) for g in grads], per_param.as_tree([views.real(p) for p in params])
+        state: OptState = per_param.join(views.real_entries(entries, names), layout)
+        step = plan_step(self.tx, per_param.as_tree(real_gs), state, real_ps)
+        written = [t for planned in step.plans for t in planned.written]
+        if len({id(t) for t in (*written, *real_gs, *real_ps.values())}) < len(written) + 2 * len(params):
+            # a state tensor twice, or one that is a gradient or a parameter (put there by hand): the pure path
+            step = plan_step(self.tx, per_param.as_tree(real_gs), state, real_ps, in_place=False)
+
+        def run(add: bool, writer: Writer) -> tuple[list[torch.Tensor] | None, list[dict[str, Any]]]:
+            updates = run_step(step, add=add, writer=writer)
+            new = views.param_entries(params, per_param.split(step.new_state, layout), names)
+            return (None if updates is None else views.param_updates(params, updates)), new
+
+        return run
 
 
 def cohorts(entries: list[dict[str, Any]], layout: per_param.EntryLayout) -> list[list[int]]:

@@ -28,9 +28,8 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_distinct_params, group_scalar, is_zero, torch_duplicate_warning_ignored
-from functopk.adapter import inplace, inplace_adam_variants, inplace_classic
 from functopk.base import GradientTransformation, init_count, recorded
-from functopk.build import leafwise
+from functopk.build import Formula, leafwise
 from functopk.combine import chain
 from functopk.optim import adam_variants as _adam_variants
 from functopk.optim import alias
@@ -67,14 +66,11 @@ class TorchSpec(NamedTuple):
         state_names: functopk state field name -> torch's per-parameter state key.
         from_defaults: Hyperparameters the torch class reads from the constructor's arguments
             (``optimizer.defaults``), never from a param group (Adagrad's ``initial_accumulator_value``).
-        inplace: The same maths writing into the adapter's own state (:mod:`functopk.adapter.inplace`),
-            for the hyperparameters where it applies; ``None``: the adapter runs ``build``'s transformation.
     """
 
     build: Callable[[Hyperparams], GradientTransformation]
     state_names: Mapping[str, str]
     from_defaults: tuple[str, ...] = ()
-    inplace: inplace.InplaceBuilder | None = None
 
 
 def _sgd(h: Hyperparams) -> GradientTransformation:
@@ -105,10 +101,11 @@ def _counting_steps(tx: GradientTransformation) -> GradientTransformation:
     (``torch.optim`` loading a state dict without it fails at its next step.)
     """
 
-    def update(grads: list[torch.Tensor], state: StepCountState, params: Any) -> tuple[Any, StepCountState]:
-        return grads, StepCountState(count=state.count + 1)
+    def prepare(state: StepCountState, like: Any, params: Any) -> tuple[Any, dict[str, Any]]:
+        return (lambda w, g, fields, p: (g, ())), {"count": state.count + 1}
 
-    counter = leafwise("step count", update, init=lambda ps: StepCountState(init_count(ps)), state=StepCountState)
+    init = lambda ps: StepCountState(init_count(ps))  # noqa: E731
+    counter = leafwise("step count", formula=Formula(prepare, sliced=True), init=init, state=StepCountState)
     return chain(tx, counter)
 
 
@@ -135,19 +132,11 @@ def _adagrad(h: Hyperparams) -> GradientTransformation:
 _ADAM_NAMES = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
 
 _SPECS: dict[str, TorchSpec] = {
-    "SGD": TorchSpec(_sgd, {"trace": "momentum_buffer"}, inplace=inplace.sgd_step),
-    "Adam": TorchSpec(_adam, _ADAM_NAMES, inplace=inplace.adam_step),
-    "AdamW": TorchSpec(
-        lambda h: _adam(h, decoupled=True), _ADAM_NAMES, inplace=lambda h: inplace.adam_step(h, decoupled=True)
-    ),
-    "RMSprop": TorchSpec(
-        _rmsprop, {"nu": "square_avg", "mu": "grad_avg", "trace": "momentum_buffer", "count": "step"},
-        inplace=inplace.rmsprop_step,
-    ),
-    "Adagrad": TorchSpec(
-        _adagrad, {"sum_of_squares": "sum", "count": "step"}, ("initial_accumulator_value",),
-        inplace=inplace.adagrad_step,
-    ),
+    "SGD": TorchSpec(_sgd, {"trace": "momentum_buffer"}),
+    "Adam": TorchSpec(_adam, _ADAM_NAMES),
+    "AdamW": TorchSpec(lambda h: _adam(h, decoupled=True), _ADAM_NAMES),
+    "RMSprop": TorchSpec(_rmsprop, {"nu": "square_avg", "mu": "grad_avg", "trace": "momentum_buffer", "count": "step"}),
+    "Adagrad": TorchSpec(_adagrad, {"sum_of_squares": "sum", "count": "step"}, ("initial_accumulator_value",)),
 }
 
 
@@ -164,12 +153,6 @@ _add_module_specs(
     (_ADAFACTOR_BUILDERS, _ADAFACTOR_NAMES),  # (ft.optim.adafactor and ft.optim.muon are the functions)
     (_MUON_BUILDERS, _MUON_NAMES),
 )
-for _name, _step in {
-    "Adamax": inplace.adamax_step, "NAdam": inplace_adam_variants.nadam_step, "RAdam": inplace_adam_variants.radam_step,
-    "Adadelta": inplace_classic.adadelta_step, "Rprop": inplace_classic.rprop_step, "ASGD": inplace_classic.asgd_step,
-}.items():  # (the other module classes: pure)
-    _SPECS[_name] = _SPECS[_name]._replace(inplace=_step)
-
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the loss several times inside one step (a closure-driven line search), which a "
     "gradient transformation cannot do",

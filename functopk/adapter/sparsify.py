@@ -28,6 +28,7 @@ from functopk.sparse import dispatch
 from functopk.sparse.k import k_at_step
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES
 from functopk.sparse.selection import Indices
+from functopk.tree.writer import IN_PLACE
 
 __all__ = ["PREFIX", "Sparsify", "constant_topk"]
 
@@ -161,7 +162,8 @@ class Sparsify(Part):
         donor = next((s for s in state.values() if shared and all(n in s for n in shared)), None)
         if donor is not None:
             entries = [{**e, **{n: donor[n] for n in shared}} for e in entries]
-        updates, new = self.run(flat_gs, flat_ps, entries)
+        updates, new = self.plan(flat_gs, flat_ps, entries)(False, IN_PLACE)
+        assert updates is not None
         for p, e in zip(flat_ps, new):  # (merged: with sparsify_on="update" the optimizer's entries are there)
             written.setdefault(p, {}).update(e)
         if shared:  # parameters without a gradient now keep their sparsify entries, with the new shared leaves

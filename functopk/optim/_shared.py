@@ -7,6 +7,8 @@
   (``apply_if_finite``, ``multi_steps``): the inner update and state, or zeros
   and the old state, chosen on device;
 * :func:`check_count`: an int argument that may also be a 0-d tensor;
+* :func:`first_moves`: ``torch.optim``'s first moves on a gradient (negate it for
+  ``maximize``, add a coupled weight decay), the one writing of them;
 * the type aliases ``Leaves`` (the leaf lists of the leaf maths) and ``Hyper`` (a
   hyperparameter: a number or a 0-d tensor).
 """
@@ -19,9 +21,10 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from functopk._checks import check_int, check_leaves, check_scalar_tensor, require_params
+from functopk._checks import check_int, check_leaves, check_scalar_tensor, is_zero, require_params
 from functopk.base import GradientTransformation, OptState, Params, Updates
 from functopk.combine import MaskOrFn, resolve_mask
+from functopk.inplace import Planned, register_inplace, stage_of
 from functopk.tree import foreach
 from functopk.tree.maths import flatten_like
 
@@ -52,7 +55,30 @@ def with_mask(
         flags = resolve_mask(mask, require_params(params, name))
         return make(flags).update(updates, state, params)
 
-    return GradientTransformation(init, update)
+    def stage(grads: Leaves, state: OptState, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        inner = stage_of(make(resolve_mask(mask, treedef.unflatten(params))))  # (in place: the flags by position)
+        return None if inner is None else inner(grads, state, params, treedef)
+
+    return register_inplace(GradientTransformation(init, update), stage)
+
+
+def first_moves(new: Any, grads: Leaves, params: Leaves | None, maximize: bool, weight_decay: Hyper) -> Leaves:
+    """``torch.optim``'s first moves on a gradient: negate it (``maximize``), then add ``weight_decay * params``
+    (a coupled decay, where ``params`` are given and the decay is not the number 0); in fresh tensors from
+    ``new`` (a writer's temporaries, :mod:`functopk.tree.writer`), never the gradient's own. (``sgd``,
+    ``rmsprop`` and ``adagrad`` chain the same moves as ``scale(-1)`` and ``add_decayed_weights``.)
+
+    Example:
+        >>> import torch
+        >>> from functopk.tree import foreach
+        >>> first_moves(foreach, [torch.tensor([1.0])], [torch.tensor([10.0])], True, 0.5)
+        [tensor([4.])]
+    """
+    if maximize:
+        grads = new.neg(grads)
+    if params is not None and not is_zero(weight_decay):
+        grads = new.add_scaled(grads, weight_decay, params)
+    return grads
 
 
 def selected(flags: list[bool] | None, leaves: list[T]) -> list[int]:
