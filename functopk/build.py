@@ -50,7 +50,7 @@ from functopk.base import (
 from functopk.inplace import Body, Planned, Sliced, Stage, fitting, register_inplace
 from functopk.tree import foreach
 from functopk.tree.maths import flatten_like
-from functopk.tree.writer import FRESH
+from functopk.tree.writer import EXACT_DTYPES, FRESH
 
 __all__ = ["Formula", "LeafCheckFn", "LeafUpdateFn", "Prepare", "WrapperUpdateFn", "leafwise", "wrapper"]
 
@@ -282,6 +282,8 @@ def _formula_stage(rules: _LeafRules, formula: Formula) -> Stage:
 
     def stage(grads: list[torch.Tensor], old: Any, params: list[torch.Tensor], treedef: Any) -> Planned | None:
         if not formula.in_place or type(old) is not rules.state or rules.dtypes or rules.shapes:
+            return None
+        if not all(p.dtype in EXACT_DTYPES for p in params):  # (float16, bfloat16: mul_ rounds unlike mul)
             return None
         state: Any = old
         fields: list[list[torch.Tensor] | None] = []

@@ -264,7 +264,8 @@ def plan_step(
     """
     p_leaves, pairs, treedef = paired_leaves(params, grads, in_place=False)  # (writability: check_disjoint)
     g_leaves: list[Any] = treedef.flatten_up_to(grads)
-    fits = in_place and bool(p_leaves) and len(pairs) == len(p_leaves) and all(map(like, g_leaves, p_leaves))
+    fits = in_place and bool(p_leaves) and len(pairs) == len(p_leaves)
+    fits = fits and all(like(g, p, exact=False) for g, p in zip(g_leaves, p_leaves))  # (formulas: float32/64)
     whole = [_Part(tx, opt_state, "")]
     head, tail, plans = split(tx, opt_state, g_leaves, p_leaves, treedef) if fits else (whole, [], [])
     updates: Any = grads
@@ -377,7 +378,7 @@ def _leaves_like(updates: Any, treedef: optree.PyTreeSpec, params: list[torch.Te
     if optree.tree_structure(updates, none_is_leaf=True) != treedef:
         return None
     leaves = treedef.flatten_up_to(updates)
-    return leaves if all(like(u, p) for u, p in zip(leaves, params)) else None  # type: ignore[return-value]
+    return leaves if all(like(u, p, exact=False) for u, p in zip(leaves, params)) else None  # type: ignore[return-value]
 
 
 def _copies(old: OptState, new: OptState, path: str) -> list[tuple[torch.Tensor, torch.Tensor, str]]:

@@ -231,3 +231,43 @@ def test_disjoint_interleaved_views_of_one_buffer_step_in_place_as_the_pure_step
     g = {k: torch.ones_like(v) for k, v in overlapping.items()}
     _unchanged_after(ValueError, lambda: ft.update_(tx, g, state, overlapping), overlapping, state,
                      r"params\['[ab]'\] and params\['[ab]'\] share memory")  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "in_place"), [(lambda: ft.chain(ft.topk(5), ft.sgd(0.1, momentum=0.9)), 3),
+                                                (lambda: ft.chain(ft.topk(density=0.2), ft.adam(0.1)), 2)])  # fmt: skip
+def test_a_constant_topk_writes_into_its_kept_buffer_and_tells_adam_the_gradient_is_mostly_zero(
+    make, in_place, monkeypatch
+):
+    """update_ runs the user's top-k as it is: its in-place form keeps one flat buffer, re-zeroed at the last
+    step's indices, instead of a dense tree per step; the parts after it see a mostly-zero input."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from functopk.sparse.selection import Indices
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    tx = make()
+    grads = [tree(s, torch.float64) for s in (1, 2, 3)]  # one dtype: what the buffer serves
+    expected_params, expected_state = pure_steps(tx, tree(0, torch.float64), grads)
+    params = tree(0, torch.float64)
+    state = tx.init(params)
+    leaves, treedef = optree.tree_flatten(params)
+    assert len(split(tx, state, optree.tree_leaves(grads[0]), leaves, treedef)[1]) == in_place
+
+    def no_dense_tree(self, leaves):
+        raise AssertionError("a dense tree was built")
+
+    monkeypatch.setattr(Indices, "dense", no_dense_tree)
+    for g in grads:
+        with Seen() as seen:
+            ft.update_(tx, g, state, params)
+    assert_tree_bitwise_equal(params, expected_params)
+    assert_tree_bitwise_equal(state, expected_state)
+    assert ("_foreach_clamp_min" in seen.names) == (in_place == 2)  # Adam's floor of nu before sqrt

@@ -34,7 +34,7 @@ from functopk.adapter.registry import (
     spec_for,
     torch_hyperparams,
 )
-from functopk.adapter.sparsify import Sparsify
+from functopk.adapter.sparsify import Sparsify, unshared
 from functopk.base import GradientTransformation, check_transformation
 from functopk.tree.writer import IN_PLACE, IN_PLACE_SPARSE, Writer
 
@@ -278,17 +278,19 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
         written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has stepped
         on_updates = self._sparsify is not None and self._sparsify_on == "update"
-        writer = IN_PLACE
+        writer, kept = IN_PLACE, set()
         if self._sparsify is not None:
             if on_updates:  # its checks (k against the parameters) before any in-place step writes
                 self._sparsify.layout([p for ps in active for p in ps])
             else:
-                grads = self._sparsify.step(self.state, active, grads, written)
-                writer = IN_PLACE_SPARSE if self._sparsify.constant is not None else IN_PLACE
-        updates = self._updates(active, grads, written, add=not on_updates, writer=writer)
+                given = {g.untyped_storage().data_ptr() for gs in grads for g in gs}
+                grads, sparse = self._sparsify.step(self.state, active, grads, written)
+                writer = IN_PLACE_SPARSE if sparse else IN_PLACE
+                kept = {g.untyped_storage().data_ptr() for gs in grads for g in gs} - given  # (a kept buffer's)
+        updates = self._updates(active, grads, written, add=not on_updates, writer=writer, kept=kept)
         if on_updates:
             assert self._sparsify is not None
-            flat = self._sparsify.step(self.state, active, [[updates[p] for p in ps] for ps in active], written)
+            flat, _ = self._sparsify.step(self.state, active, [[updates[p] for p in ps] for ps in active], written)
             torch._foreach_add_([p for ps in active for p in ps], [u for us in flat for u in us])
         for p, e in written.items():
             if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
@@ -303,10 +305,11 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         *,
         add: bool,
         writer: Writer,
+        kept: set[int],
     ) -> dict[torch.Tensor, torch.Tensor]:
         """Each group's step of its ``active`` parameters (through :mod:`functopk.inplace`: in place where its
         transformation can), the new entries into ``written``; with ``add`` the updates are added into the
-        parameters, else returned."""
+        parameters, else returned. ``kept``: the storages of a buffer ``sparsify`` keeps (not for entries)."""
         # Every cohort is checked and its pure parts computed before any writes: a failing step changes nothing.
         runs = []
         for group, ps, gs in zip(self.param_groups, active, grads):
@@ -316,12 +319,11 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             entries = part.entries(ps, [self.state.get(p, {}) for p in ps])
             for idx in cohorts(entries, part.layout(ps)):
                 cohort = [ps[i] for i in idx]
-                runs.append((cohort, part.plan([gs[i] for i in idx], cohort, [entries[i] for i in idx])))
+                runs.append((cohort, part.plan([gs[i] for i in idx], cohort, [entries[i] for i in idx])[0]))
         out: dict[torch.Tensor, torch.Tensor] = {}
         for cohort, run in runs:
             updates, new = run(add, writer)
-            if self._sparsify is not None:  # pure maths may keep a gradient (a view of sparsify's buffer) as state
-                new = self._sparsify.unshared(new)
+            new = unshared(new, kept)  # pure maths may keep a gradient (a view of sparsify's buffer) as state
             if not add:
                 assert updates is not None
                 out.update(zip(cohort, updates))

@@ -90,9 +90,10 @@ class Part:
 
     def plan(
         self, grads: list[torch.Tensor], params: list[torch.Tensor], entries: list[dict[str, Any]]
-    ) -> Callable[[bool, Writer], tuple[list[torch.Tensor] | None, list[dict[str, Any]]]]:
+    ) -> tuple[Callable[[bool, Writer], tuple[list[torch.Tensor] | None, list[dict[str, Any]]]], bool]:
         """One update of ``params`` whose entries share their shared leaves, checked and its pure part done:
-        ``run(add, writer) -> (updates, new entries)`` then writes it (:func:`functopk.inplace.run_step`).
+        ``run(add, writer) -> (updates, new entries)`` then writes it (:func:`functopk.inplace.run_step`); and
+        whether its updates are mostly zero (a top-k's).
 
         The in-place engine (:mod:`functopk.inplace`) runs the transformation: where its parts can, they
         write into the entries' own tensors (and, with ``add``, add their updates into the parameters,
@@ -114,7 +115,7 @@ class Part:
             new = views.param_entries(params, per_param.split(step.new_state, layout), names)
             return (None if updates is None else views.param_updates(params, updates)), new
 
-        return run
+        return run, step.sparse
 
 
 def cohorts(entries: list[dict[str, Any]], layout: per_param.EntryLayout) -> list[list[int]]:

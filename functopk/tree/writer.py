@@ -42,12 +42,12 @@ EXACT_DTYPES = (torch.float32, torch.float64)
 """Where the in-place kernels round as the out-of-place ones (in float16 and bfloat16 ``_foreach_mul_`` does not)."""
 
 
-def like(x: object, p: torch.Tensor) -> bool:
-    """Whether ``x`` can take an in-place step for parameter ``p``: a dense tensor of its shape, dtype (float32 or
-    float64) and device."""
+def like(x: object, p: torch.Tensor, exact: bool = True) -> bool:
+    """Whether ``x`` can take an in-place step for parameter ``p``: a dense tensor of its shape, dtype and device,
+    float32 or float64 (any dtype without ``exact``)."""
     return (
         isinstance(x, torch.Tensor) and x.layout == torch.strided and x.shape == p.shape
-        and x.dtype == p.dtype and x.dtype in EXACT_DTYPES and x.device == p.device
+        and x.dtype == p.dtype and (x.dtype in EXACT_DTYPES or not exact) and x.device == p.device
     )  # fmt: skip
 
 
