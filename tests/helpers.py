@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import grad
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functopk as ft
 
@@ -60,6 +61,18 @@ def assert_tree_close(a, b, rtol: float = 1e-6, atol: float = 0.0) -> None:
     for x, y in zip(la, lb):
         assert x.shape == y.shape and x.dtype == y.dtype
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+class OpsSeen(TorchDispatchMode):
+    """The names of the aten operators a block runs (``with OpsSeen() as seen: ...; seen.names``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 def clone_tree(tree):

@@ -9,7 +9,7 @@ import torch
 import functopk as ft
 from functopk.inplace import split
 from functopk.tree import chunked
-from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
+from tests.helpers import OpsSeen, assert_tree_bitwise_equal, clone_tree, to_device
 
 
 def tree(seed: int, dtype=torch.float32):
@@ -240,18 +240,7 @@ def test_a_constant_topk_writes_into_its_kept_buffer_and_tells_adam_the_gradient
 ):
     """update_ runs the user's top-k as it is: its in-place form keeps one flat buffer, re-zeroed at the last
     step's indices, instead of a dense tree per step; the parts after it see a mostly-zero input."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from functopk.sparse.selection import Indices
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
 
     tx = make()
     grads = [tree(s, torch.float64) for s in (1, 2, 3)]  # one dtype: what the buffer serves
@@ -266,7 +255,7 @@ def test_a_constant_topk_writes_into_its_kept_buffer_and_tells_adam_the_gradient
 
     monkeypatch.setattr(Indices, "dense", no_dense_tree)
     for g in grads:
-        with Seen() as seen:
+        with OpsSeen() as seen:
             ft.update_(tx, g, state, params)
     assert_tree_bitwise_equal(params, expected_params)
     assert_tree_bitwise_equal(state, expected_state)

@@ -18,6 +18,7 @@ from functopk.adapter.sparsify import Sparsify, unshared
 from functopk.compress.topk import KeptBuffer
 from functopk.inplace import stage_of
 from functopk.sparse.selection import Indices
+from tests.helpers import OpsSeen
 
 SHAPES = [(4, 3), (3,), (2, 2, 2), (5,)]  # 28 coordinates
 CLASSES = [
@@ -258,24 +259,13 @@ def test_k_larger_than_the_tree_raises_as_the_generic_road_does():
 
 
 def test_adam_floors_nu_before_sqrt_only_behind_a_constant_topk():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     floored = []
     for sparsify in (ft.topk(5), _pure(ft.topk(5)), None):
         params = _params()
         opt = ft.optimizer_from_torch(torch.optim.AdamW, params, sparsify=sparsify, lr=0.01)
         for p, g in zip(params, _grads(params, 0)):
             p.grad = g
-        with Seen() as seen:
+        with OpsSeen() as seen:
             opt.step()
         floored.append("_foreach_clamp_min" in seen.names)
     assert floored == [True, False, False]  # (the bits are the same: test_bit_identical_to_the_generic_road)
