@@ -257,7 +257,7 @@ def check_leaves(
             raise TypeError(
                 f"{name} leaf at {path_str(path)} has dtype {leaf.dtype}; functopk computes on real tensors: "
                 "pass torch.view_as_real(x) for each complex x (parameters, gradients and state alike), which is how "
-                "torch.optim steps complex parameters; TorchOptimizer.from_torch does this for you"
+                "torch.optim steps complex parameters; optimizer_from_torch does this for you"
             )
         if floating and not leaf.is_floating_point():
             raise TypeError(

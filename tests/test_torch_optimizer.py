@@ -300,7 +300,10 @@ def test_state_dict_layout_and_empty_state():
     assert entry["params_with_state"] == list(range(10))
     assert entry["transform"]["format"] == "functopk.state"
     assert sd["param_groups"][0]["param_names"][0] == "0.weight"
-    assert opt.state == {}  # torch.optim's per-parameter dict is not used
+    # the state lives in torch.optim's per-parameter dict, as every adapter keeps it: transform_state is it joined
+    trace = opt.transform_state.inner_state[1][0].trace
+    for name, p in model.named_parameters():
+        assert opt.state[p]["trace"] is trace[name]
 
 
 def checkpoint_bytes(opt):

@@ -28,10 +28,12 @@ from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.registry import from_torch
 from functopk.adapter.sparse_classes import sparse_optimizer_from_torch
 from functopk.adapter.sparse_state import SparseStateOptimizer
+from functopk.adapter.torch_optimizer import TorchOptimizer
 
 __all__ = [
     "ParamGroupOptimizer",
     "SparseStateOptimizer",
+    "TorchOptimizer",
     "from_torch",
     "optimizer_class_from_torch",
     "optimizer_from_torch",

@@ -71,9 +71,9 @@ def _shape(key: Any) -> Any:
 
 
 _NOT_COMPILED = (
-    "torch.compile(opt.step) is not supported for TorchOptimizer.from_torch optimizers (their step rebuilds "
-    "per-parameter state on the host). Compile the functional step instead (tx = ft.from_torch(cls, **kwargs); "
-    "tx.update inside the compiled function), or use ft.TorchOptimizer(params, tx), whose step compiles"
+    "torch.compile(opt.step) is not supported for optimizer_from_torch optimizers (their step rebuilds "
+    "per-parameter state on the host and writes it in place). Compile the functional step instead "
+    "(tx = ft.from_torch(cls, **kwargs); tx.update inside the compiled function)"
 )
 
 
@@ -264,19 +264,42 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             RuntimeError: torch's own error for ``fused=True`` on parameters its fused kernel refuses
                 (a device or dtype), as torch raises it at its step, before anything changes.
         """
-        _check_step_allowed(self.param_groups)
+        self._check_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         active = [[p for p in g["params"] if p.grad is not None] for g in self.param_groups]
-        views.check_sparse(self.optimizer_class.__name__, self.param_groups, active, self.defaults)
+        grads = self._gradients(active)
         if not any(active):
             return loss
-        for group, ps in zip(self.param_groups, active):  # torch's fused=True checks, as its step runs them
-            check_torch_step_accepts(self.optimizer_class, self._hyper(group), ps, _fused_kinds_accepted(self))
-        grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
         written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has stepped
+        self._step(active, grads, written)
+        for p, e in written.items():
+            if e or self._empty_entries:  # (SGD without momentum keeps nothing, and torch has no entry then)
+                self.state[p].update(e)
+        return loss
+
+    _empty_entries = False
+    """Whether a parameter that stepped gets an entry in ``state`` even when it holds nothing."""
+
+    def _check_step(self) -> None:
+        """What a step refuses before anything runs: a compiled step, a refused flag set by hand."""
+        _check_step_allowed(self.param_groups)
+
+    def _gradients(self, active: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """The active parameters' gradients, dense, once torch's checks of them passed (sparse ones, ``fused``)."""
+        views.check_sparse(self.optimizer_class.__name__, self.param_groups, active, self.defaults)
+        for group, ps in zip(self.param_groups, active):  # torch's fused=True checks, as its step runs them
+            if ps:
+                check_torch_step_accepts(self.optimizer_class, self._hyper(group), ps, _fused_kinds_accepted(self))
+        return [[views.dense(p.grad) for p in ps] for ps in active]  # type: ignore[arg-type]  # (sparse: views)
+
+    def _step(
+        self, active: list[list[torch.Tensor]], grads: list[list[torch.Tensor]], written: dict[torch.Tensor, Any]
+    ) -> None:
+        """The maths: ``sparsify`` (on the gradients, or on the updates) and each group's transformation; the
+        parameters written, the new entries into ``written``."""
         on_updates = self._sparsify is not None and self._sparsify_on == "update"
         writer, kept = IN_PLACE, set()
         if self._sparsify is not None:
@@ -292,10 +315,6 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             assert self._sparsify is not None
             flat, _ = self._sparsify.step(self.state, active, [[updates[p] for p in ps] for ps in active], written)
             torch._foreach_add_([p for ps in active for p in ps], [u for us in flat for u in us])
-        for p, e in written.items():
-            if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
-                self.state[p].update(e)
-        return loss
 
     def _updates(
         self,

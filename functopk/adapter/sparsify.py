@@ -40,8 +40,8 @@ class Sparsify(Part):
         ([[tensor([4., 0., 0.])]], True)
     """
 
-    def __init__(self, tx: GradientTransformation) -> None:
-        super().__init__(tx, {}, PREFIX)
+    def __init__(self, tx: GradientTransformation, prefix: str = PREFIX) -> None:
+        super().__init__(tx, {}, prefix)
 
     def step(
         self,
@@ -49,32 +49,43 @@ class Sparsify(Part):
         active: list[list[torch.Tensor]],
         grads: list[list[torch.Tensor]],
         written: dict[torch.Tensor, Any],
+        *,
+        add: bool = False,
+        shared: Mapping[str, Any] | None = None,
     ) -> tuple[list[list[torch.Tensor]], bool]:
         """The new gradients of each group's ``active`` parameters (``grads``: dense), and whether they are
-        mostly zero (a top-k's); the new entries into ``written``.
+        mostly zero (a top-k's); the new entries into ``written``. With ``add``, the transformation is the
+        whole step: its updates are added into the parameters (and ``[]`` returned).
 
-        ``state`` is the optimizer's (read, never written). The returned
-        gradients may be views of a kept buffer: valid until the next step.
+        ``state`` is the optimizer's (read, never written; ``shared`` replaces shared leaves of it, an
+        injected learning rate). The returned gradients may be views of a kept buffer: valid until the next step.
+
+        Raises:
+            ValueError: the state is sized by another set of parameters than those with a gradient now.
         """
         flat_ps = [p for ps in active for p in ps]
         flat_gs = [g for gs in grads for g in gs]
         layout = self.layout(flat_ps)  # checks k against the parameters, as the pure road's init does
-        shared = [n for n, part in zip(layout.names, layout.is_part) if not part]
+        names = [n for n, part in zip(layout.names, layout.is_part) if not part]
         entries = self.entries(flat_ps, [state.get(p, {}) for p in flat_ps])
         # Shared leaves (a step count) come from any parameter that has them, so a late joiner resets nothing.
-        donor = next((s for s in state.values() if shared and all(n in s for n in shared)), None)
-        if donor is not None:
-            entries = [{**e, **{n: donor[n] for n in shared}} for e in entries]
+        donor = next((s for s in state.values() if names and all(n in s for n in names)), None)
+        if donor is not None or shared:
+            kept = {**({n: donor[n] for n in names} if donor is not None else {}), **(shared or {})}
+            entries = [{**e, **kept} for e in entries]
+            self.check_shared(flat_ps, entries[0])
         run, sparse = self.plan(flat_gs, flat_ps, entries)
-        updates, new = run(False, IN_PLACE)
-        assert updates is not None
+        updates, new = run(add, IN_PLACE)
         for p, e in zip(flat_ps, new):  # (merged: with sparsify_on="update" the optimizer's entries are there)
             written.setdefault(p, {}).update(e)
-        if shared:  # parameters without a gradient now keep their sparsify entries, with the new shared leaves
+        if names:  # parameters without a gradient now keep their sparsify entries, with the new shared leaves
             stepped = set(map(id, flat_ps))
             for p, s in state.items():
-                if id(p) not in stepped and all(n in s for n in shared):
-                    written.setdefault(p, {}).update({n: new[0][n] for n in shared})
+                if id(p) not in stepped and all(n in s for n in names):
+                    written.setdefault(p, {}).update({n: new[0][n] for n in names})
+        if add:
+            return [], sparse
+        assert updates is not None
         out, i = [], 0
         for ps in active:
             out.append(updates[i : i + len(ps)])
