@@ -25,22 +25,15 @@ from typing import Any
 import torch
 
 from functopk._checks import check_choice
-from functopk.adapter import checkpoint, per_param, views
+from functopk.adapter import checkpoint, per_param, registry, views
 from functopk.adapter.part import Part, cohorts
-from functopk.adapter.registry import (
-    add_checked_group,
-    check_implementation_flags,
-    check_torch_step_accepts,
-    spec_for,
-    torch_hyperparams,
-)
+from functopk.adapter.registry import NOT_HYPER, TorchClassGroups, check_implementation_flags, check_torch_step_accepts
 from functopk.adapter.sparsify import Sparsify, unshared
 from functopk.base import GradientTransformation, check_transformation
 from functopk.tree.writer import IN_PLACE, IN_PLACE_SPARSE, Writer
 
 __all__ = ["ParamGroupOptimizer"]
 
-_NOT_HYPER = ("params", "param_names")
 SPARSIFY_ON = ("gradient", "update")
 """What ``sparsify`` may be applied to: the gradients (before the optimizer) or the optimizer's updates (after)."""
 
@@ -103,7 +96,7 @@ def _fused_kinds_accepted(opt: ParamGroupOptimizer) -> set[tuple[torch.device, t
     return kinds
 
 
-class ParamGroupOptimizer(torch.optim.Optimizer):
+class ParamGroupOptimizer(TorchClassGroups, torch.optim.Optimizer):
     """``optimizer_class(params, **defaults)`` computed by functopk, with an optional global ``sparsify`` first.
 
     Made by :func:`functopk.optimizer_from_torch`; see there. Everything a
@@ -171,12 +164,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         sparsify_on: str = "gradient",
         **defaults: Any,
     ) -> None:
-        self.optimizer_class = optimizer_class
-        self._spec = spec_for(optimizer_class)
         self._sparsify = None if sparsify is None else Sparsify(check_transformation(sparsify, "sparsify"))
         self._sparsify_on = check_choice(sparsify_on, "sparsify_on", SPARSIFY_ON)
         self._parts: dict[int, tuple[Any, Part]] = {}
-        super().__init__(params, torch_hyperparams(optimizer_class, defaults))
+        self._init_groups(optimizer_class, params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's groups and state, the torch class and sparsify; the rest (spec, transformations) is rebuilt
@@ -194,7 +185,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         sparsify_on = state.pop("sparsify_on", "gradient")
         super().__setstate__(state)
         if unpickled:  # the torch class's TorchSpec is looked up again (its build functions do not pickle)
-            self._spec = spec_for(self.optimizer_class)
+            self._spec = registry.spec_for(self.optimizer_class)
             self._sparsify = None if sparsify is None else Sparsify(sparsify)
             self._sparsify_on = sparsify_on
             self._parts = {}
@@ -209,17 +200,9 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         """``"gradient"``: ``sparsify`` runs on the gradients, before the optimizer; ``"update"``: on its updates."""
         return self._sparsify_on
 
-    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
-        """``group``'s hyperparameters, with what torch reads from the constructor's arguments instead."""
-        return {**group, **{k: self.defaults[k] for k in self._spec.from_defaults}}
-
-    def _build(self, group: dict[str, Any]) -> GradientTransformation:
-        """The transformation for ``group``."""
-        return self._spec.build(self._hyper(group))
-
     def _part(self, group: dict[str, Any]) -> Part:
         """The transformation for ``group``'s current hyperparameters (rebuilt when one changed)."""
-        key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
+        key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
             part = Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__)
@@ -228,17 +211,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             cached = self._parts[id(group)] = (key, part)
         return cached[1]
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (as ``torch.optim``); missing hyperparameters take the defaults.
-
-        Raises:
-            TypeError, ValueError: a hyperparameter of the group is invalid (checked now, not at the next
-                step), or the group lists a parameter twice.
-            NotImplementedError: the group sets ``capturable`` or ``differentiable``.
-        """
-        add_checked_group(self, self.optimizer_class, param_group, self._check_layout)
-
-    def _check_layout(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: dict[str, Any]) -> None:
         """The new group's state can be laid out in torch's per-parameter entries."""
         try:
             self._part(group).layout(list(group["params"]))
@@ -382,15 +355,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 (another class's checkpoint), a state entry names no parameter, has a key the optimizer
                 does not keep, or a tensor of another shape.
         """
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            raise TypeError("state_dict must be a dict with keys 'state' and 'param_groups'")
-        if not isinstance(state_dict["param_groups"], list) or not isinstance(state_dict["state"], dict):
-            raise TypeError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
-        keys = [k for k in self.defaults if k not in _NOT_HYPER]
-        groups = [
-            checkpoint.filled_group(self.optimizer_class, i, s, keys) for i, s in enumerate(state_dict["param_groups"])
-        ]
-        checkpoint.check_group_sizes(groups, self.param_groups)
+        groups = self._saved_groups(state_dict)
         expected = self._expected(groups)
         owner = {key: p for s, g in zip(groups, self.param_groups) for key, p in zip(s["params"], g["params"])}
         loaded = {}
@@ -406,9 +371,6 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         self._parts.clear()
         self.state.update(loaded)
         checkpoint.share_equal_scalars_(self.state, self._layouts())
-
-    def _owner_name(self) -> str:
-        return f"torch.optim.{self.optimizer_class.__name__} through functopk"
 
     def _expected(self, groups: list[dict[str, Any]]) -> dict[torch.Tensor, checkpoint.Expected]:
         """What each parameter's loaded entry may hold, for the saved groups' hyperparameters."""

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_distinct_params, group_scalar, is_zero, torch_duplicate_warning_ignored
+from functopk.adapter.checkpoint import check_group_sizes, filled_group
 from functopk.base import GradientTransformation, init_count, recorded
 from functopk.build import Formula, leafwise
 from functopk.combine import chain
@@ -40,8 +41,8 @@ from functopk.optim.muon import TORCH_BUILDERS as _MUON_BUILDERS
 from functopk.optim.muon import TORCH_STATE_NAMES as _MUON_NAMES
 
 __all__ = [
-    "IMPLEMENTATION_FLAGS", "TorchSpec", "check_implementation_flags", "check_torch_step_accepts", "from_torch",
-    "spec_for", "torch_hyperparams",
+    "IMPLEMENTATION_FLAGS", "NOT_HYPER", "TorchClassGroups", "TorchSpec", "add_checked_group",
+    "check_implementation_flags", "check_torch_step_accepts", "from_torch", "spec_for", "torch_hyperparams",
 ]  # fmt: skip
 
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -299,3 +300,66 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **torch_kwargs: 
     """
     spec = spec_for(optimizer_class)
     return spec.build(torch_hyperparams(optimizer_class, torch_kwargs))
+
+
+NOT_HYPER = ("params", "param_names")
+"""The keys of a param group that are not hyperparameters."""
+
+
+class TorchClassGroups:
+    """The base of the optimizers that compute a ``torch.optim`` class by functopk (``ParamGroupOptimizer``,
+    ``SparseStateOptimizer``): their param groups, with the class's defaults and torch's own checks (its
+    constructor's, :func:`add_checked_group`), each group's transformation, and saved groups read as torch reads
+    them. Mixed in before :class:`torch.optim.Optimizer`."""
+
+    optimizer_class: type[torch.optim.Optimizer]
+    _spec: TorchSpec
+    defaults: dict[str, Any]
+    param_groups: list[dict[str, Any]]
+
+    def _init_groups(self, optimizer_class: type[torch.optim.Optimizer], params: Any, defaults: Any) -> None:
+        """``torch.optim.Optimizer``'s init with the class's complete hyperparameters (torch's checks first)."""
+        self.optimizer_class, self._spec = optimizer_class, spec_for(optimizer_class)
+        torch.optim.Optimizer.__init__(self, params, torch_hyperparams(optimizer_class, defaults))  # type: ignore[arg-type]
+
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        """``group``'s hyperparameters, with what torch reads from the constructor's arguments instead."""
+        return {**group, **{k: self.defaults[k] for k in self._spec.from_defaults}}
+
+    def _build(self, group: dict[str, Any]) -> GradientTransformation:
+        """The transformation for ``group``'s current hyperparameters."""
+        return self._spec.build(self._hyper(group))
+
+    def _owner_name(self) -> str:
+        return f"torch.optim.{self.optimizer_class.__name__} through functopk"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (as ``torch.optim``); missing hyperparameters take the defaults.
+
+        Raises:
+            TypeError, ValueError: a hyperparameter of the group is invalid (checked now, not at the next
+                step), or the group lists a parameter twice.
+            NotImplementedError: the group sets ``capturable`` or ``differentiable``.
+        """
+        add_checked_group(self, self.optimizer_class, param_group, self._check_group)  # type: ignore[arg-type]
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """What a new group must also satisfy (none here)."""
+
+    def _saved_groups(self, state_dict: Any) -> list[dict[str, Any]]:
+        """A state dict's param groups, read as torch reads them (keys an older torch did not save get the
+        class's defaults: :func:`functopk.adapter.checkpoint.filled_group`), as many and as large as ours.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict with a list ``param_groups`` and a dict ``state``.
+            ValueError: the groups differ in number or size, or a group lacks one of the class's keys.
+        """
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise TypeError("state_dict must be a dict with keys 'state' and 'param_groups'")
+        if not isinstance(state_dict["param_groups"], list) or not isinstance(state_dict["state"], dict):
+            raise TypeError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
+        keys = [k for k in self.defaults if k not in NOT_HYPER]
+        saved = state_dict["param_groups"]
+        groups = [filled_group(self.optimizer_class, i, s, keys) for i, s in enumerate(saved)]
+        check_group_sizes(groups, self.param_groups)
+        return groups
