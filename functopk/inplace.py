@@ -77,8 +77,8 @@ from functopk.tree.writer import IN_PLACE, IN_PLACE_SPARSE, Writer, in_place, li
 from functopk.update import paired_leaves
 
 __all__ = [
-    "STATELESS", "Planned", "Sliced", "Stage", "Step", "fitting", "plan_step", "register_inplace", "run_step",
-    "split", "update_",
+    "STATELESS", "Body", "Planned", "Sliced", "Stage", "Step", "check_disjoint", "fitting", "plan_step",
+    "register_inplace", "run_step", "split", "stage_of", "update_",
 ]  # fmt: skip
 
 Body = Callable[[Writer, list[torch.Tensor], tuple[Any, ...], "list[torch.Tensor] | None"], tuple[Any, ...]]
@@ -296,9 +296,10 @@ def run_step(step: Step, *, add: bool, writer: Writer = IN_PLACE) -> list[Any] |
     (``IN_PLACE_SPARSE`` for a mostly-zero input). The new states are ``step.new_states``.
     """
     plans, params = step.plans, [step.params[i] for i in step.adds]
-    n = 0
-    while add and chunked.applies(params) and n < len(plans) and plans[len(plans) - 1 - n].sliced is not None:
-        n += 1
+    n = 0  # the last steps with sliced bodies, run batch by batch with the add (CPU only)
+    if add and plans and plans[-1].sliced is not None and chunked.applies(params):
+        while n < len(plans) and plans[len(plans) - 1 - n].sliced is not None:
+            n += 1
     updates = step.updates
     with torch.no_grad():
         for planned in plans[: len(plans) - n]:

@@ -49,7 +49,7 @@ __all__ = [
 def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
     """``state`` (a state dict's ``"state"``) with a copy of each tensor: shared with no other entry, nor the optimizer.
 
-    (The optimizer's next step writes into its own state tensors: :mod:`functopk.adapter.inplace`.)
+    (The optimizer's next step writes into its own state tensors: :mod:`functopk.inplace`.)
     """
     return {
         key: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entries.items()}

@@ -111,12 +111,14 @@ class ParamGroupOptimizer(TorchClassGroups, torch.optim.Optimizer):
       a parameter whose ``.grad`` is ``None`` is skipped and keeps its step
       count; a parameter added later starts fresh; as in ``torch.optim``'s
       foreach implementations, ``step()`` writes the new state into these
-      tensors (every class but Adafactor and Muon, SGD with momentum, in float32 and
-      float64, with number hyperparameters; :mod:`functopk.adapter.inplace`),
-      with the same results as the pure transformation, bit for bit (not
-      ``torch.optim``'s: its fused kernels round once where update-then-add
-      rounds twice); on CPU, SGD, RMSprop and Adamax run their whole step
-      slice by slice into the parameters, without an update tree;
+      tensors (every class but Adafactor and Muon, in float32 and float64, where
+      no state kernel takes a tensor hyperparameter), through the engine of
+      :func:`functopk.update_` (:mod:`functopk.inplace`) and each class's one
+      formula, with the same results as the pure transformation, bit for bit
+      (not ``torch.optim``'s: its fused kernels round once where
+      update-then-add rounds twice); on CPU, SGD, RMSprop, Adagrad and Adamax
+      run their whole step batch by batch into the parameters, without an
+      update tree;
     * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
       torch) are made dense first, at the cost of one dense gradient per sparse
       parameter; complex parameters step as their real pairs (torch's
@@ -132,12 +134,13 @@ class ParamGroupOptimizer(TorchClassGroups, torch.optim.Optimizer):
       or, with ``sparsify_on="update"``, on the optimizer's updates after it
       (exactly ``k`` parameters move under ``ft.topk(k)``; see
       :func:`functopk.optimizer_from_torch`); its state is kept per parameter too, under keys starting
-      with ``"sparsify."``; a constant exact ``ft.topk(k)`` or
-      ``ft.topk(density=d)`` on gradients of one dtype and device (CPU) writes
-      its values into one flat gradient-sized buffer kept between steps (the
-      memory it costs), re-zeroed at the last step's indices, instead of a new
-      dense tree per step, with the same results bit for bit
-      (:mod:`functopk.adapter.sparsify`); ``p.grad`` is left as it is;
+      with ``"sparsify."``; it is the transformation given, run as it is: a
+      constant exact ``ft.topk(k)`` or ``ft.topk(density=d)`` on gradients of
+      one dtype and device (CPU) writes its values into the flat
+      gradient-sized buffer it keeps between steps, re-zeroed at the last
+      step's indices, instead of a new dense tree per step, with the same
+      results bit for bit (:class:`functopk.compress.topk.KeptBuffer`);
+      ``p.grad`` is left as it is;
     * ``optimizer_from_torch`` makes it of a subclass named as, and subclassing,
       ``optimizer_class`` (:mod:`functopk.adapter.classes`), for loggers and
       ``isinstance``;
