@@ -5,6 +5,7 @@ Usage::
     python benchmarks/ab.py --base a95dd5f            # base revision vs the working tree
     python benchmarks/ab.py --base a95dd5f --runs 6 --threads 2
     python benchmarks/ab.py --base a95dd5f --only "adam,k=255570" --runs 10 --rounds 15
+    python benchmarks/ab.py --base a95dd5f --clock cpu     # CPU time: on a machine others load too
 
 Creates a temporary git worktree of ``--base``, then runs this script as a
 child process in the base tree and in this tree by turns (``--runs`` each,
@@ -38,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(rounds: int, only: str | None) -> dict[str, float]:
+def child(rounds: int, only: str | None, clock: str = "wall") -> dict[str, float]:
     import torch
     import torchvision
 
@@ -64,10 +65,11 @@ def child(rounds: int, only: str | None) -> dict[str, float]:
         fn = made()  # (one case's state at a time: the 26 optimizers would not fit in memory together)
         fn()  # warm-up
         times = []
+        now = time.perf_counter if clock == "wall" else time.process_time
         for _ in range(rounds):
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(now() - t0)
         out[name] = statistics.median(times) * 1e3
         del fn
     return out
@@ -130,6 +132,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="timed calls per case in each child")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--only", default=None, help="comma-separated substrings: time only the cases matching one")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall time, or the process's CPU time (all its threads; less moved by other processes "
+                        "on a shared machine)")  # fmt: skip
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -137,7 +142,7 @@ def main() -> None:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        print(json.dumps(child(args.rounds, args.only)))
+        print(json.dumps(child(args.rounds, args.only, args.clock)))
         return
     results: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     load_before = os.getloadavg()[0]
@@ -150,7 +155,7 @@ def main() -> None:
                     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_WAIT_POLICY": "PASSIVE"}
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--base", args.base,
                            "--rounds", str(args.rounds)] + (["--threads", str(args.threads)] if args.threads else [])
-                    cmd += ["--only", args.only] if args.only else []
+                    cmd += (["--only", args.only] if args.only else []) + ["--clock", args.clock]
                     res = json.loads(subprocess.run(cmd, env=env, cwd=tmp, check=True, capture_output=True,
                                                     text=True).stdout.strip().splitlines()[-1])
                     for name, ms in res.items():
@@ -158,7 +163,8 @@ def main() -> None:
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
     print(f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; base {args.base}; "
-          f"{args.runs} runs a side, median of {args.rounds} calls each; {args.threads or 'default'} threads; ms")
+          f"{args.runs} runs a side, median of {args.rounds} calls each; {args.threads or 'default'} threads; "
+          f"{args.clock} clock; ms")
     print("| case | base | new | new / base |\n| --- | ---: | ---: | ---: |")
     for name in results["base"]:
         b, n = statistics.median(results["base"][name]), statistics.median(results["new"][name])
