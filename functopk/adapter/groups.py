@@ -28,7 +28,7 @@ from functopk._checks import check_choice
 from functopk.adapter import checkpoint, per_param, registry, views
 from functopk.adapter.part import Part, cohorts
 from functopk.adapter.registry import NOT_HYPER, TorchClassGroups, check_implementation_flags, check_torch_step_accepts
-from functopk.adapter.sparsify import Sparsify, unshared
+from functopk.adapter.sparsify import Sparsify, storages, unshared
 from functopk.base import GradientTransformation, check_transformation
 from functopk.tree.writer import IN_PLACE, IN_PLACE_SPARSE, Writer
 
@@ -282,10 +282,10 @@ class ParamGroupOptimizer(TorchClassGroups, torch.optim.Optimizer):
             if on_updates:  # its checks (k against the parameters) before any in-place step writes
                 self._sparsify.layout([p for ps in active for p in ps])
             else:
-                given = {g.untyped_storage().data_ptr() for gs in grads for g in gs}
+                given = grads
                 grads, sparse = self._sparsify.step(self.state, active, grads, written)
                 writer = IN_PLACE_SPARSE if sparse else IN_PLACE
-                kept = {g.untyped_storage().data_ptr() for gs in grads for g in gs} - given  # (a kept buffer's)
+                kept = storages(grads) - storages(given) if sparse else set()  # (a kept buffer's)
         updates = self._updates(active, grads, written, add=not on_updates, writer=writer, kept=kept)
         if on_updates:
             assert self._sparsify is not None

@@ -93,10 +93,17 @@ class Sparsify(Part):
         return out, sparse
 
 
+def storages(grads: list[list[torch.Tensor]]) -> set[int]:
+    """Where the plain tensors among ``grads`` keep their data (a tensor subclass, a ``DTensor``, has no storage
+    of its own here, and is never a view of a kept buffer)."""
+    return {g.untyped_storage().data_ptr() for gs in grads for g in gs if type(g) in (torch.Tensor, torch.nn.Parameter)}
+
+
 def unshared(entries: list[dict[str, Any]], kept: set[int]) -> list[dict[str, Any]]:
     """``entries`` with copies of the tensors whose storage is in ``kept`` (a buffer the next step rewrites)."""
 
     def own(v: Any) -> Any:
-        return v.clone() if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in kept else v
+        plain = type(v) in (torch.Tensor, torch.nn.Parameter)
+        return v.clone() if plain and v.untyped_storage().data_ptr() in kept else v
 
     return [{n: own(v) for n, v in e.items()} for e in entries] if kept else entries
