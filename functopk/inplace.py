@@ -253,16 +253,24 @@ def _rebuilt(tx: GradientTransformation, state: OptState, new: Any) -> OptState:
 
 
 def plan_step(
-    tx: GradientTransformation, grads: Updates, opt_state: OptState, params: Params, *, in_place: bool = True
-) -> Step:
+    tx: GradientTransformation, grads: Updates, opt_state: OptState, params: Params, *, in_place: bool = True,
+    checked: bool = False,
+) -> Step:  # fmt: skip
     """Every check of a step of ``tx`` and its pure part; nothing is written (see the module).
 
-    ``in_place=False`` plans it all pure (its new state is then fresh, to be kept or copied in).
+    ``in_place=False`` plans it all pure (its new state is then fresh, to be kept or copied in);
+    ``checked``: the caller made ``params`` and ``grads``, trees of one structure (``None`` at the same
+    places, a parameter taking no part), a tensor at every other leaf of each, shaped alike (the
+    adapters), so the checks of :func:`functopk.apply_updates` are not repeated.
 
     Raises:
         TypeError, ValueError: as ``tx.update`` and :func:`functopk.apply_updates` do.
     """
-    p_leaves, pairs, treedef = paired_leaves(params, grads, in_place=False)  # (writability: check_disjoint)
+    if checked:  # (None an empty node: the tensors are the leaves, their states' trees have None there too)
+        p_leaves, treedef = optree.tree_flatten(params)
+        pairs: list[Any] = p_leaves
+    else:
+        p_leaves, pairs, treedef = paired_leaves(params, grads, in_place=False)  # (writability: check_disjoint)
     g_leaves: list[Any] = treedef.flatten_up_to(grads)
     fits = in_place and bool(p_leaves) and len(pairs) == len(p_leaves)
     fits = fits and all(like(g, p, exact=False) for g, p in zip(g_leaves, p_leaves))  # (formulas: float32/64)
@@ -283,8 +291,8 @@ def plan_step(
     if plans:
         assert u_leaves is not None
         return Step(tx, opt_state, head + tail, new_states, plans, u_leaves, p_leaves, list(range(len(p_leaves))))
-    adds = [i for i, _ in paired_leaves(params, updates, in_place=False)[1]]  # checked before anything is written
-    return Step(tx, opt_state, head, new_states, [], treedef.flatten_up_to(updates), p_leaves, adds)
+    leaves, pairs, full = paired_leaves(params, updates, in_place=False)  # checked before anything is written
+    return Step(tx, opt_state, head, new_states, [], full.flatten_up_to(updates), leaves, [i for i, _ in pairs])
 
 
 def run_step(step: Step, *, add: bool, writer: Writer = IN_PLACE) -> list[Any] | None:
@@ -376,7 +384,7 @@ def update_(
 
 def _leaves_like(updates: Any, treedef: optree.PyTreeSpec, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """The updates' leaves if they have the parameters' structure and each is like its parameter, else ``None``."""
-    if optree.tree_structure(updates, none_is_leaf=True) != treedef:
+    if optree.tree_structure(updates, none_is_leaf=treedef.none_is_leaf) != treedef:
         return None
     leaves = treedef.flatten_up_to(updates)
     return leaves if all(like(u, p, exact=False) for u, p in zip(leaves, params)) else None  # type: ignore[return-value]

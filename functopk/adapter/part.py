@@ -135,19 +135,25 @@ class Part:
         """
         names = self._part_names(params)
         layout = self.layout(params)
-        real_gs, real_ps = [views.real(g) for g in grads], [views.real(p) for p in params]
+        plain = not any(p.is_complex() for p in params)
+        real_gs = grads if plain else [views.real(g) for g in grads]
+        real_ps = params if plain else [views.real(p) for p in params]
         state: OptState = per_param.join(views.real_entries(entries, names), layout)
         args = (self.tx, self.tree(params, real_gs), state, self.tree(params, real_ps))
-        step = plan_step(*args)
+        step = plan_step(*args, checked=True)
         written = [t for planned in step.plans for t in planned.written]
         if len({id(t) for t in (*written, *real_gs, *real_ps)}) < len(written) + 2 * len(params):
             # a state tensor twice, or one that is a gradient or a parameter (put there by hand): the pure path
-            step = plan_step(*args, in_place=False)
+            step = plan_step(*args, in_place=False, checked=True)
 
         def run(add: bool, writer: Writer) -> tuple[list[torch.Tensor] | None, list[dict[str, Any]]]:
             updates = run_step(step, add=add, writer=writer)
-            new = views.param_entries(params, per_param.split(step.new_state, layout), names)
-            return (None if updates is None else views.param_updates(params, updates)), new
+            new = per_param.split(step.new_state, layout)
+            if plain:
+                return updates, new
+            return (None if updates is None else views.param_updates(params, updates)), views.param_entries(
+                params, new, names
+            )
 
         return run, step.sparse
 

@@ -49,7 +49,7 @@ def _scale(step_size: float | torch.Tensor, name: str, *, negate: bool = False) 
 
     def prepare(state: EmptyState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
         factor = -step_size if negate else step_size
-        return lambda w, g, fields, p: (w.new.mul(g, factor), ()), {}
+        return lambda w, g, fields, p: (w.last_mul(g, factor), ()), {}
 
     return leafwise(name, formula=Formula(prepare, sliced=True))
 
@@ -85,7 +85,7 @@ def _scale_by_schedule(schedule: Schedule, name: str) -> GradientTransformation:
 
     def prepare(state: ScaleByScheduleState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
         value = foreach.for_leaves(schedule(state.count), like)  # float64 values stay float64 for float64 leaves
-        return lambda w, g, fields, p: (w.new.mul(g, value), ()), {"count": state.count + 1}
+        return lambda w, g, fields, p: (w.last_mul(g, value), ()), {"count": state.count + 1}
 
     return leafwise(name, formula=Formula(prepare, sliced=True), init=init, state=ScaleByScheduleState)
 

@@ -67,11 +67,12 @@ def applies(params: Sequence[torch.Tensor]) -> bool:
 
 
 class Scratch:
-    """A batch's temporaries: :mod:`functopk.tree.foreach`'s fresh-output functions, computing into rows kept for
-    the whole call (each call of a function takes the next row; :meth:`start` begins a batch).
+    """A batch's temporaries: :mod:`functopk.tree.foreach`'s fresh-output functions, computing into rows reused
+    from batch to batch (each call of a function takes the next row; :meth:`start` begins a batch).
 
     Each function gives the numbers of its foreach namesake (the same kernel, one per leaf, with ``out=``;
-    the result in the input's dtype).
+    the result in the input's dtype). The rows, and their views shaped like each batch's members, are kept
+    for the next call over the same parameters (:func:`add_` keeps the last one): no allocation per step.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], chunk: int) -> None:
@@ -79,32 +80,51 @@ class Scratch:
         for p in params:  # a row holds a batch: at most chunk elements, at most every leaf of its dtype
             self._size[p.dtype] = min(chunk, self._size.get(p.dtype, 0) + p.numel())
         self._rows: dict[torch.dtype, list[torch.Tensor]] = {}
-        self._at: list[tuple[torch.dtype, int, torch.Size, torch.device]] = []
-        self._used = 0
+        self._batches: dict[int, tuple[Any, list[Any], bool, dict[int, list[torch.Tensor]]]] = {}
+        self._batch, self._used = -1, 0
+        self._issued: list[list[torch.Tensor]] = []  # (held: an id is not reused while the batch runs)
+
+    def begin(self) -> None:
+        """Begin a call: its batches are those of the last call over the same parameters, in the same order."""
+        self._batch = -1
 
     def start(self, params: Sequence[torch.Tensor]) -> None:
-        """Begin a batch of these parameters (or slices): every row is free again."""
-        offsets: dict[torch.dtype, int] = {}
-        self._at = []
-        for p in params:
-            off = offsets.get(p.dtype, 0)
-            self._at.append((p.dtype, off, p.shape, p.device))
-            offsets[p.dtype] = off + p.numel()
-        self._fits = all(n <= self._size[d] for d, n in offsets.items())
-        self._used = 0
+        """Begin the next batch (of these parameters, or slices): every row is free again."""
+        self._batch += 1
+        members = tuple((p.dtype, p.shape) for p in params)
+        if self._batches.get(self._batch, (None,))[0] != members:
+            offsets: dict[torch.dtype, int] = {}
+            at = []
+            for p in params:
+                off = offsets.get(p.dtype, 0)
+                at.append((p.dtype, off, p.shape, p.device))
+                offsets[p.dtype] = off + p.numel()
+            self._batches[self._batch] = (members, at, all(n <= self._size[d] for d, n in offsets.items()), {})
+        _, self._at, self._fits, self._views = self._batches[self._batch]
+        self._used, self._issued = 0, []
+
+    def owns(self, xs: Sequence[torch.Tensor]) -> bool:
+        """Whether ``xs`` is a list of this batch's temporaries (one a function here returned, or wrote into)."""
+        return any(xs is issued for issued in self._issued)
 
     def _take(self) -> list[torch.Tensor]:
         """A fresh-looking tensor per member of the batch, shaped like it, in the next row."""
         i, self._used = self._used, self._used + 1
         if not self._fits:  # a large strided leaf, whole: plain fresh tensors
-            return [torch.empty(shape, dtype=d, device=dev) for d, _, shape, dev in self._at]
-        out = []
-        for dtype, off, shape, device in self._at:
-            rows = self._rows.setdefault(dtype, [])
-            while len(rows) <= i:
-                rows.append(torch.empty(self._size[dtype], dtype=dtype, device=device))
-            out.append(rows[i][off : off + shape.numel()].view(shape))
+            out = [torch.empty(shape, dtype=d, device=dev) for d, _, shape, dev in self._at]
+        else:
+            if i not in self._views:
+                self._views[i] = [self._row(dtype, i, device)[off : off + shape.numel()].view(shape)
+                                  for dtype, off, shape, device in self._at]  # fmt: skip
+            out = list(self._views[i])
+        self._issued.append(out)
         return out
+
+    def _row(self, dtype: torch.dtype, i: int, device: torch.device) -> torch.Tensor:
+        rows = self._rows.setdefault(dtype, [])
+        while len(rows) <= i:
+            rows.append(torch.empty(self._size[dtype], dtype=dtype, device=device))
+        return rows[i]
 
     def _each(self, op: Callable[..., Any], lists: Sequence[Sequence[torch.Tensor]], *args: Any, **kw: Any) -> Any:
         """``op(*members, *args, out=row, **kw)`` for each member of the batch, into the next row."""
@@ -140,6 +160,10 @@ class Scratch:
         return self._each(torch.sqrt, [xs])
 
 
+_KEPT: dict[str, Any] = {}
+"""The scratch of the last call of :func:`add_` and the parameters it was for."""
+
+
 class _Batch:
     """Leaves (or slices of them) collected until they hold ``chunk`` elements, then stepped."""
 
@@ -173,7 +197,12 @@ def add_(
         chunk: Elements per batch (default :data:`CHUNK`).
     """
     chunk = CHUNK if chunk is None else chunk
-    batch = _Batch(body, len(inputs), Scratch(params, chunk))
+    key = (chunk, tuple((p.data_ptr(), p.shape, p.dtype) for p in params))
+    if _KEPT.get("key") != key:  # (the last call's scratch, for the same parameters)
+        _KEPT.update(key=key, scratch=Scratch(params, chunk))
+    scratch = _KEPT["scratch"]
+    scratch.begin()
+    batch = _Batch(body, len(inputs), scratch)
     for i, p in enumerate(params):
         xs = [x[i] for x in inputs]
         n = p.numel()

@@ -98,6 +98,11 @@ class Writer:
         """``0`` where ``cond``, else ``values``, leaf by leaf (the old ``x`` is not read)."""
         return [torch.where(c, _zero(v), v) for c, v in zip(conds, values)]
 
+    def last_mul(self, xs: Leaves, scalar: Scalar) -> list[torch.Tensor]:
+        """A temporary ``xs * scalar``, where this is the last use of ``xs``: written into ``xs`` when the engine
+        owns it (a batch's temporary, not a gradient or a state), else fresh."""
+        return self.new.mul(xs, scalar)
+
 
 def _zero(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=x.dtype, device=x.device)
@@ -144,6 +149,12 @@ class _InPlace(Writer):
         for out, c, v in zip(x, conds, values):
             torch.where(c, _zero(v), v, out=out)
         return list(x)
+
+    def last_mul(self, xs: Leaves, scalar: Scalar) -> list[torch.Tensor]:
+        owns = getattr(self.new, "owns", None)
+        if owns is not None and owns(xs):
+            return foreach.mul_(xs, scalar)  # type: ignore[arg-type]
+        return self.new.mul(xs, scalar)
 
 
 FRESH = Writer()
