@@ -11,9 +11,10 @@ parameter-sized tree costs first-touch page faults each step), ``body`` runs on
 *batches* of at most :data:`CHUNK` elements: small leaves whole, several to a
 batch, large ones cut into slices; each batch's updates are added into its
 parameters at once, while they are still in cache. Per step: no parameter-sized
-tree, a few scratch rows of at most ``CHUNK`` elements (allocated per call,
-then reused by every batch: fresh temporaries per batch would cost page faults
-of their own), and each tensor read and written once, as a fused kernel would.
+tree, a few scratch rows of at most ``CHUNK`` elements reused by every batch
+(fresh temporaries per batch would cost page faults of their own) and kept for
+the next call over the same parameters, and each tensor read and written once,
+as a fused kernel would.
 
 The numbers are those of the same kernels on whole tensors, bit for bit: CPU
 elementwise kernels (``add`` with ``alpha``, ``mul``, ``div``, ``sqrt``, ``lerp``,
