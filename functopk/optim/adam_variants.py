@@ -32,8 +32,8 @@ from functopk._checks import check_bool, check_hyperparam, check_scalar_or_sched
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
 from functopk.build import Formula, leafwise
 from functopk.inplace import Body
-from functopk.optim._shared import Hyper, Leaves, first_moves, is_number
-from functopk.optim.adaptive import adam_config, ema_sq
+from functopk.optim._shared import Hyper, Leaves, decoupled_decay, first_moves, is_number
+from functopk.optim.adaptive import adam_config, adam_moments
 from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import PyTree
 from functopk.tree.writer import Writer
@@ -81,8 +81,7 @@ def _first_moves(new: Any, grads: Leaves, params: Leaves | None, cfg: _Config) -
 
 
 def _moments(w: Writer, g: Leaves, fields: tuple[Any, ...], cfg: _Config) -> tuple[Leaves, Leaves]:
-    """Adam's new moments through the writer ``w``: ``lerp`` into the first, ``mul``/``addcmul`` into the second."""
-    return w.lerp(fields[0], g, 1.0 - cfg.b1), ema_sq(w, fields[1], g, cfg.b2)
+    return adam_moments(w, g, fields[0], fields[1], cfg.b1, cfg.b2)
 
 
 def _formula(prepare: Any, cfg: _Config, sliced: bool = False) -> Formula:  # (b1, b2 meet state kernels)
@@ -93,8 +92,7 @@ def _decoupled_decay(params: Leaves | None, lr: Hyper, cfg: _Config, like: Leave
     """``decayed(out, params)``: ``out += -lr * weight_decay * params`` (decoupled decay, as torch), else ``out``."""
     if not (cfg.has_decay and cfg.decoupled and params is not None):
         return lambda out, p: out
-    coef = foreach.for_leaves(torch_rounding.decoupled_decay(lr, cfg.weight_decay), like)
-    return lambda out, p: foreach.add_scaled_(out, coef, p)
+    return decoupled_decay(lr, cfg.weight_decay, like)
 
 
 def _times(count: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:  # (t = count + 1 in the scalar dtype)

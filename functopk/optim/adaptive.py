@@ -28,7 +28,7 @@ from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, 
 from functopk.build import Formula, leafwise
 from functopk.combine import MaskOrFn
 from functopk.inplace import Body
-from functopk.optim._shared import Hyper, Leaves, first_moves, is_number, selected, with_mask
+from functopk.optim._shared import Hyper, Leaves, decoupled_decay, first_moves, is_number, with_mask
 from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import PyTree
 from functopk.tree.writer import Writer
@@ -43,6 +43,12 @@ def ema_sq(w: Writer, avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
     if isinstance(decay, torch.Tensor):  # the foreach ``value`` must be a Python number
         return foreach.addcmul_(new, foreach.mul(grads, 1.0 - decay), grads)
     return foreach.addcmul_(new, grads, grads, value=1.0 - decay)
+
+
+def adam_moments(w: Writer, g: Leaves, mu: Leaves, nu: Leaves, b1: Hyper, b2: Hyper) -> tuple[Leaves, Leaves]:
+    """Adam's new moments through the writer ``w`` (:mod:`functopk.tree.writer`): ``lerp`` into the first,
+    ``mul`` and ``addcmul`` into the second, as ``torch.optim`` (Adam, AdamW, NAdam, RAdam)."""
+    return w.lerp(mu, g, 1.0 - b1), ema_sq(w, nu, g, b2)
 
 
 def check_optional(field: Leaves | None, wanted: bool, owner: str, name: str, option: str) -> None:
@@ -241,20 +247,18 @@ def adam_transform(
             check_optional(state.nu_max, cfg.amsgrad, name, "nu_max", "amsgrad")
             lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
             scalars = adam_scalars(state.count, cfg, lr, like)
-            coef = None  # AdamW's -lr * weight_decay, as torch applies it
+            decay_ = None
             if decay is not None and decay.decoupled and lr is not None:
-                coef = foreach.for_leaves(torch_rounding.decoupled_decay(lr, decay.weight_decay), like)
+                decay_ = decoupled_decay(lr, decay.weight_decay, like)
 
             def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
                 coupled = 0.0 if decay is None or decay.decoupled else decay.weight_decay
                 g = first_moves(w.new, g, p, cfg.maximize, coupled)
-                mu = w.lerp(fields[0], g, 1.0 - cfg.b1)
-                nu = ema_sq(w, fields[1], g, cfg.b2)
+                mu, nu = adam_moments(w, g, fields[0], fields[1], cfg.b1, cfg.b2)
                 nu_max = None if fields[2] is None else w.maximum(fields[2], nu)  # present iff cfg.amsgrad
                 out = adam_direction(mu, nu if nu_max is None else nu_max, scalars, cfg, w.mostly_zero)
-                if coef is not None and p is not None:  # AdamW's decay into the fresh updates, where the mask keeps
-                    idx = selected(flags, out)
-                    foreach.add_scaled_([out[i] for i in idx], coef, [p[i] for i in idx])
+                if decay_ is not None and p is not None:  # AdamW's decay into the fresh updates, where the mask keeps
+                    decay_(out, p, flags)
                 return out, (mu, nu, nu_max)
 
             return body, {"count": state.count + 1}
