@@ -47,10 +47,10 @@ from functopk.base import (
     init_count,
     recorded,
 )
-from functopk.inplace import Body, Planned, Sliced, Stage, fitting, register_inplace
+from functopk.inplace import Body, formula_stage, register_inplace
 from functopk.tree import foreach
 from functopk.tree.maths import flatten_like
-from functopk.tree.writer import EXACT_DTYPES, FRESH
+from functopk.tree.writer import FRESH
 
 __all__ = ["Formula", "LeafCheckFn", "LeafUpdateFn", "Prepare", "WrapperUpdateFn", "leafwise", "wrapper"]
 
@@ -262,7 +262,9 @@ def leafwise(
         assert update is not None
         return GradientTransformation(_leaf_init(rules, init), _leaf_update(rules, update))
     tx = GradientTransformation(_leaf_init(rules, init), _leaf_update(rules, _formula_update(rules, formula)))
-    return register_inplace(tx, _formula_stage(rules, formula))
+    if rules.dtypes or rules.shapes:  # (leaves of chosen dtypes, fields not like their parameter: pure only)
+        return tx
+    return register_inplace(tx, formula_stage(formula, state, rules.tree_fields, needs_params, counted, validate))
 
 
 def _formula_update(rules: _LeafRules, formula: Formula) -> LeafUpdateFn:
@@ -274,40 +276,6 @@ def _formula_update(rules: _LeafRules, formula: Formula) -> LeafUpdateFn:
         return out, state._replace(**dict(zip(rules.tree_fields, new)), **rest)
 
     return update
-
-
-def _formula_stage(rules: _LeafRules, formula: Formula) -> Stage:
-    """The in-place stage of a formula: its state's tree fields checked to fit the parameters, then
-    ``prepare`` (whose checks raise as the pure update's), its body run with the state as output."""
-
-    def stage(grads: list[torch.Tensor], old: Any, params: list[torch.Tensor], treedef: Any) -> Planned | None:
-        if not formula.in_place or type(old) is not rules.state or rules.dtypes or rules.shapes:
-            return None
-        if not all(p.dtype in EXACT_DTYPES for p in params):  # (float16, bfloat16: mul_ rounds unlike mul)
-            return None
-        state: Any = old
-        fields: list[list[torch.Tensor] | None] = []
-        for name in rules.tree_fields:
-            tree = getattr(state, name)
-            leaves = None if tree is None else fitting(tree, treedef, params)
-            if tree is not None and leaves is None:
-                return None
-            fields.append(leaves)
-        if rules.validate is not None:
-            rules.validate(grads, treedef, "updates")
-        p = params if rules.needs_params else None
-        body, rest = formula.prepare(state._replace(**dict(zip(rules.tree_fields, fields))), params, p)
-        if rules.counted:
-            rest = {**rest, "count": state.count + 1}
-        written = [t for leaves in fields for t in leaves or ()]
-
-        def run(updates: list[torch.Tensor], writer: Any) -> list[torch.Tensor]:
-            return list(body(writer, updates, tuple(fields), p)[0])
-
-        sliced = Sliced(tuple(fields), body, rules.needs_params) if formula.sliced else None
-        return Planned(written, run, state._replace(**rest), sliced)
-
-    return stage
 
 
 WrapperUpdateFn = Callable[[Updates, Any, "Params | None"], tuple[Updates, Any]]

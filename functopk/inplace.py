@@ -73,12 +73,12 @@ import torch
 from functopk._checks import check_writable, path_str
 from functopk.base import EmptyState, GradientTransformation, OptState, Params, Updates, check_transformation
 from functopk.tree import chunked
-from functopk.tree.writer import IN_PLACE, IN_PLACE_SPARSE, Writer, in_place, like
+from functopk.tree.writer import EXACT_DTYPES, IN_PLACE, IN_PLACE_SPARSE, Writer, in_place, like
 from functopk.update import paired_leaves
 
 __all__ = [
-    "STATELESS", "Body", "Planned", "Sliced", "Stage", "Step", "check_disjoint", "fitting", "plan_step",
-    "register_inplace", "run_step", "split", "stage_of", "update_",
+    "STATELESS", "Body", "Planned", "Sliced", "Stage", "Step", "check_disjoint", "fitting", "formula_stage",
+    "plan_step", "register_inplace", "run_step", "split", "stage_of", "update_",
 ]  # fmt: skip
 
 Body = Callable[[Writer, list[torch.Tensor], tuple[Any, ...], "list[torch.Tensor] | None"], tuple[Any, ...]]
@@ -155,6 +155,45 @@ def fitting(tree: Any, treedef: optree.PyTreeSpec, params: list[torch.Tensor]) -
     except (ValueError, TypeError):
         return None
     return leaves if all(like(x, p) for x, p in zip(leaves, params)) else None  # type: ignore[return-value]
+
+
+def formula_stage(
+    formula: Any, state_type: type, tree_fields: tuple[str, ...], needs_params: bool, counted: bool,
+    validate: Callable[..., None] | None,
+) -> Stage:  # fmt: skip
+    """The in-place stage of a :class:`functopk.build.Formula` (``leafwise`` registers it): the state's tree
+    fields checked to fit the parameters, then ``prepare`` (whose checks raise as the pure update's), and its
+    body run with the in-place writer, the state's tensors as outputs (``counted``: the step count is
+    ``leafwise``'s)."""
+
+    def stage(grads: list[torch.Tensor], old: Any, params: list[torch.Tensor], treedef: Any) -> Planned | None:
+        if not formula.in_place or type(old) is not state_type:
+            return None
+        if not all(p.dtype in EXACT_DTYPES for p in params):  # (float16, bfloat16: mul_ rounds unlike mul)
+            return None
+        state: Any = old
+        fields: list[list[torch.Tensor] | None] = []
+        for name in tree_fields:
+            tree = getattr(state, name)
+            leaves = None if tree is None else fitting(tree, treedef, params)
+            if tree is not None and leaves is None:
+                return None
+            fields.append(leaves)
+        if validate is not None:
+            validate(grads, treedef, "updates")
+        p = params if needs_params else None
+        body, rest = formula.prepare(state._replace(**dict(zip(tree_fields, fields))), params, p)
+        if counted:
+            rest = {**rest, "count": state.count + 1}
+        written = [t for leaves in fields for t in leaves or ()]
+
+        def run(updates: list[torch.Tensor], writer: Writer) -> list[torch.Tensor]:
+            return list(body(writer, updates, tuple(fields), p)[0])
+
+        sliced = Sliced(tuple(fields), body, needs_params) if formula.sliced else None
+        return Planned(written, run, state._replace(**rest), sliced)
+
+    return stage
 
 
 def stage_of(tx: GradientTransformation) -> Stage | None:

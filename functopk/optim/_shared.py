@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from functopk._checks import check_int, check_leaves, check_scalar_tensor, is_zero, require_params
+from functopk._checks import check_int, check_leaves, check_scalar_tensor, require_params
 from functopk.base import GradientTransformation, OptState, Params, Updates
 from functopk.combine import MaskOrFn, resolve_mask
 from functopk.inplace import Planned, register_inplace, stage_of
@@ -63,9 +63,11 @@ def with_mask(
     return register_inplace(GradientTransformation(init, update), stage)
 
 
-def first_moves(new: Any, grads: Leaves, params: Leaves | None, maximize: bool, weight_decay: Hyper) -> Leaves:
+def first_moves(
+    new: Any, grads: Leaves, params: Leaves | None, maximize: bool, weight_decay: Hyper | None
+) -> Leaves:
     """``torch.optim``'s first moves on a gradient: negate it (``maximize``), then add ``weight_decay * params``
-    (a coupled decay, where ``params`` are given and the decay is not the number 0); in fresh tensors from
+    (a coupled decay, where ``params`` are given and the decay is not ``None``); in fresh tensors from
     ``new`` (a writer's temporaries, :mod:`functopk.tree.writer`), never the gradient's own. (``sgd``,
     ``rmsprop`` and ``adagrad`` chain the same moves as ``scale(-1)`` and ``add_decayed_weights``.)
 
@@ -77,7 +79,7 @@ def first_moves(new: Any, grads: Leaves, params: Leaves | None, maximize: bool, 
     """
     if maximize:
         grads = new.neg(grads)
-    if params is not None and not is_zero(weight_decay):
+    if params is not None and weight_decay is not None:
         grads = new.add_scaled(grads, weight_decay, params)
     return grads
 

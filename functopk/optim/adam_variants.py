@@ -77,7 +77,8 @@ def _config(
 
 def _first_moves(new: Any, grads: Leaves, params: Leaves | None, cfg: _Config) -> Leaves:
     """torch's first moves (:func:`~functopk.optim._shared.first_moves`): negate, then the coupled decay."""
-    return first_moves(new, grads, params, cfg.maximize, 0.0 if cfg.decoupled else cfg.weight_decay)
+    coupled = cfg.weight_decay if cfg.has_decay and not cfg.decoupled else None
+    return first_moves(new, grads, params, cfg.maximize, coupled)
 
 
 def _moments(w: Writer, g: Leaves, fields: tuple[Any, ...], cfg: _Config) -> tuple[Leaves, Leaves]:

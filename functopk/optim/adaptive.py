@@ -252,7 +252,7 @@ def adam_transform(
                 decay_ = decoupled_decay(lr, decay.weight_decay, like)
 
             def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
-                coupled = 0.0 if decay is None or decay.decoupled else decay.weight_decay
+                coupled = None if decay is None or decay.decoupled else decay.weight_decay
                 g = first_moves(w.new, g, p, cfg.maximize, coupled)
                 mu, nu = adam_moments(w, g, fields[0], fields[1], cfg.b1, cfg.b2)
                 nu_max = None if fields[2] is None else w.maximum(fields[2], nu)  # present iff cfg.amsgrad

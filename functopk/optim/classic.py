@@ -125,7 +125,7 @@ def adadelta(
         lr = _value_at(learning_rate, state.count)
 
         def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
-            g = first_moves(w.new, g, p, maximize, weight_decay)
+            g = first_moves(w.new, g, p, maximize, weight_decay if decay else None)
             square_avg = ema_sq(w, fields[0], g, rho)
             delta = adadelta_delta(square_avg, fields[1], g, eps)
             acc_delta = ema_sq(w, fields[1], delta, rho)
@@ -374,6 +374,8 @@ def asgd(
 
 def _asgd(learning_rate: Any, lambd: Hyper, alpha: Hyper, t0: Hyper, weight_decay: Hyper, maximize: bool,
           implementation: Any) -> GradientTransformation:  # fmt: skip
+    coupled = None if is_zero(weight_decay) else weight_decay
+
     def init(params: Leaves) -> AsgdState:
         count = init_count(params)
         dtype = torch_rounding.torch_scalar_dtype(count.device)
@@ -389,7 +391,7 @@ def _asgd(learning_rate: Any, lambd: Hyper, alpha: Hyper, t0: Hyper, weight_deca
 
         def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
             assert p is not None
-            g = first_moves(w.new, g, p, maximize, weight_decay)
+            g = first_moves(w.new, g, p, maximize, coupled)
             # torch's new parameters, with its kernels; the update is their difference from params (exact wherever
             # the step is under |params|, so apply_updates gives them back)
             new_params = asgd_new_params(g, p, state.eta, lambd, loop)
