@@ -63,7 +63,8 @@ def _linear_and_batch():
 
 
 def test_compiled_torch_optimizer_step_equals_eager_with_a_scheduled_tensor_lr():
-    """As documented: bitwise equal to eager, and no recompilation once the state exists."""
+    """As documented: a compiled caller runs the step eagerly (the in-place engine is eager), so it is bitwise
+    the eager step and nothing recompiles."""
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
