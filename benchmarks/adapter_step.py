@@ -4,7 +4,7 @@ One ``opt.step()`` on a torchvision model's parameters with fixed random
 gradients, for each ``--optimizer`` (AdamW; SGD with momentum 0.9; ...):
 
 * ``torch.optim``: ``torch.optim.X(..., foreach=True)`` (in place), the baseline;
-* ``TorchOptimizer.from_torch``: the drop-in with torch's param-group semantics;
+* ``optimizer_from_torch``: the drop-in with torch's param-group semantics;
 * ``TorchOptimizer(tx)``: the one-transformation adapter with ``ft.from_torch(X, ...)``;
 * ``from_torch + topk``: the drop-in with ``sparsify=ft.topk(k)`` (a global exact top-k first);
 * ``from_torch + topk(density=d)``: the same with ``ft.topk(density=d)`` (``--density``);
@@ -57,7 +57,7 @@ ALL = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam",
        "Adafactor", "Muon"]  # fmt: skip
 NO_FOREACH = ("Muon",)
 # --variants name -> the prefix of the rows it selects
-VARIANTS = {"torch": "torch.optim", "from_torch": "TorchOptimizer.from_torch", "tx": "TorchOptimizer(tx)",
+VARIANTS = {"torch": "torch.optim", "from_torch": "optimizer_from_torch", "tx": "TorchOptimizer(tx)",
             "topk": "from_torch + topk(", "density": "from_torch + topk(density", "indices": "topk_indices alone",
             "floor": "torch.optim on top-k grads"}  # fmt: skip
 
@@ -92,8 +92,8 @@ def make(kind: str, model: str, k: int, name: str, density: float) -> torch.opti
         _topk_grads(params, k)
     if kind.startswith("torch.optim"):
         return cls(params, **kwargs) if name in NO_FOREACH else cls(params, foreach=True, **kwargs)
-    if kind == "TorchOptimizer.from_torch":
-        return ft.TorchOptimizer.from_torch(cls, params, **kwargs)
+    if kind == "optimizer_from_torch":
+        return ft.optimizer_from_torch(cls, params, **kwargs)
     if kind == "TorchOptimizer(tx)":
         return ft.TorchOptimizer(params, ft.from_torch(cls, **kwargs))
     if kind.startswith("topk_indices alone"):
@@ -101,7 +101,7 @@ def make(kind: str, model: str, k: int, name: str, density: float) -> torch.opti
     sparsify = ft.topk(density=density) if "density" in kind else ft.topk(k)
     if "generic" in kind:  # chain(topk) is not served by the kept gradient buffer: the dense-tree road
         sparsify = ft.chain(sparsify)
-    return ft.TorchOptimizer.from_torch(cls, params, sparsify, **kwargs)
+    return ft.optimizer_from_torch(cls, params, sparsify, **kwargs)
 
 
 def main() -> None:
@@ -151,7 +151,7 @@ def _timed(steps: dict[str, Callable[[], object]], rounds: int) -> dict[str, flo
 
 def run(name: str, args: argparse.Namespace) -> tuple[float, float, str]:
     """Time ``name``'s chosen rows; ``(torch.optim's median, from_torch's median or NaN, load averages)``."""
-    kinds = ["torch.optim", "TorchOptimizer.from_torch", "TorchOptimizer(tx)", f"from_torch + topk({args.k})",
+    kinds = ["torch.optim", "optimizer_from_torch", "TorchOptimizer(tx)", f"from_torch + topk({args.k})",
              f"from_torch + topk(density={args.density})", f"topk_indices alone (k={args.k})",
              f"topk_indices alone (density={args.density})", "torch.optim on top-k grads"]  # fmt: skip
     if args.generic:
@@ -176,7 +176,7 @@ def run(name: str, args: argparse.Namespace) -> tuple[float, float, str]:
             extra = f"| {med[kind] / (base + sel):.2f}x | {med[kind] / (floor + sel):.2f}x |"
         print(f"| {kind} | {med[kind] * 1e3:.1f} ms | {med[kind] / base:.2f}x {extra}")
     print()
-    return base, med.get("TorchOptimizer.from_torch", float("nan")), f"{load_before[0]:.1f}-{os.getloadavg()[0]:.1f}"
+    return base, med.get("optimizer_from_torch", float("nan")), f"{load_before[0]:.1f}-{os.getloadavg()[0]:.1f}"
 
 
 def whole_step(name: str, model_name: str, kind: str, k: int) -> Callable[[], object]:
@@ -188,7 +188,7 @@ def whole_step(name: str, model_name: str, kind: str, k: int) -> Callable[[], ob
     cls, kwargs = getattr(torch.optim, name), KWARGS.get(name, {"lr": 1e-3})
     if kind.startswith("from_torch"):
         sparsify = ft.chain(ft.topk(k)) if "generic" in kind else ft.topk(k)
-        opt: torch.optim.Optimizer = ft.TorchOptimizer.from_torch(cls, params, sparsify, **kwargs)
+        opt: torch.optim.Optimizer = ft.optimizer_from_torch(cls, params, sparsify, **kwargs)
     else:
         opt = cls(params, foreach=True, **kwargs)
 

@@ -1,7 +1,7 @@
 """Hugging Face Accelerate with a top-k sparsified AdamW: one line of the training script changes.
 
     opt = torch.optim.AdamW(model.parameters(), lr=..., weight_decay=...)                      # before
-    opt = ft.TorchOptimizer.from_torch(torch.optim.AdamW, model.parameters(),                  # after
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, model.parameters(),                  # after
                                        sparsify=ft.topk(k), lr=..., weight_decay=...)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
 
@@ -55,7 +55,7 @@ def make_optimizer(kind: str, model: nn.Module, args: argparse.Namespace) -> tor
     if kind == "torch":
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sparsify = ft.topk(density=args.density) if args.density else ft.topk(args.k)
-    return ft.TorchOptimizer.from_torch(  # the functopk line
+    return ft.optimizer_from_torch(  # the functopk line
         torch.optim.AdamW, model.parameters(), sparsify=sparsify, lr=args.lr, weight_decay=0.01
     )
 

@@ -3,7 +3,7 @@
 (a) A ready optimizer and scheduler, ``Trainer(..., optimizers=(opt, scheduler))``:
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)                    # before
-    opt = ft.TorchOptimizer.from_torch(torch.optim.AdamW, model.parameters(),                  # after
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, model.parameters(),                  # after
                                        sparsify=ft.topk(k), lr=3e-3, weight_decay=0.01)
 
 (b) A class and keyword arguments, ``Trainer(..., optimizer_cls_and_kwargs=(cls, kwargs))``:
@@ -12,7 +12,7 @@ none for biases and LayerNorm) and calls ``cls(groups, **kwargs)``. Trainer
 only calls ``cls`` that way when it is a ``torch.optim.Optimizer`` subclass
 (any other callable, a ``functools.partial`` of ``from_torch`` included, is
 taken for an optimizer *factory* of the model), so the class comes from
-``ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, sparsify)``.
+``ft.optimizer_class_from_torch(torch.optim.AdamW, sparsify)``.
 
 A small ``PreTrainedModel`` with its config (an MLP with LayerNorm, random
 init, 9,866 parameters) classifies scikit-learn's 8x8 digits; no download, no
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # (a) optimizers=(opt, scheduler)
         model = make_model(args.seed)
-        opt = ft.TorchOptimizer.from_torch(torch.optim.AdamW, model.parameters(), sparsify=sparsify, lr=args.lr,
+        opt = ft.optimizer_from_torch(torch.optim.AdamW, model.parameters(), sparsify=sparsify, lr=args.lr,
                                            weight_decay=0.01)  # fmt: skip
         sched = get_linear_schedule_with_warmup(opt, args.steps // 4, args.steps)
         ta, _ = train(tmp_dir / "a", args, data, model=model, optimizers=(opt, sched))
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # (b) optimizer_cls_and_kwargs: Trainer's kwargs for its own AdamW (lr, betas, eps from TrainingArguments)
         _, kwargs = Trainer.get_optimizer_cls_and_kwargs(training_args(tmp_dir, args))
-        cls = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, sparsify)
+        cls = ft.optimizer_class_from_torch(torch.optim.AdamW, sparsify)
         tb, snap = train(tmp_dir / "b", args, data, save=True, optimizer_cls_and_kwargs=(cls, dict(kwargs)))
         groups = snap.groups or []
         checks.update({

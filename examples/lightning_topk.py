@@ -1,7 +1,7 @@
 """PyTorch Lightning with a top-k sparsified AdamW: one line of ``configure_optimizers`` changes.
 
     opt = torch.optim.AdamW(self.parameters(), lr=..., weight_decay=...)                       # before
-    opt = ft.TorchOptimizer.from_torch(torch.optim.AdamW, self.parameters(),                   # after
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, self.parameters(),                   # after
                                        sparsify=ft.topk(k), lr=..., weight_decay=...)
 
 An MLP with LayerNorm on scikit-learn's digits (no download), trained by
@@ -13,7 +13,7 @@ writes a checkpoint after every epoch. Four fits (a few seconds on 2 CPU cores):
 2. top-k AdamW resumed with ``Trainer.fit(..., ckpt_path=...)`` from run 1's checkpoint
    half way, into a model with other weights;
 3. dense ``torch.optim.AdamW``;
-4. dense ``ft.TorchOptimizer.from_torch(torch.optim.AdamW, ...)`` (``sparsify=None``).
+4. dense ``ft.optimizer_from_torch(torch.optim.AdamW, ...)`` (``sparsify=None``).
 
 Checks (the exit status is 1 if one fails): the resumed run ends with run 1's
 parameters, AdamW state and scheduler state, bit for bit; the learning rate and
@@ -74,7 +74,7 @@ class DigitsMLP(L.LightningModule):
             opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
         else:  # the functopk line
             sparsify = ft.topk(self.k, density=self.density) if self.optimizer == "topk" else None
-            opt = ft.TorchOptimizer.from_torch(
+            opt = ft.optimizer_from_torch(
                 torch.optim.AdamW, self.parameters(), sparsify=sparsify, lr=self.lr, weight_decay=0.01
             )
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=self.total_steps)

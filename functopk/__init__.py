@@ -14,6 +14,7 @@ Example:
 from functopk import compress, distributed, nn, optim, sparse, tree
 from functopk.adapter import (
     ParamGroupOptimizer,
+    TorchOptimizer,
     from_torch,
     optimizer_class_from_torch,
     optimizer_from_torch,
@@ -85,7 +86,6 @@ from functopk.sparse import (
     topk_mask,
     topk_sparsify,
 )
-from functopk.torch_optim import TorchOptimizer
 from functopk.update import apply_updates, apply_updates_
 
 __version__ = "0.2.0"

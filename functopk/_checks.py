@@ -21,7 +21,7 @@ import contextlib
 import math
 import numbers
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -263,7 +263,7 @@ def check_leaves(
             raise TypeError(
                 f"{name} leaf at {path_str(path)} has dtype {leaf.dtype}; functopk computes on real tensors: "
                 "pass torch.view_as_real(x) for each complex x (parameters, gradients and state alike), which is how "
-                "torch.optim steps complex parameters; TorchOptimizer.from_torch does this for you"
+                "torch.optim steps complex parameters; optimizer_from_torch does this for you"
             )
         if floating and not leaf.is_floating_point():
             raise TypeError(
@@ -374,6 +374,58 @@ def group_scalar(value: Any) -> Any:
             raise ValueError(f"a tensor hyperparameter must have one element, got shape {tuple(value.shape)}")
         return value.reshape(())
     return value
+
+
+# --------------------------------------------------------------------------- saved state
+
+
+def check_keys(
+    saved: Any, required: Collection[str], optional: Collection[str] = (), *, name: str,
+    error: type[Exception] = ValueError, type_error: type[Exception] = TypeError,
+) -> None:  # fmt: skip
+    """The one check of a saved dict's keys (a functopk state dict, a sparse optimizer's state, a DDP hook's).
+
+    ``saved`` must be a dict (else ``type_error``) with every key of ``required`` and none outside
+    ``required`` and ``optional`` (else ``error``, naming what is missing and what is unknown after ``name``).
+
+    Example:
+        >>> check_keys({"a": 1, "c": 2}, ["a", "b"], name="state_dict")
+        Traceback (most recent call last):
+        ValueError: state_dict misses the keys 'b' and has unknown keys 'c'
+    """
+    if not isinstance(saved, Mapping):
+        raise type_error(f"{name} must be a dict, got {describe(saved)}")
+    missing = [repr(k) for k in required if k not in saved]
+    unknown = [repr(k) for k in saved if k not in required and k not in optional]
+    if missing or unknown:
+        pairs = (("misses the keys", missing), ("has unknown keys", unknown))
+        wrong = [f"{what} {listed(keys)}" for what, keys in pairs if keys]
+        raise error(f"{name} {' and '.join(wrong)}")
+
+
+def check_saved(
+    value: Any, want: Any, name: str, *, error: type[Exception] = ValueError, type_error: type[Exception] = TypeError,
+    exact: bool = True, why: str = "",
+) -> None:  # fmt: skip
+    """The one check of a saved value where ``want`` is kept (every saved state's leaves, entries and vectors).
+
+    A tensor must be one (else ``type_error``) of ``want``'s shape and, when ``exact`` (not where a load
+    converts it, as ``torch.optim``'s does), dtype and layout; any other value of ``want``'s type; else
+    ``error`` saying what it is and what was expected (and ``why``, appended).
+
+    Example:
+        >>> check_saved(torch.zeros(2), torch.zeros(3), "mu")
+        Traceback (most recent call last):
+        ValueError: mu is a tensor of shape (2,) and dtype torch.float32, expected a tensor of shape (3,) and ...
+    """
+    if isinstance(want, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            raise type_error(f"{name} must be a tensor ({describe(want)}), got {describe(value)}")
+        same = value.shape == want.shape and (not exact or (value.dtype, value.layout) == (want.dtype, want.layout))
+    else:
+        same = type(value) is type(want)
+    if not same:
+        raise error(f"{name} is {describe(value)}, expected {describe(want)}{why}")
 
 
 # --------------------------------------------------------------------------- writing in place

@@ -7,7 +7,10 @@ inner transformation anew at each call, and are written by hand):
 * :func:`leafwise` takes the leaf maths ``update(grads, state, params)`` on flat
   lists of tensors and does the rest: the tree checks (structure, shapes, dtypes,
   one device), a validation hook, the state (fields shaped like the parameters,
-  or given shapes; an optional step count) and the tree around the result;
+  or given shapes; an optional step count) and the tree around the result. An
+  optimizer whose state is shaped like the parameters gives its maths as a
+  :class:`Formula` instead: the one writing that the pure update, the in-place
+  engine (:mod:`functopk.inplace`) and its sliced strategy all run;
 * :func:`wrapper` wraps an inner transformation (error feedback, statistics,
   skipping non-finite steps, gradient accumulation): it checks the inner one and
   the state's type, and hands ``init`` the inner state.
@@ -45,15 +48,49 @@ from functopk.base import (
     init_count,
     recorded,
 )
+from functopk.inplace import Body, formula_stage, register_inplace
 from functopk.tree import foreach
 from functopk.tree.maths import flatten_like
+from functopk.tree.writer import FRESH
 
-__all__ = ["LeafCheckFn", "LeafUpdateFn", "WrapperUpdateFn", "leafwise", "wrapper"]
+__all__ = ["Formula", "LeafCheckFn", "LeafUpdateFn", "Prepare", "WrapperUpdateFn", "leafwise", "wrapper"]
 
 
 LeafUpdateFn = Callable[[list[torch.Tensor], Any, "list[torch.Tensor] | None"], tuple[Sequence[torch.Tensor], Any]]
 LeafCheckFn = Callable[[list[torch.Tensor], optree.PyTreeSpec, str], None]
 """A validation hook: ``check(leaves, treedef, name)`` raises on bad leaves of the tree ``name``."""
+
+
+Prepare = Callable[[Any, list[torch.Tensor], "list[torch.Tensor] | None"], tuple[Body, dict[str, Any]]]
+"""``prepare(state, like, params) -> (body, rest)``: see :class:`Formula`."""
+
+
+class Formula(NamedTuple):
+    """An optimizer's maths written once, for every way it runs: pure, in place, on slices.
+
+    ``prepare(state, like, params)`` does the step's scalar work once, over all
+    leaves (a schedule's value, bias corrections, :func:`~functopk.tree.foreach.for_leaves`
+    on ``like``, the update leaves or leaves of their dtypes; a check that raises)
+    and returns ``(body, rest)``: ``rest`` the new values of the state's fields
+    that are not trees (a step count), ``body(writer, updates, fields, params) ->
+    (updates, fields)`` the elementwise maths, on the lists of the ``tree_fields``
+    (``None`` for an absent one). ``body`` turns each old field into its new value
+    through ``writer`` (:mod:`functopk.tree.writer`): :data:`~functopk.tree.writer.FRESH`
+    for the pure update, the in-place writer for the engine's, which then writes
+    into the state's own tensors.
+
+    Attributes:
+        prepare: As above.
+        in_place: Whether the in-place writer gives the pure bits: ``False`` where a state kernel takes a
+            tensor hyperparameter (a tensor ``b1``), which the in-place foreach kernels round otherwise.
+        sliced: Whether ``body`` may run on batches of slices of the leaves (it reads nothing computed over
+            the list, no mask by leaf position): on CPU the engine then runs it with the add into the
+            parameters, batch by batch (:mod:`functopk.tree.chunked`).
+    """
+
+    prepare: Prepare
+    in_place: bool = True
+    sliced: bool = False
 
 
 class _LeafRules(NamedTuple):
@@ -151,8 +188,9 @@ def _leaf_update(rules: _LeafRules, update: LeafUpdateFn) -> TransformUpdateFn:
 @recorded
 def leafwise(
     name: str,
-    update: LeafUpdateFn,
+    update: LeafUpdateFn | None = None,
     *,
+    formula: Formula | None = None,
     init: Callable[[list[torch.Tensor]], Any] | None = None,
     state: type = EmptyState,
     tree_fields: tuple[str, ...] = (),
@@ -186,6 +224,9 @@ def leafwise(
             when ``needs_params``, else ``None`` (and not checked: a transformation
             that does not read the parameters ignores them).
             It returns the new state in the same form.
+        formula: Instead of ``update``, the maths as a :class:`Formula`: the pure
+            update runs it with fresh outputs, and :func:`functopk.update_` (and the
+            ``torch.optim`` adapter) with the state's own tensors as outputs.
         init: Builds the state (a ``state``) from the parameters' leaves, with
             the ``tree_fields`` as lists. ``None``: the state is :class:`EmptyState`
             (or the counter, ``counted``) and ``params`` may be ``None`` at init.
@@ -216,7 +257,26 @@ def leafwise(
         name, state, tuple(tree_fields), needs_params, dtypes, same_device, validate,
         dict(shapes or {}), counted,
     )
-    return GradientTransformation(_leaf_init(rules, init), _leaf_update(rules, update))
+    if (update is None) == (formula is None):
+        raise TypeError(f"leafwise {name!r}: give exactly one of update and formula")
+    if formula is None:
+        assert update is not None
+        return GradientTransformation(_leaf_init(rules, init), _leaf_update(rules, update))
+    tx = GradientTransformation(_leaf_init(rules, init), _leaf_update(rules, _formula_update(rules, formula)))
+    if rules.dtypes or rules.shapes:  # (leaves of chosen dtypes, fields not like their parameter: pure only)
+        return tx
+    return register_inplace(tx, formula_stage(formula, state, rules.tree_fields, needs_params, counted, validate))
+
+
+def _formula_update(rules: _LeafRules, formula: Formula) -> LeafUpdateFn:
+    """The pure leaf maths of a formula: its body with fresh outputs."""
+
+    def update(grads: list[torch.Tensor], state: Any, params: list[torch.Tensor] | None) -> tuple[Any, Any]:
+        body, rest = formula.prepare(state, grads, params)
+        out, new = body(FRESH, grads, tuple(getattr(state, f) for f in rules.tree_fields), params)
+        return out, state._replace(**dict(zip(rules.tree_fields, new)), **rest)
+
+    return update
 
 
 WrapperUpdateFn = Callable[[Updates, Any, "Params | None"], tuple[Updates, Any]]

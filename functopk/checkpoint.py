@@ -50,7 +50,7 @@ from typing import IO, Any, Union
 import optree
 import torch
 
-from functopk._checks import describe, listed
+from functopk._checks import check_keys, check_saved, describe, listed
 from functopk.files import write_atomically
 from functopk.tree.maths import PyTree
 
@@ -344,15 +344,10 @@ def state_from_dict(template: PyTree, state_dict: dict[str, Any]) -> PyTree:
 
 def _from_dict(template: PyTree, state_dict: dict[str, Any], *, verify: bool) -> PyTree:
     """:func:`state_from_dict`; ``verify=False`` skips the leaves' digests (a sealed file's bytes were checked)."""
-    if not isinstance(state_dict, dict):
-        raise CheckpointError(f"state_dict must be a dict made by state_to_dict, got {type(state_dict).__name__}")
-    missing_keys = [k for k in _KEYS if k not in state_dict]
-    unknown_keys = [k for k in state_dict if k not in (*_KEYS, "digest")]
-    if missing_keys or unknown_keys or state_dict.get("format") != FORMAT:
-        raise CheckpointError(
-            f"state_dict is not a functopk state dict (expected keys format={FORMAT!r}, version, structure, "
-            f"leaves and digest; got keys {sorted(map(str, state_dict))})"
-        )
+    what = f"state_dict is not a functopk state dict (keys format={FORMAT!r}, version, structure, leaves, digest): it"
+    check_keys(state_dict, _KEYS, ("digest",), name=what, error=CheckpointError, type_error=CheckpointError)
+    if state_dict["format"] != FORMAT:
+        raise CheckpointError(f"{what} has format {state_dict['format']!r}")
     if state_dict["version"] != VERSION:
         raise CheckpointError(
             f"state_dict has format version {state_dict['version']!r}; this functopk reads version {VERSION}"
@@ -368,14 +363,7 @@ def _from_dict(template: PyTree, state_dict: dict[str, Any], *, verify: bool) ->
     new_leaves = []
     for path, want in zip(paths, leaves):
         got = saved[path]
-        if isinstance(want, torch.Tensor):
-            ok = isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
-            if ok and got.layout != want.layout:
-                ok = False
-        else:
-            ok = type(got) is type(want)
-        if not ok:
-            raise CheckpointError(f"checkpoint leaf {path} is {describe(got)}, expected {describe(want)}")
+        check_saved(got, want, f"checkpoint leaf {path}", error=CheckpointError, type_error=CheckpointError)
         new_leaves.append(got.to(want.device) if isinstance(got, torch.Tensor) else got)
     if verify:
         _check_digest(state_dict, paths)

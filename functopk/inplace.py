@@ -1,4 +1,4 @@
-"""The in-place twin of a transformation's update: :func:`update_`, the optimizer state and parameters donated.
+"""The in-place engine: :func:`update_`, and the step planner the ``torch.optim`` adapter runs too.
 
 ``params, opt_state = ft.update_(tx, grads, opt_state, params)`` does what
 
@@ -11,26 +11,35 @@ does, bit for bit, but writes the new state into ``opt_state``'s tensors and
 the new parameters into ``params``' tensors (as JAX's buffer donation lets XLA
 do), and returns those same objects. The pure API is unchanged and stays pure.
 
-How it works. A transformation may carry an in-place *stage*, registered by its
-factory with :func:`register_inplace`: ``stage(grads, state, params, treedef)``
-checks that the state's tensors can take the step (dense, float32 or float64,
-each like its parameter; Python-number hyperparameters where a kernel needs
-them) and returns a :class:`Planned` step, or ``None`` where it cannot (the pure
-update then runs). A planned step runs the kernels of the pure update, in the
-same order and with the same scalars, with the state's old tensors as their
-outputs (``lerp_``, ``mul_``, ``addcmul_``, ``add(out=)``). :func:`functopk.adam`,
-:func:`functopk.adamw`, :func:`functopk.scale_by_adam`, :func:`functopk.trace`
-(without dampening), :func:`functopk.scale_by_rms`, :func:`functopk.scale_by_rss`
-and the stateless scalings have stages, and so do their ``torch.optim`` twins
-from :func:`functopk.from_torch`; a :func:`functopk.chain` runs in place the
-longest tail of its parts that have stages (so ``sgd``, ``rmsprop``, ``adagrad``,
-``chain(topk(k), adam(lr))``), the parts before it purely, copying their new
-states into the old tensors afterwards. Any other transformation runs purely and
-its new state is copied in: the same result, not faster. On CPU, the last planned
-steps that have a :class:`Sliced` body (``trace`` without dampening, a scale by a
-number: ``sgd``'s momentum and learning rate) run with the add into the
-parameters in one pass, slice by slice (:mod:`functopk.tree.chunked`): no update
-tree, one scratch row of at most ``chunked.CHUNK`` elements, the same numbers.
+How it works. A transformation may have an in-place *stage*, found from its
+``update`` (:func:`register_inplace`): every transformation written with a
+``formula`` (:func:`functopk.leafwise`: the optimizers' one writing of their
+maths, which takes a writer, :mod:`functopk.tree.writer`) has one, made by
+``leafwise``; so do :func:`functopk.chain` (its parts), a constant exact
+:func:`functopk.topk` (its kept buffer, below) and the stateless transformations.
+``stage(grads, state, params, treedef)`` checks that the state's tensors can take
+the step (dense, float32 or float64, each like its parameter; Python-number
+hyperparameters where a state kernel takes them) and returns a :class:`Planned`
+step, or ``None`` where it cannot (the pure update then runs). A planned
+formula step runs the formula with the in-place writer: the same kernels in the
+same order with the same scalars, the state's old tensors as their outputs.
+
+:func:`plan_step` splits a transformation (a chain's parts, flattened) into a
+head that runs purely and the longest tail of parts with stages, runs the head
+and checks everything; :func:`run_step` then writes: the tail's steps, and, on
+CPU, the last ones whose formulas run on slices (``Formula.sliced``) together
+with the add into the parameters, batch by batch (:mod:`functopk.tree.chunked`:
+no update tree, temporaries of at most ``chunked.CHUNK`` elements, the same
+numbers). On an accelerator every step runs over all leaves at once, a foreach
+kernel per operation. :func:`update_` then copies the head's new states (and
+the tail's new step counts) into the old tensors; the ``torch.optim`` adapter
+keeps them as its new state instead.
+
+A part after a top-k is told its input is mostly zero (the writer's
+``mostly_zero``), which Adam uses to skip ``sqrt``'s slow path for zeros (the
+same bits); a constant exact top-k in the tail writes its selection into a flat
+buffer it keeps between steps, re-zeroed at the last step's indices, instead of
+a new dense tree.
 
 Aliasing rules:
 
@@ -64,32 +73,40 @@ import torch
 from functopk._checks import check_writable, path_str
 from functopk.base import EmptyState, GradientTransformation, OptState, Params, Updates, check_transformation
 from functopk.tree import chunked
+from functopk.tree.writer import EXACT_DTYPES, IN_PLACE, IN_PLACE_SPARSE, Writer, in_place, like
 from functopk.update import paired_leaves
 
-__all__ = ["STATELESS", "Planned", "Sliced", "Stage", "fitting", "register_inplace", "update_"]
+__all__ = [
+    "STATELESS", "Body", "Planned", "Sliced", "Stage", "Step", "check_disjoint", "fitting", "formula_stage",
+    "plan_step", "register_inplace", "run_step", "split", "stage_of", "update_",
+]  # fmt: skip
+
+Body = Callable[[Writer, list[torch.Tensor], tuple[Any, ...], "list[torch.Tensor] | None"], tuple[Any, ...]]
 
 
 class Sliced(NamedTuple):
-    """A planned step as a slice body: ``body(scratch, updates, *state) -> updates`` on equal slices of the
-    updates and of the ``state`` leaf lists (it may write the state slices and ``scratch[0]``, and returns its
-    result in one of them), with ``finish()`` for what is not elementwise (a step count), run once after."""
+    """A planned step's elementwise maths, which may run on batches of slices (:mod:`functopk.tree.chunked`):
+    ``body(writer, updates, fields, params) -> (updates, fields)`` on lists cut alike from the updates, the
+    state ``fields`` (``None``: an absent optional field) and, with ``needs_params``, the parameters."""
 
-    state: list[list[torch.Tensor]]
-    body: Callable[..., torch.Tensor]
-    finish: Callable[[], object]
+    fields: tuple[list[torch.Tensor] | None, ...]
+    body: Body
+    needs_params: bool
 
 
 class Planned(NamedTuple):
-    """A checked in-place step: the tensors it will write, and ``run(updates) -> new updates``.
+    """A checked in-place step: the tensors it writes, ``run(updates, writer) -> new updates``, the state after it.
 
-    ``sliced`` is the same step as a :class:`Sliced` body: when the last steps of a tail all have one,
-    :func:`update_` runs them, and the add into the parameters, slice by slice on CPU
-    (:mod:`functopk.tree.chunked`): one pass, no update tree, the same kernels.
+    ``new_state`` holds the state's own tensors where the step writes them and new
+    values elsewhere (a step count); ``sliced`` is the same step as a :class:`Sliced`
+    body; ``sparse``: its output is mostly zero (the parts after it are told).
     """
 
     written: list[torch.Tensor]
-    run: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    run: Callable[[list[torch.Tensor], Writer], list[torch.Tensor]]
+    new_state: OptState
     sliced: Sliced | None = None
+    sparse: bool = False
 
 
 Stage = Callable[[list[torch.Tensor], Any, list[torch.Tensor], optree.PyTreeSpec], "Planned | None"]
@@ -107,7 +124,6 @@ STATELESS = "stateless"
 """The registry's mark of a transformation with an empty state whose update cannot fail on checked leaves."""
 
 _STAGES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_EXACT = (torch.float32, torch.float64)  # where the in-place kernels round as the out-of-place ones
 
 
 def register_inplace(tx: GradientTransformation, stage: Stage | str | tuple[GradientTransformation, ...]) -> Any:
@@ -138,14 +154,52 @@ def fitting(tree: Any, treedef: optree.PyTreeSpec, params: list[torch.Tensor]) -
         leaves = treedef.flatten_up_to(tree)
     except (ValueError, TypeError):
         return None
-    return leaves if all(_like(x, p) for x, p in zip(leaves, params)) else None  # type: ignore[return-value]
+    return leaves if all(like(x, p) for x, p in zip(leaves, params)) else None  # type: ignore[return-value]
 
 
-def _like(x: Any, p: torch.Tensor) -> bool:
-    return (
-        isinstance(x, torch.Tensor) and x.layout == torch.strided and x.shape == p.shape
-        and x.dtype == p.dtype and x.dtype in _EXACT and x.device == p.device
-    )  # fmt: skip
+def formula_stage(
+    formula: Any, state_type: type, tree_fields: tuple[str, ...], needs_params: bool, counted: bool,
+    validate: Callable[..., None] | None,
+) -> Stage:  # fmt: skip
+    """The in-place stage of a :class:`functopk.build.Formula` (``leafwise`` registers it): the state's tree
+    fields checked to fit the parameters, then ``prepare`` (whose checks raise as the pure update's), and its
+    body run with the in-place writer, the state's tensors as outputs (``counted``: the step count is
+    ``leafwise``'s)."""
+
+    def stage(grads: list[torch.Tensor], old: Any, params: list[torch.Tensor], treedef: Any) -> Planned | None:
+        if not formula.in_place or type(old) is not state_type:
+            return None
+        if not all(p.dtype in EXACT_DTYPES for p in params):  # (float16, bfloat16: mul_ rounds unlike mul)
+            return None
+        state: Any = old
+        fields: list[list[torch.Tensor] | None] = []
+        for name in tree_fields:
+            tree = getattr(state, name)
+            leaves = None if tree is None else fitting(tree, treedef, params)
+            if tree is not None and leaves is None:
+                return None
+            fields.append(leaves)
+        if validate is not None:
+            validate(grads, treedef, "updates")
+        p = params if needs_params else None
+        body, rest = formula.prepare(state._replace(**dict(zip(tree_fields, fields))), params, p)
+        if counted:
+            rest = {**rest, "count": state.count + 1}
+        written = [t for leaves in fields for t in leaves or ()]
+
+        def run(updates: list[torch.Tensor], writer: Writer) -> list[torch.Tensor]:
+            return list(body(writer, updates, tuple(fields), p)[0])
+
+        sliced = Sliced(tuple(fields), body, needs_params) if formula.sliced else None
+        return Planned(written, run, state._replace(**rest), sliced)
+
+    return stage
+
+
+def stage_of(tx: GradientTransformation) -> Stage | None:
+    """The in-place stage registered for ``tx`` (a chain's: ``None``; :func:`split` takes it apart), if any."""
+    mark = _STAGES.get(tx.update)
+    return mark if callable(mark) else None
 
 
 class _Part(NamedTuple):
@@ -169,11 +223,11 @@ def _plan(part: _Part, grads: list[torch.Tensor], params: list[torch.Tensor], tr
             return None
         params_tree = optree.tree_unflatten(treedef, params)
 
-        def run(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        def run(updates: list[torch.Tensor], writer: Writer) -> list[torch.Tensor]:
             out = part.tx.update(optree.tree_unflatten(treedef, updates), part.state, params_tree)[0]
             return treedef.flatten_up_to(out)
 
-        return Planned([], run)
+        return Planned([], run, part.state)
     return mark(grads, part.state, params, treedef) if callable(mark) else None
 
 
@@ -191,6 +245,138 @@ def split(
         plans.insert(0, planned)
     cut = len(parts) - len(plans)
     return parts[:cut], parts[cut:], plans
+
+
+class Step(NamedTuple):
+    """A checked step, nothing written yet (:func:`plan_step`); :func:`run_step` writes it.
+
+    Attributes:
+        tx: The transformation.
+        state: Its state before the step.
+        parts: The parts (a chain's, flattened), each with its state.
+        new_states: Each part's new state: the head's computed (pure), the tail's as its step leaves it.
+        plans: The tail's planned steps.
+        updates: The tail's input (the head's output leaves), or, without a tail, the pure updates' leaves.
+        params: The parameters' leaves.
+        adds: The indices of the parameters with an update.
+    """
+
+    tx: GradientTransformation
+    state: OptState
+    parts: list[_Part]
+    new_states: list[OptState]
+    plans: list[Planned]
+    updates: list[Any]
+    params: list[Any]
+    adds: list[int]
+
+    @property
+    def new_state(self) -> OptState:
+        """The whole state after the step: the parts' new states put back where the parts sit."""
+        if len(self.parts) == 1 and not self.parts[0].path:
+            return self.new_states[0]
+        return _rebuilt(self.tx, self.state, iter(self.new_states))
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the step's output is mostly zero (its last part is a top-k's kept buffer)."""
+        return bool(self.plans) and self.plans[-1].sparse
+
+
+def _rebuilt(tx: GradientTransformation, state: OptState, new: Any) -> OptState:
+    """``state`` with each of its parts (as :func:`_parts` finds them) replaced by the next of ``new``."""
+    mark = _STAGES.get(tx.update)
+    if isinstance(mark, _Chained) and type(state) is tuple and len(state) == len(mark.parts):
+        return tuple(_rebuilt(t, s, new) for t, s in zip(mark.parts, state))
+    return next(new)
+
+
+def plan_step(
+    tx: GradientTransformation, grads: Updates, opt_state: OptState, params: Params, *, in_place: bool = True,
+    checked: bool = False,
+) -> Step:  # fmt: skip
+    """Every check of a step of ``tx`` and its pure part; nothing is written (see the module).
+
+    ``in_place=False`` plans it all pure (its new state is then fresh, to be kept or copied in);
+    ``checked``: the caller made ``params`` and ``grads``, trees of one structure (``None`` at the same
+    places, a parameter taking no part), a tensor at every other leaf of each, shaped alike (the
+    adapters), so the checks of :func:`functopk.apply_updates` are not repeated.
+
+    Raises:
+        TypeError, ValueError: as ``tx.update`` and :func:`functopk.apply_updates` do.
+    """
+    if checked:  # (None an empty node: the tensors are the leaves, their states' trees have None there too)
+        p_leaves, treedef = optree.tree_flatten(params)
+        pairs: list[Any] = p_leaves
+    else:
+        p_leaves, pairs, treedef = paired_leaves(params, grads, in_place=False)  # (writability: check_disjoint)
+    g_leaves: list[Any] = treedef.flatten_up_to(grads)
+    fits = in_place and bool(p_leaves) and len(pairs) == len(p_leaves)
+    fits = fits and all(like(g, p, exact=False) for g, p in zip(g_leaves, p_leaves))  # (formulas: float32/64)
+    whole = [_Part(tx, opt_state, "")]
+    head, tail, plans = split(tx, opt_state, g_leaves, p_leaves, treedef) if fits else (whole, [], [])
+    updates: Any = grads
+    new_states = []
+    for part in head:  # pure: nothing is written yet
+        updates, new = part.tx.update(updates, part.state, params)
+        new_states.append(new)
+    u_leaves: list[Any] | None = g_leaves if not head else _leaves_like(updates, treedef, p_leaves)
+    if plans and u_leaves is None:  # the pure parts changed the leaves' kind: no in-place tail after all
+        for part in tail:
+            updates, new = part.tx.update(updates, part.state, params)
+            new_states.append(new)
+        head, plans = head + tail, []
+    new_states += [planned.new_state for planned in plans]
+    if plans:
+        assert u_leaves is not None
+        return Step(tx, opt_state, head + tail, new_states, plans, u_leaves, p_leaves, list(range(len(p_leaves))))
+    leaves, pairs, full = paired_leaves(params, updates, in_place=False)  # checked before anything is written
+    return Step(tx, opt_state, head, new_states, [], full.flatten_up_to(updates), leaves, [i for i, _ in pairs])
+
+
+def run_step(step: Step, *, add: bool, writer: Writer = IN_PLACE) -> list[Any] | None:
+    """Write ``step``: its in-place parts, and with ``add`` the updates into the parameters.
+
+    Returns the updates' leaves, or ``None`` where they were added slice by
+    slice (on CPU, the tail's last steps that have a :class:`Sliced` body, when
+    ``add``). ``writer`` is the in-place writer of the tail's first part
+    (``IN_PLACE_SPARSE`` for a mostly-zero input). The new states are ``step.new_states``.
+    """
+    plans, params = step.plans, [step.params[i] for i in step.adds]
+    n = 0  # the last steps with sliced bodies, run batch by batch with the add (CPU only)
+    if add and plans and plans[-1].sliced is not None and chunked.applies(params):
+        while n < len(plans) and plans[len(plans) - 1 - n].sliced is not None:
+            n += 1
+    updates = step.updates
+    with torch.no_grad():
+        for planned in plans[: len(plans) - n]:
+            updates = planned.run(updates, writer)
+            writer = IN_PLACE_SPARSE if planned.sparse else IN_PLACE
+        if n:  # (an in-place tail: every update is like its parameter)
+            _sliced_add([p.sliced for p in plans[len(plans) - n :]], params, updates, writer)  # type: ignore[misc]
+            return None
+        if add and params:  # as apply_updates: each update cast to its parameter's dtype
+            ups = [updates[i] for i in step.adds]
+            torch._foreach_add_(params, [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(params, ups)])
+    return updates
+
+
+def _sliced_add(steps: list[Sliced], params: list[torch.Tensor], updates: list[torch.Tensor], writer: Writer) -> None:
+    """``params += steps(updates)``, the steps' bodies composed, batch by batch (:mod:`functopk.tree.chunked`)."""
+    columns = [updates, *(f for step in steps for f in step.fields if f is not None)]
+
+    def body(scratch: Any, ps: list[torch.Tensor], u: list[torch.Tensor], *state: list[torch.Tensor]) -> list[Any]:
+        w, i = in_place(writer.mostly_zero, scratch), 0  # (its temporaries in the batch's scratch rows)
+        for step in steps:
+            fields = []
+            for f in step.fields:
+                fields.append(None if f is None else state[i])
+                i += f is not None
+            u = step.body(w, u, tuple(fields), ps if step.needs_params else None)[0]
+            w = in_place(False, scratch)
+        return u
+
+    chunked.add_(params, columns, body)
 
 
 def update_(
@@ -224,82 +410,23 @@ def update_(
         (tensor([1., 4., 3.]), tensor([ 0., -4.,  0.]))
     """
     check_transformation(tx, "tx")
-    p_leaves, pairs, treedef = paired_leaves(params, grads, in_place=False)  # (writability: _check_disjoint)
-    g_leaves: list[Any] = treedef.flatten_up_to(grads)
-    fits = bool(p_leaves) and len(pairs) == len(p_leaves) and all(map(_like, g_leaves, p_leaves))
-    whole = [_Part(tx, opt_state, "")]
-    head, tail, plans = split(tx, opt_state, g_leaves, p_leaves, treedef) if fits else (whole, [], [])
-    updates: Any = grads
-    new_states = []
-    for part in head:  # pure: nothing is written yet
-        updates, new = part.tx.update(updates, part.state, params)
-        new_states.append(new)
-    u_leaves: list[Any] | None = g_leaves if not head else _leaves_like(updates, treedef, p_leaves)
-    u_leaves = u_leaves if plans else None
-    if plans and u_leaves is None:  # the pure parts changed the leaves' kind: no in-place tail after all
-        for part in tail:
-            updates, new = part.tx.update(updates, part.state, params)
-            head.append(part)
-            new_states.append(new)
-        plans = []
-    copies = [c for part, new in zip(head, new_states) for c in _copies(part.state, new, part.path)]
-    if u_leaves is not None:
-        adds = list(range(len(p_leaves)))
-    else:  # the pure updates, checked against the parameters before anything is written
-        adds = [i for i, _ in paired_leaves(params, updates, in_place=False)[1]]
-        u_leaves = treedef.flatten_up_to(updates)
-    _check_disjoint([p_leaves[i] for i in adds], adds, plans, copies, g_leaves, treedef)
-    _write(plans, copies, [p_leaves[i] for i in adds], adds, u_leaves)
-    return params, opt_state
-
-
-def _write(
-    plans: list[Planned],
-    copies: list[tuple[torch.Tensor, torch.Tensor, str]],
-    params: list[torch.Tensor],
-    adds: list[int],
-    updates: list[Any],
-) -> None:
-    """Every write, once everything is checked: the in-place steps, the pure parts' new states, the parameters.
-
-    On CPU the last steps that have slice bodies run with the add, slice by slice (see :class:`Planned`)."""
-    n = 0
-    while chunked.applies(params) and n < len(plans) and plans[len(plans) - 1 - n].sliced is not None:
-        n += 1
+    step = plan_step(tx, grads, opt_state, params)
+    copies = [c for part, new in zip(step.parts, step.new_states) for c in _copies(part.state, new, part.path)]
+    treedef = optree.tree_structure(params, none_is_leaf=True)
+    check_disjoint(step, [o for o, _, _ in copies], treedef.flatten_up_to(grads), treedef, [c[2] for c in copies])
+    run_step(step, add=True)
     with torch.no_grad():
-        for planned in plans[: len(plans) - n]:
-            updates = planned.run(updates)
         for old, new, _ in copies:
             old.copy_(new)
-        if n:  # (an in-place tail: every update is like its parameter)
-            _sliced_add([p.sliced for p in plans[len(plans) - n :]], params, updates)  # type: ignore[misc]
-        elif params:  # as apply_updates: each update cast to its parameter's dtype
-            ups = [updates[i] if updates[i].dtype == p.dtype else updates[i].to(p.dtype) for p, i in zip(params, adds)]
-            torch._foreach_add_(params, ups)
-
-
-def _sliced_add(steps: list[Sliced], params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
-    """``params += steps(updates)``, the steps' bodies composed, slice by slice; then each step's ``finish``."""
-    cuts = [0]
-    for step in steps:
-        cuts.append(cuts[-1] + len(step.state))
-
-    def body(s: list[torch.Tensor], p: torch.Tensor, u: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
-        for step, a, b in zip(steps, cuts, cuts[1:]):
-            u = step.body(s, u, *state[a:b])
-        return u
-
-    chunked.add_(params, [updates, *(leaves for step in steps for leaves in step.state)], body)
-    for step in steps:
-        step.finish()
+    return params, opt_state
 
 
 def _leaves_like(updates: Any, treedef: optree.PyTreeSpec, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """The updates' leaves if they have the parameters' structure and each is like its parameter, else ``None``."""
-    if optree.tree_structure(updates, none_is_leaf=True) != treedef:
+    if optree.tree_structure(updates, none_is_leaf=treedef.none_is_leaf) != treedef:
         return None
     leaves = treedef.flatten_up_to(updates)
-    return leaves if all(_like(u, p) for u, p in zip(leaves, params)) else None  # type: ignore[return-value]
+    return leaves if all(like(u, p, exact=False) for u, p in zip(leaves, params)) else None  # type: ignore[return-value]
 
 
 def _copies(old: OptState, new: OptState, path: str) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
@@ -331,30 +458,31 @@ def _copies(old: OptState, new: OptState, path: str) -> list[tuple[torch.Tensor,
     return out
 
 
-def _check_disjoint(
-    params: list[torch.Tensor],
-    adds: list[int],
-    plans: list[Planned],
-    copies: list[tuple[torch.Tensor, torch.Tensor, str]],
+def check_disjoint(
+    step: Step,
+    others: list[torch.Tensor],
     g_leaves: list[Any],
     treedef: optree.PyTreeSpec,
+    names: list[str] | None = None,
 ) -> None:
     """``ValueError`` naming a tensor to be written that cannot be (an inference tensor, an expanded view), or
-    that overlaps another written tensor or a gradient. Leaf paths are built only for a message."""
-    written = [t for planned in plans for t in planned.written]
+    that overlaps another written tensor or a gradient: the parameters with updates, the tail's state tensors,
+    ``others`` (tensors the caller writes, named by ``names``). Leaf paths are built only for a message."""
+    params = [step.params[i] for i in step.adds]
+    written = [t for planned in step.plans for t in planned.written]
     grads = [i for i, g in enumerate(g_leaves) if isinstance(g, torch.Tensor) and not g.is_inference()]
     # (an inference tensor can be read, not written: a gradient that is one is not checked)
-    tensors = [*params, *written, *(o for o, _, _ in copies), *(g_leaves[i] for i in grads)]
+    tensors = [*params, *written, *others, *(g_leaves[i] for i in grads)]
 
     def where(k: int) -> str:
         if k < len(params):
-            return f"params{path_str(treedef.paths()[adds[k]])}"
+            return f"params{path_str(treedef.paths()[step.adds[k]])}"
         k -= len(params)
         if k < len(written):
             return "opt_state (a tensor the in-place step writes)"
         k -= len(written)
-        return copies[k][2] if k < len(copies) else f"grads{path_str(treedef.paths()[grads[k - len(copies)]])}"
+        if k < len(others):
+            return names[k] if names else "opt_state"
+        return f"grads{path_str(treedef.paths()[grads[k - len(others)]])}"
 
     check_writable(tensors, "update_'s input", where)
-
-

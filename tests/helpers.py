@@ -97,6 +97,16 @@ class CaptureBlockers(TorchDispatchMode):
         if len(devices) > 1:
             raise AssertionError(f"{func} mixes devices: {sorted(devices)}")
         return out
+class OpsSeen(TorchDispatchMode):
+    """The names of the aten operators a block runs (``with OpsSeen() as seen: ...; seen.names``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 def clone_tree(tree):

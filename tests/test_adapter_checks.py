@@ -1,6 +1,6 @@
 """What both ``torch.optim`` adapters refuse, side by side with what ``torch.optim`` does.
 
-``ft.TorchOptimizer(params, tx)`` and ``ft.TorchOptimizer.from_torch(cls, params, ...)``
+``ft.TorchOptimizer(params, tx)`` and ``ft.optimizer_from_torch(cls, params, ...)``
 refuse a parameter listed twice in one group (torch warns and steps it twice) and
 the implementation flags whose behaviour functopk does not give; both leave the
 optimizer as it was.
@@ -17,7 +17,7 @@ import functopk as ft
 
 ADAPTERS = {
     "TorchOptimizer": lambda params: ft.TorchOptimizer(params, ft.chain(ft.topk(3), ft.sgd(0.1))),
-    "from_torch": lambda params: ft.TorchOptimizer.from_torch(torch.optim.SGD, params, ft.topk(3), lr=0.1),
+    "from_torch": lambda params: ft.optimizer_from_torch(torch.optim.SGD, params, ft.topk(3), lr=0.1),
 }
 
 
@@ -66,10 +66,10 @@ def test_capturable_and_differentiable_are_refused_at_every_door(flag):
     model = make_model()
     refused = pytest.raises(NotImplementedError, match=f"{flag}=True is not supported")
     with refused:
-        ft.TorchOptimizer.from_torch(torch.optim.Adam, model.parameters(), **{flag: True})
+        ft.optimizer_from_torch(torch.optim.Adam, model.parameters(), **{flag: True})
     with refused:
-        ft.TorchOptimizer.from_torch_class(torch.optim.Adam)(model.parameters(), **{flag: True})
-    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, [model.weight], lr=0.1)
+        ft.optimizer_class_from_torch(torch.optim.Adam)(model.parameters(), **{flag: True})
+    opt = ft.optimizer_from_torch(torch.optim.Adam, [model.weight], lr=0.1)
     with refused:
         opt.add_param_group({"params": [model.bias], flag: True})
     assert len(opt.param_groups) == 1
@@ -93,12 +93,12 @@ def test_fused_parameters_torch_refuses_raise_torchs_error_at_the_step_as_torch(
     p.grad = torch.ones_like(p)
     with pytest.raises(RuntimeError) as torch_error:
         theirs.step()
-    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, [p], fused=True)
+    ours = ft.optimizer_from_torch(torch.optim.Adam, [p], fused=True)
     with pytest.raises(RuntimeError) as our_error:
         ours.step()
     assert str(our_error.value) == str(torch_error.value) and not ours.state and torch.equal(p, torch.zeros(2))
     q = torch.zeros(2, requires_grad=True)
-    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, [q], fused=True)
+    opt = ft.optimizer_from_torch(torch.optim.Adam, [q], fused=True)
     opt.add_param_group({"params": [p]})
     q.grad = torch.ones_like(q)
     with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point"):

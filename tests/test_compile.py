@@ -63,7 +63,8 @@ def _linear_and_batch():
 
 
 def test_compiled_torch_optimizer_step_equals_eager_with_a_scheduled_tensor_lr():
-    """As documented: bitwise equal to eager, and no recompilation once the state exists."""
+    """As documented: a compiled caller runs the step eagerly (the in-place engine is eager), so it is bitwise
+    the eager step and nothing recompiles."""
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -85,11 +86,11 @@ def test_compiled_torch_optimizer_step_equals_eager_with_a_scheduled_tensor_lr()
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compiled_from_torch_step_is_refused_and_changes_nothing(fullgraph):
     model, x = _linear_and_batch()
-    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, model.parameters(), ft.topk(3), lr=0.1)
+    opt = ft.optimizer_from_torch(torch.optim.Adam, model.parameters(), ft.topk(3), lr=0.1)
     model(x).square().sum().backward()
     before = [p.detach().clone() for p in model.parameters()]
     # without fullgraph, the caller gets the NotImplementedError; with it, dynamo's error carries the message
-    with pytest.raises(Exception, match="not supported for TorchOptimizer.from_torch.*functional step") as err:
+    with pytest.raises(Exception, match="not supported for optimizer_from_torch.*functional step") as err:
         torch.compile(opt.step, backend="eager", fullgraph=fullgraph)()
     assert fullgraph or err.type is NotImplementedError
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state

@@ -202,3 +202,30 @@ def test_the_checks_see_violations():
     assert [(n, node.end_lineno) for n, node in functions(ast.parse(long))] == [("f", MAX_FUNCTION_LINES + 1)]
     assert ("functopk.distributed.wire", "pack") in set(imports("functopk.distributed.tree"))
     assert "functopk/_checks.py" in [path for _, path in layout_table()]
+
+
+def test_the_public_front_is_counted_right():
+    """design.md's count of the names ``functopk/__init__.py`` exports is the count of ``ft.__all__``."""
+    import functopk as ft
+
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert f"`functopk/__init__.py` exports {len(ft.__all__)} names" in text
+
+
+STATE_KERNELS = ("_foreach_lerp_", "_foreach_maximum_", "_foreach_addcmul_", "_foreach_clamp_min_")
+
+
+def test_one_engine_and_one_writing_of_each_optimizer():
+    """No second in-place engine: no ``inplace*`` module but ``functopk/inplace.py``; the in-place kernels that
+    turn a state field into its new value run only in the writer and the foreach layer (an optimizer's formula
+    calls them through the writer); ``adapter/`` holds no optimizer maths (no foreach kernel but the adds
+    into the parameters and ``TorchOptimizer``'s group factors)."""
+    engines = [rel for rel in map(str, (p.relative_to(ROOT) for p in MODULES.values()))
+               if Path(rel).name.startswith("inplace")]  # fmt: skip
+    assert engines == ["functopk/inplace.py"], engines
+    for path in MODULES.values():
+        rel, text = str(path.relative_to(ROOT)), path.read_text()
+        if rel not in ("functopk/tree/writer.py", "functopk/tree/foreach.py"):
+            assert not [k for k in STATE_KERNELS if f"torch.{k}(" in text], rel
+        if rel.startswith("functopk/adapter/"):
+            assert set(re.findall(r"torch\._foreach_(\w+)\(", text)) <= {"add_", "mul"}, rel

@@ -1,4 +1,4 @@
-"""``ft.from_torch`` and ``TorchOptimizer.from_torch`` against torch.optim, on PyTorch's own test configurations.
+"""``ft.from_torch`` and ``optimizer_from_torch`` against torch.optim, on PyTorch's own test configurations.
 
 ``torch.testing._internal.common_optimizers.optim_db`` lists, per optimizer
 class, the configurations PyTorch tests. For each class and configuration, 40
@@ -104,7 +104,7 @@ def run_functional(cls: type, kwargs: dict, dtype: torch.dtype) -> dict[str, tor
 def run_adapter(cls: type, kwargs: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     with default_dtype_for(dtype):
         params = {k: v.clone().requires_grad_() for k, v in _params(cls, dtype).items()}
-        opt = ft.TorchOptimizer.from_torch(cls, list(params.values()), **_kwargs_for(kwargs, dtype))
+        opt = ft.optimizer_from_torch(cls, list(params.values()), **_kwargs_for(kwargs, dtype))
         for _ in range(STEPS):
             for p in params.values():
                 p.grad = _grad(p.detach())
@@ -254,7 +254,7 @@ def _run_with_changes(cls: type, kwargs: dict, how: str, change: bool = True) ->
             state = tx.init(params)
         else:
             params = {k: v.requires_grad_() for k, v in params.items()}
-            make = cls if how == "torch" else lambda ps, **kw: ft.TorchOptimizer.from_torch(cls, ps, **kw)
+            make = cls if how == "torch" else lambda ps, **kw: ft.optimizer_from_torch(cls, ps, **kw)
             opt = make(list(params.values()), **kwargs)
             scheduler = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
         for i in range(8):
@@ -288,10 +288,10 @@ def test_loggers_and_isinstance_see_the_torch_class(name):
     cls = getattr(torch.optim, name)
     params = [torch.zeros(2, 2, requires_grad=True)]
     made = [
-        ft.TorchOptimizer.from_torch(cls, params),
-        ft.TorchOptimizer.from_torch(cls, params, sparsify=ft.topk(1)),
-        ft.TorchOptimizer.from_torch_class(cls)(params),
-        ft.TorchOptimizer.from_torch_class(cls, ft.topk(1))(params),
+        ft.optimizer_from_torch(cls, params),
+        ft.optimizer_from_torch(cls, params, sparsify=ft.topk(1)),
+        ft.optimizer_class_from_torch(cls)(params),
+        ft.optimizer_class_from_torch(cls, ft.topk(1))(params),
     ]
     for opt in made:
         assert type(opt).__name__ == name
@@ -332,7 +332,7 @@ def test_no_method_of_the_torch_class_runs(name, monkeypatch):
             monkeypatch.setattr(owner, attr, _forbidden(owner, attr), raising=False)
     with default_dtype_for(torch.float64):
         params = _params(cls, torch.float64)
-        opt = ft.TorchOptimizer.from_torch(cls, list(params.values()))
+        opt = ft.optimizer_from_torch(cls, list(params.values()))
         for i in range(STEPS):
             for p in params.values():
                 p.grad = _grad(p.detach())

@@ -1,4 +1,4 @@
-"""``TorchOptimizer.from_torch`` with sparse gradients and complex parameters, side by side with torch.optim.
+"""``optimizer_from_torch`` with sparse gradients and complex parameters, side by side with torch.optim.
 
 torch steps a sparse gradient with ``SGD`` and ``Adagrad`` (without weight
 decay) and refuses it elsewhere; it steps a complex parameter through its
@@ -71,7 +71,7 @@ SPARSE_ACCEPTED = [
 def test_sparse_gradients_step_as_torch(cls, kwargs):
     p0 = torch.randn(6, 3, dtype=torch.float64)
     theirs, t_opt = _run(lambda ps: cls(ps, **kwargs), [p0], lambda s, p: _sparse_grad(s))
-    ours, o_opt = _run(lambda ps: ft.TorchOptimizer.from_torch(cls, ps, **kwargs), [p0], lambda s, p: _sparse_grad(s))
+    ours, o_opt = _run(lambda ps: ft.optimizer_from_torch(cls, ps, **kwargs), [p0], lambda s, p: _sparse_grad(s))
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-12, atol=1e-14)
     assert torch.equal(ours[0][[1, 5]], p0[[1, 5]])  # rows no gradient touched
     t_p, o_p = t_opt.param_groups[0]["params"][0], o_opt.param_groups[0]["params"][0]
@@ -98,7 +98,7 @@ def test_sparse_gradients_are_refused_where_torch_refuses_them(cls, kwargs):
     with pytest.raises(RuntimeError):
         cls(list(with_grads()), **kwargs).step()
     dense, sparse = with_grads()
-    opt = ft.TorchOptimizer.from_torch(cls, [dense, sparse], **kwargs)
+    opt = ft.optimizer_from_torch(cls, [dense, sparse], **kwargs)
     with pytest.raises(NotImplementedError, match=f"{cls.__name__}.*sparse gradients"):
         opt.step()
     assert not opt.state and torch.equal(dense, torch.zeros(2, dtype=torch.float64))  # nothing changed
@@ -111,7 +111,7 @@ def test_sparse_adagrad_without_eps_or_initial_accumulator_is_refused():
     assert torch.equal(theirs[0][[1, 5]], p0[[1, 5]])
     p = p0.clone().requires_grad_()
     p.grad = _sparse_grad(0)
-    opt = ft.TorchOptimizer.from_torch(torch.optim.Adagrad, [p], eps=0.0)
+    opt = ft.optimizer_from_torch(torch.optim.Adagrad, [p], eps=0.0)
     with pytest.raises(NotImplementedError, match="eps > 0 or initial_accumulator_value > 0"):
         opt.step()
     assert not opt.state and torch.equal(p.detach(), p0)
@@ -130,7 +130,7 @@ def test_sparse_gradient_joins_the_global_topk_as_its_dense_values():
         return grad
 
     def make(ps):
-        return ft.TorchOptimizer.from_torch(torch.optim.Adagrad, ps, sparsify=ft.topk(3), lr=0.1)
+        return ft.optimizer_from_torch(torch.optim.Adagrad, ps, sparsify=ft.topk(3), lr=0.1)
 
     sparse, s_opt = _run(make, p0, grad_at(False))
     dense, d_opt = _run(make, p0, grad_at(True))
@@ -145,7 +145,7 @@ def test_a_sparse_momentum_buffer_from_torch_is_read_as_dense():
     p0 = torch.randn(6, 3, dtype=torch.float64)
     theirs, t_opt = _run(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), [p0], lambda s, p: _sparse_grad(s), 1)
     ours, o_opt = _run(
-        lambda ps: ft.TorchOptimizer.from_torch(torch.optim.SGD, ps, lr=0.1, momentum=0.9),
+        lambda ps: ft.optimizer_from_torch(torch.optim.SGD, ps, lr=0.1, momentum=0.9),
         [p0],
         lambda s, p: _sparse_grad(s),
         1,
@@ -194,7 +194,7 @@ def _smooth(step, p):
 def test_complex_parameters_step_as_torch_with_complex_state(cls, kwargs):
     with default_dtype_for(torch.float64):  # the scalars torch keeps in the default dtype (ASGD's eta)
         theirs, t_opt = _run(lambda ps: cls(ps, **kwargs), _complex_params(), _smooth, 3)
-        ours, o_opt = _run(lambda ps: ft.TorchOptimizer.from_torch(cls, ps, **kwargs), _complex_params(), _smooth, 3)
+        ours, o_opt = _run(lambda ps: ft.optimizer_from_torch(cls, ps, **kwargs), _complex_params(), _smooth, 3)
     for mine, torchs in zip(ours, theirs):
         assert mine.dtype == torchs.dtype
         torch.testing.assert_close(mine, torchs, rtol=1e-12, atol=1e-14)
@@ -210,7 +210,7 @@ def test_complex_state_dict_goes_to_torch_and_back():
     """
     p0 = _complex_params()[:1]
     make_t = lambda ps: torch.optim.Adam(ps, lr=0.1)  # noqa: E731
-    make_o = lambda ps: ft.TorchOptimizer.from_torch(torch.optim.Adam, ps, lr=0.1)  # noqa: E731
+    make_o = lambda ps: ft.optimizer_from_torch(torch.optim.Adam, ps, lr=0.1)  # noqa: E731
     truth, _ = _run(make_t, p0, _smooth, 4)
     for first, second in ((make_o, make_t), (make_t, make_o)):
         half, opt = _run(first, p0, _smooth, 2)
@@ -231,12 +231,12 @@ def test_complex_parameters_are_refused_where_torch_refuses_them(cls):
     with pytest.raises(RuntimeError, match="does not support complex"):
         cls([p]).step()
     with pytest.raises(TypeError, match=f"{cls.__name__} does not support complex parameters.*complex128"):
-        ft.TorchOptimizer.from_torch(cls, [p])
+        ft.optimizer_from_torch(cls, [p])
 
 
 def test_a_complex_coordinate_is_two_real_ones_in_the_global_topk():
     def make(ps):
-        return ft.TorchOptimizer.from_torch(torch.optim.SGD, ps, sparsify=ft.topk(3), lr=0.1)
+        return ft.optimizer_from_torch(torch.optim.SGD, ps, sparsify=ft.topk(3), lr=0.1)
 
     complex_ps = [p.requires_grad_() for p in _complex_params()]
     real_ps = [views.real(p).clone().requires_grad_() for p in _complex_params()]

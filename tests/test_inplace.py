@@ -9,7 +9,7 @@ import torch
 import functopk as ft
 from functopk.inplace import split
 from functopk.tree import chunked
-from tests.helpers import assert_tree_bitwise_equal, clone_tree, to_device
+from tests.helpers import OpsSeen, assert_tree_bitwise_equal, clone_tree, to_device
 
 
 def tree(seed: int, dtype=torch.float32):
@@ -32,7 +32,7 @@ CASES = {
     "sgd-nesterov-decay-maximize": (
         lambda: ft.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1, maximize=True), 4
     ),
-    "sgd-dampening": (lambda: ft.sgd(0.1, momentum=0.9, dampening=0.3), 1),
+    "sgd-dampening": (lambda: ft.sgd(0.1, momentum=0.9, dampening=0.3), 2),
     "adam-decay-maximize": (lambda: ft.adam(1e-2, weight_decay=0.1, maximize=True), 1),
     "adamw": (lambda: ft.adamw(1e-2, weight_decay=0.1), 1),
     "adamw-amsgrad-mask": (lambda: ft.adamw(1e-2, amsgrad=True, mask=_no_decay), 1),
@@ -45,7 +45,7 @@ CASES = {
     "rmsprop-centered-momentum": (lambda: ft.rmsprop(1e-2, momentum=0.9, centered=True), 3),
     "adagrad": (lambda: ft.adagrad(1e-2, initial_accumulator_value=0.1), 2),
     "scale-by-rms-rss-optax": (lambda: ft.chain(ft.scale_by_rms(), ft.scale_by_rss(eps=0.0), ft.scale(-0.1)), 3),
-    "adagrad-lr-decay-partly": (lambda: ft.adagrad(1e-2, lr_decay=0.1), 0),
+    "adagrad-lr-decay": (lambda: ft.adagrad(1e-2, lr_decay=0.1), 2),
     "fallback-lion": (lambda: ft.lion(1e-3, weight_decay=0.1), 2),
     "fallback-apply-if-finite": (lambda: ft.apply_if_finite(ft.adam(1e-2), 2), 0),
     "fallback-inject-hyperparams": (lambda: ft.inject_hyperparams(ft.adam)(learning_rate=1e-2), 0),
@@ -231,3 +231,32 @@ def test_disjoint_interleaved_views_of_one_buffer_step_in_place_as_the_pure_step
     g = {k: torch.ones_like(v) for k, v in overlapping.items()}
     _unchanged_after(ValueError, lambda: ft.update_(tx, g, state, overlapping), overlapping, state,
                      r"params\['[ab]'\] and params\['[ab]'\] share memory")  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "in_place"), [(lambda: ft.chain(ft.topk(5), ft.sgd(0.1, momentum=0.9)), 3),
+                                                (lambda: ft.chain(ft.topk(density=0.2), ft.adam(0.1)), 2)])  # fmt: skip
+def test_a_constant_topk_writes_into_its_kept_buffer_and_tells_adam_the_gradient_is_mostly_zero(
+    make, in_place, monkeypatch
+):
+    """update_ runs the user's top-k as it is: its in-place form keeps one flat buffer, re-zeroed at the last
+    step's indices, instead of a dense tree per step; the parts after it see a mostly-zero input."""
+    from functopk.sparse.selection import Indices
+
+    tx = make()
+    grads = [tree(s, torch.float64) for s in (1, 2, 3)]  # one dtype: what the buffer serves
+    expected_params, expected_state = pure_steps(tx, tree(0, torch.float64), grads)
+    params = tree(0, torch.float64)
+    state = tx.init(params)
+    leaves, treedef = optree.tree_flatten(params)
+    assert len(split(tx, state, optree.tree_leaves(grads[0]), leaves, treedef)[1]) == in_place
+
+    def no_dense_tree(self, leaves):
+        raise AssertionError("a dense tree was built")
+
+    monkeypatch.setattr(Indices, "dense", no_dense_tree)
+    for g in grads:
+        with OpsSeen() as seen:
+            ft.update_(tx, g, state, params)
+    assert_tree_bitwise_equal(params, expected_params)
+    assert_tree_bitwise_equal(state, expected_state)
+    assert ("_foreach_clamp_min" in seen.names) == (in_place == 2)  # Adam's floor of nu before sqrt

@@ -1,4 +1,4 @@
-"""``ft.TorchOptimizer.from_torch`` in PyTorch Lightning, transformers' Trainer and Accelerate (examples/*_topk.py),
+"""``ft.optimizer_from_torch`` in PyTorch Lightning, transformers' Trainer and Accelerate (examples/*_topk.py),
 and ``ft.sparse_optimizer_from_torch`` in transformers' Trainer (examples/gpt2_sparse_finetune.py).
 
 Each example runs once, in its own process (the frameworks keep global state:
@@ -176,10 +176,10 @@ def test_gpt2_sparse_finetune_example_checks_pass(tmp_path_factory):
 def test_load_state_dict_with_topk_k_larger_than_a_parameter():
     """Lightning's ckpt_path, Trainer's resume_from_checkpoint and Accelerate's load_state all call this."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 10))
-    opt = ft.TorchOptimizer.from_torch(torch.optim.AdamW, model.parameters(), sparsify=ft.topk(500), lr=0.01)
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, model.parameters(), sparsify=ft.topk(500), lr=0.01)
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
-    fresh = ft.TorchOptimizer.from_torch(torch.optim.AdamW, model.parameters(), sparsify=ft.topk(500), lr=0.01)
+    fresh = ft.optimizer_from_torch(torch.optim.AdamW, model.parameters(), sparsify=ft.topk(500), lr=0.01)
     fresh.load_state_dict(opt.state_dict())
     assert all(torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"]) for p in model.parameters())
 
@@ -187,7 +187,7 @@ def test_load_state_dict_with_topk_k_larger_than_a_parameter():
 def test_add_param_group_smaller_than_k_with_error_feedback_topk():
     """Lightning's BackboneFinetuning (and any unfreezing schedule) adds param groups during training."""
     body, head = torch.nn.Linear(64, 128), torch.nn.Linear(128, 2)  # the head: 258 coordinates < k
-    opt = ft.TorchOptimizer.from_torch(
+    opt = ft.optimizer_from_torch(
         torch.optim.AdamW, body.parameters(), sparsify=ft.error_feedback(ft.topk(500)), lr=0.01
     )
     x = torch.randn(4, 64)
@@ -204,10 +204,10 @@ def test_add_param_group_smaller_than_k_with_error_feedback_topk():
 def test_from_torch_class_is_an_optimizer_class_with_torchs_signature():
     """What transformers' Trainer needs from optimizer_cls_and_kwargs: a class, called with the groups."""
     sparsify = ft.topk(3)
-    cls = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, sparsify)
+    cls = ft.optimizer_class_from_torch(torch.optim.AdamW, sparsify)
     assert isinstance(cls, type) and issubclass(cls, ft.ParamGroupOptimizer)
     assert cls.__name__ == "AdamW" and issubclass(cls, torch.optim.AdamW)  # what loggers show, what isinstance sees
-    assert ft.TorchOptimizer.from_torch_class(torch.optim.AdamW, sparsify) is cls  # the same class for the same args
+    assert ft.optimizer_class_from_torch(torch.optim.AdamW, sparsify) is cls  # the same class for the same args
     model = torch.nn.Linear(4, 2)
     opt = cls([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.02}], lr=0.01, weight_decay=0.0)
     model(torch.randn(3, 4)).sum().backward()
@@ -216,4 +216,4 @@ def test_from_torch_class_is_an_optimizer_class_with_torchs_signature():
     assert sum(int((p != b).sum()) for p, b in zip(model.parameters(), before)) == 3  # one top-k over both groups
     assert [g["lr"] for g in opt.param_groups] == [0.01, 0.02]
     with pytest.raises(ValueError, match="no functopk form"):
-        ft.TorchOptimizer.from_torch_class(torch.optim.LBFGS)
+        ft.optimizer_class_from_torch(torch.optim.LBFGS)

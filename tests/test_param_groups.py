@@ -1,4 +1,4 @@
-"""``TorchOptimizer.from_torch`` against ``torch.optim`` step by step: groups, schedulers, state, resume, AMP.
+"""``optimizer_from_torch`` against ``torch.optim`` step by step: groups, schedulers, state, resume, AMP.
 
 Every test runs the same float64 model and gradients through a torch.optim
 optimizer and through the adapter, doing the same thing to both (group edits,
@@ -50,7 +50,7 @@ def twin(cls, groups_fn=decay_groups, sparsify=None, **kwargs):
     """The same model twice, one with torch's optimizer and one with the adapter."""
     m1, m2 = make_model(), make_model()
     o1 = cls(groups_fn(m1), **kwargs)
-    o2 = ft.TorchOptimizer.from_torch(cls, groups_fn(m2), sparsify, **kwargs)
+    o2 = ft.optimizer_from_torch(cls, groups_fn(m2), sparsify, **kwargs)
     return (m1, o1), (m2, o2)
 
 
@@ -239,15 +239,15 @@ def test_resume_from_state_dict_is_bitwise(sparsify):
             opt.step()
 
     straight = make_model()
-    opt = ft.TorchOptimizer.from_torch(torch.optim.AdamW, decay_groups(straight), sparsify, lr=0.01)
+    opt = ft.optimizer_from_torch(torch.optim.AdamW, decay_groups(straight), sparsify, lr=0.01)
     run(10, straight, opt)
 
     first = make_model()
-    opt1 = ft.TorchOptimizer.from_torch(torch.optim.AdamW, decay_groups(first), sparsify, lr=0.01)
+    opt1 = ft.optimizer_from_torch(torch.optim.AdamW, decay_groups(first), sparsify, lr=0.01)
     run(6, first, opt1)
     resumed = make_model()
     resumed.load_state_dict(first.state_dict())
-    opt2 = ft.TorchOptimizer.from_torch(torch.optim.AdamW, decay_groups(resumed), sparsify, lr=0.01)
+    opt2 = ft.optimizer_from_torch(torch.optim.AdamW, decay_groups(resumed), sparsify, lr=0.01)
     opt2.load_state_dict(_saved(opt1))
     run(4, resumed, opt2)
     for a, b in zip(straight.parameters(), resumed.parameters()):
@@ -270,7 +270,7 @@ def test_distributed_checkpoint_state_dict_api_works():
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     model = make_model()
-    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, model.parameters(), ft.topk(5), lr=0.05)
+    opt = ft.optimizer_from_torch(torch.optim.Adam, model.parameters(), ft.topk(5), lr=0.05)
     for _ in range(2):
         opt.zero_grad()
         loss_of(model).backward()
@@ -279,7 +279,7 @@ def test_distributed_checkpoint_state_dict_api_works():
     assert set(osd["state"]) == {n for n, _ in model.named_parameters()}  # keyed by parameter name
     other = make_model()
     other.load_state_dict(model.state_dict())
-    opt2 = ft.TorchOptimizer.from_torch(torch.optim.Adam, other.parameters(), ft.topk(5), lr=0.05)
+    opt2 = ft.optimizer_from_torch(torch.optim.Adam, other.parameters(), ft.topk(5), lr=0.05)
     set_optimizer_state_dict(other, opt2, osd)
     for m, o in ((model, opt), (other, opt2)):
         o.zero_grad()
@@ -291,7 +291,7 @@ def test_distributed_checkpoint_state_dict_api_works():
 
 def test_load_state_dict_checks_before_changing_anything():
     model = make_model()
-    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, decay_groups(model), lr=0.05)
+    opt = ft.optimizer_from_torch(torch.optim.Adam, decay_groups(model), lr=0.05)
     loss_of(model).backward()
     opt.step()
     before = {p: dict(s) for p, s in opt.state.items()}
@@ -338,7 +338,7 @@ def test_sparsify_with_k_equal_to_n_is_the_plain_optimizer_bit_for_bit():
 
 def test_sparsify_selects_the_global_top_k_across_groups():
     model = make_model()
-    opt = ft.TorchOptimizer.from_torch(torch.optim.SGD, decay_groups(model), ft.topk(7), lr=1.0)
+    opt = ft.optimizer_from_torch(torch.optim.SGD, decay_groups(model), ft.topk(7), lr=1.0)
     loss_of(model).backward()
     before = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
     grads = torch.cat([p.grad.reshape(-1) for g in opt.param_groups for p in g["params"]])
@@ -357,7 +357,7 @@ def test_sparsify_selects_the_global_top_k_across_groups():
 
 def test_bad_group_hyperparameters_fail_at_add_param_group_and_leave_the_groups():
     model = make_model()
-    opt = ft.TorchOptimizer.from_torch(torch.optim.Adam, list(model[0].parameters()), lr=0.05)
+    opt = ft.optimizer_from_torch(torch.optim.Adam, list(model[0].parameters()), lr=0.05)
     with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):  # torch's constructor's message
         opt.add_param_group({"params": list(model[3].parameters()), "lr": -1.0})
     assert len(opt.param_groups) == 1

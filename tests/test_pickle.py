@@ -36,10 +36,10 @@ ROUND_TRIPS = {
 }
 
 OPTIMIZERS = {
-    "from_torch": lambda ps: ft.TorchOptimizer.from_torch(
+    "from_torch": lambda ps: ft.optimizer_from_torch(
         torch.optim.AdamW, ps, sparsify=ft.error_feedback(ft.topk(3)), lr=0.1
     ),
-    "from_torch_class": lambda ps: ft.TorchOptimizer.from_torch_class(torch.optim.SGD, ft.topk(2))(
+    "from_torch_class": lambda ps: ft.optimizer_class_from_torch(torch.optim.SGD, ft.topk(2))(
         ps, lr=0.1, momentum=0.9
     ),
     "transformation": lambda ps: ft.TorchOptimizer(ps, ft.chain(ft.error_feedback(ft.topk(3)), ft.adam(0.1))),
@@ -87,7 +87,7 @@ def test_the_generated_classes_are_found_again_in_a_fresh_process(monkeypatch):
     from functopk.adapter import classes
 
     model = torch.nn.Linear(4, 3).double()
-    cls = ft.TorchOptimizer.from_torch_class(torch.optim.SGD, ft.topk(2))
+    cls = ft.optimizer_class_from_torch(torch.optim.SGD, ft.topk(2))
     opt = cls(model.parameters(), lr=0.1)
     _step(model, opt, 0)
     assert pickle.loads(pickle.dumps(cls)) is cls  # in this process: the class itself
@@ -131,7 +131,7 @@ def test_what_cannot_be_pickled_is_named():
     with pytest.raises(TypeError, match="factory.args.0. is the lambda"):
         pickle.dumps(ft.TorchOptimizer(params, lambda lr: ft.sgd(lr), lr=0.1))
     with pytest.raises(TypeError, match="records no recipe"):
-        pickle.dumps(ft.TorchOptimizer.from_torch(torch.optim.SGD, params, sparsify=_hand_built(), lr=0.1))
+        pickle.dumps(ft.optimizer_from_torch(torch.optim.SGD, params, sparsify=_hand_built(), lr=0.1))
 
 
 def test_deepcopy_makes_a_recorded_transformation_again_and_keeps_any_other():

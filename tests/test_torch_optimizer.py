@@ -300,7 +300,10 @@ def test_state_dict_layout_and_empty_state():
     assert entry["params_with_state"] == list(range(10))
     assert entry["transform"]["format"] == "functopk.state"
     assert sd["param_groups"][0]["param_names"][0] == "0.weight"
-    assert opt.state == {}  # torch.optim's per-parameter dict is not used
+    # the state lives in torch.optim's per-parameter dict, as every adapter keeps it: transform_state is it joined
+    trace = opt.transform_state.inner_state[1][0].trace
+    for name, p in model.named_parameters():
+        assert opt.state[p]["trace"] is trace[name]
 
 
 def checkpoint_bytes(opt):
@@ -396,6 +399,8 @@ def test_bad_param_groups_in_a_checkpoint_raise_before_anything_changes():
 @pytest.mark.compile
 @pytest.mark.slow
 def test_compiled_step_equals_eager_and_does_not_recompile(fresh_dynamo):
+    """torch.compile(opt.step) runs the step eagerly (dynamo skips it: the engine writes in place), so it equals
+    the eager step bit for bit and never recompiles."""
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)) for _ in "ab"]
     models[1].load_state_dict(models[0].state_dict())
@@ -471,3 +476,33 @@ def test_interop_doc_examples_run():
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, "docs/interop.md", "exec"), namespace)
+
+
+def test_the_step_writes_the_state_in_place_bit_for_bit_with_some_parameters_frozen():
+    """TorchOptimizer runs on the in-place engine: its state tensors stay the same objects, their values are
+    tx.update's bit for bit, also on a step where a parameter has no gradient (it takes no part)."""
+    model = small_cnn()
+    tx = ft.adamw(1e-2, weight_decay=0.1)
+    opt = ft.TorchOptimizer(model.named_parameters(), tx)
+    _, _, ref_state = next(functional_run(model, tx, 1))  # (its copy of the model made now, before the step)
+    imperative_step(model, opt, 0)
+    assert_tree_bitwise_equal(opt.transform_state, ref_state)
+    ptrs = {n: (opt.state[p]["mu"].data_ptr(), opt.state[p]["nu"].data_ptr()) for n, p in model.named_parameters()}
+    frozen = model[7].bias
+    x, y = batch(seed=1)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    frozen.grad = None
+    names = [n for n, p in model.named_parameters() if p is not frozen]
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if p is not frozen}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p is not frozen}
+    state = ref_state._replace(mu={n: ref_state.mu[n] for n in names}, nu={n: ref_state.nu[n] for n in names})
+    updates, new = tx.update(grads, state, params)
+    before = frozen.detach().clone()
+    opt.step()
+    for n, p in model.named_parameters():
+        assert opt.state[p]["mu"].data_ptr() == ptrs[n][0] and opt.state[p]["nu"].data_ptr() == ptrs[n][1]
+        if p is frozen:
+            assert torch.equal(p.detach(), before)
+        else:
+            assert torch.equal(p.detach(), params[n] + updates[n]) and torch.equal(opt.state[p]["mu"], new.mu[n])

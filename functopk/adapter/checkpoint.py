@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk._checks import describe, listed
+from functopk._checks import check_keys, check_saved, describe, listed
 from functopk.adapter import per_param
 from functopk.sparse.opt_state import SparseOptState
 
@@ -49,7 +49,7 @@ __all__ = [
 def unshared(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
     """``state`` (a state dict's ``"state"``) with a copy of each tensor: shared with no other entry, nor the optimizer.
 
-    (The optimizer's next step writes into its own state tensors: :mod:`functopk.adapter.inplace`.)
+    (The optimizer's next step writes into its own state tensors: :mod:`functopk.inplace`.)
     """
     return {
         key: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in entries.items()}
@@ -177,14 +177,8 @@ def loaded_entry(key: Any, entries: Any, param: torch.Tensor, expected: Expected
             _check_count(f"{where}[{name!r}]", value)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and like.dim() == 0:
             out[name] = torch.tensor(value, device=param.device).to(like.dtype)  # an older torch's step
-        elif not isinstance(value, torch.Tensor):
-            raise TypeError(f"{where}[{name!r}] must be a tensor of shape {tuple(like.shape)}, got {describe(value)}")
-        elif value.shape != like.shape:
-            raise ValueError(
-                f"{where}[{name!r}] (parameter {key!r}) has shape {tuple(value.shape)}; {owner} keeps it with shape "
-                f"{tuple(like.shape)}"
-            )
-        else:
+        else:  # (its dtype becomes the kept one, as torch.optim's load casts)
+            check_saved(value, like, f"{where}[{name!r}] (parameter {key!r}, as {owner} keeps it)", exact=False)
             out[name] = value.to(device=param.device, dtype=like.dtype)
     if any(n in entries for n in expected.buffers):
         for name in expected.counts:
@@ -233,24 +227,13 @@ def loaded_sparse_state(saved: Any, like: SparseOptState, keys: list[str], n: in
         ValueError: other keys or names than ``like``'s, another shape or dtype (another ``k``), indices not
             ascending in ``[0, n)``, or a negative count.
     """
-    if not isinstance(saved, dict) or set(saved) != set(keys):
-        got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-        raise ValueError(f"state_dict['state'] must have the keys {keys}, got {got}")
-    if not isinstance(saved["inner"], dict) or set(saved["inner"]) != set(like.inner):
-        got = sorted(saved["inner"]) if isinstance(saved["inner"], dict) else type(saved["inner"]).__name__
-        raise ValueError(
-            f"state_dict['state']['inner'] must hold {sorted(like.inner)} (the state of {owner}), got {got}"
-        )
+    check_keys(saved, keys, name=f"state_dict['state'] must have the keys {keys}; it", type_error=ValueError)
+    what = f"state_dict['state']['inner'] must hold {sorted(like.inner)} (the state of {owner}); it"
+    check_keys(saved["inner"], like.inner, name=what, type_error=ValueError)
     pairs = {"count": (saved["count"], like.count), "indices": (saved["indices"], like.indices)}
     pairs.update({f"inner.{name}": (saved["inner"][name], like.inner[name]) for name in like.inner})
-    for name, (value, want) in pairs.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"state_dict['state'] {name} must be a tensor, got {type(value).__name__}")
-        if value.shape != want.shape or value.dtype != want.dtype:
-            raise ValueError(
-                f"state_dict['state'] {name} is {value.dtype} of shape {tuple(value.shape)}; this optimizer "
-                f"(k={like.indices.numel()}) keeps {want.dtype} of shape {tuple(want.shape)}"
-            )
+    for name, (value, want) in pairs.items():  # (another shape: another k)
+        check_saved(value, want, f"state_dict['state'] {name}", why=f" (this optimizer's k={like.indices.numel()})")
     device = like.indices.device
     idx = saved["indices"].to(device)
     if idx.numel() and not (bool((idx[1:] > idx[:-1]).all()) and int(idx[0]) >= 0 and int(idx[-1]) < n):
@@ -275,10 +258,5 @@ def loaded_scores(saved: Any, live: list[torch.Tensor] | None) -> list[torch.Ten
             f"state_dict['state'] score must be a list of {len(live)} tensors (one per parameter), got {got}"
         )
     for i, (x, want) in enumerate(zip(saved, live)):
-        if not isinstance(x, torch.Tensor) or x.shape != want.shape or x.dtype != want.dtype:
-            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
-                f"state_dict['state'] score[{i}] is {got}; parameter {i} needs {want.dtype} of shape "
-                f"{tuple(want.shape)}"
-            )
+        check_saved(x, want, f"state_dict['state'] score[{i}] (parameter {i}'s)", type_error=ValueError)
     return list(saved)

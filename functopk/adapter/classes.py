@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copyreg
 import uuid
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,7 +35,13 @@ from functopk.adapter.groups import SPARSIFY_ON, ParamGroupOptimizer
 from functopk.adapter.registry import spec_for
 from functopk.base import GradientTransformation
 
-__all__ = ["TorchNamedMeta", "optimizer_class_from_torch", "optimizer_from_torch", "shadows"]
+__all__ = ["TorchNamedMeta", "deprecated", "optimizer_class_from_torch", "optimizer_from_torch", "shadows"]
+
+def deprecated(old: str, new: str) -> None:
+    """The ``DeprecationWarning`` of a kept alias: ``old`` still works, for one release; ``new`` is the name."""
+    warnings.warn(f"{old} is deprecated: use {new} (the alias goes in the next release)", DeprecationWarning,
+                  stacklevel=3)  # fmt: skip
+
 
 _CLASS_ATTRIBUTES = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__"})
 
@@ -111,8 +118,8 @@ def optimizer_class_from_torch(
     other callable (a ``functools.partial`` of :func:`optimizer_from_torch`) for a
     factory of the model, without its decay/no-decay groups. The same arguments
     give the same class; it is named as ``optimizer_class`` and subclasses it (and
-    :class:`~functopk.adapter.ParamGroupOptimizer`), and it pickles.
-    ``ft.TorchOptimizer.from_torch_class`` is the same function under its older name.
+    :class:`~functopk.adapter.ParamGroupOptimizer`), and it pickles. It is the class form of
+    :func:`optimizer_from_torch` (one door, two forms).
 
     Args:
         optimizer_class: A ``torch.optim`` class, as for :func:`optimizer_from_torch`.
@@ -169,8 +176,9 @@ def optimizer_from_torch(
     see :class:`~functopk.adapter.ParamGroupOptimizer`. The maths is
     :func:`functopk.from_torch`'s. ``sparsify`` (e.g. ``ft.topk(1000)`` or
     ``ft.error_feedback(ft.topk(density=1e-3))``) sees the tensors of all
-    groups as one tree, so a top-k is global across groups.
-    ``ft.TorchOptimizer.from_torch`` is the same function under its older name.
+    groups as one tree, so a top-k is global across groups; it is the
+    transformation that runs (a constant exact ``ft.topk`` keeps one flat
+    gradient buffer between steps: :class:`functopk.compress.topk.KeptBuffer`).
 
     **What moves.** ``sparsify_on`` says what ``sparsify`` is applied to:
 

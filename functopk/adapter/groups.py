@@ -25,22 +25,15 @@ from typing import Any
 import torch
 
 from functopk._checks import check_choice
-from functopk.adapter import checkpoint, per_param, views
-from functopk.adapter.inplace import MOSTLY_ZERO, UPDATES_WANTED
+from functopk.adapter import checkpoint, per_param, registry, views
 from functopk.adapter.part import Part, cohorts
-from functopk.adapter.registry import (
-    add_checked_group,
-    check_implementation_flags,
-    check_torch_step_accepts,
-    spec_for,
-    torch_hyperparams,
-)
-from functopk.adapter.sparsify import Sparsify
+from functopk.adapter.registry import NOT_HYPER, TorchClassGroups, check_implementation_flags, check_torch_step_accepts
+from functopk.adapter.sparsify import Sparsify, storages, unshared
 from functopk.base import GradientTransformation, check_transformation
+from functopk.tree.writer import IN_PLACE, IN_PLACE_SPARSE, Writer
 
 __all__ = ["ParamGroupOptimizer"]
 
-_NOT_HYPER = ("params", "param_names")
 SPARSIFY_ON = ("gradient", "update")
 """What ``sparsify`` may be applied to: the gradients (before the optimizer) or the optimizer's updates (after)."""
 
@@ -71,9 +64,9 @@ def _shape(key: Any) -> Any:
 
 
 _NOT_COMPILED = (
-    "torch.compile(opt.step) is not supported for TorchOptimizer.from_torch optimizers (their step rebuilds "
-    "per-parameter state on the host). Compile the functional step instead (tx = ft.from_torch(cls, **kwargs); "
-    "tx.update inside the compiled function), or use ft.TorchOptimizer(params, tx), whose step compiles"
+    "torch.compile(opt.step) is not supported for optimizer_from_torch optimizers (their step rebuilds "
+    "per-parameter state on the host and writes it in place). Compile the functional step instead "
+    "(tx = ft.from_torch(cls, **kwargs); tx.update inside the compiled function)"
 )
 
 
@@ -113,7 +106,7 @@ def _fused_kinds_accepted(opt: ParamGroupOptimizer) -> set[tuple[torch.device, t
     return kinds
 
 
-class ParamGroupOptimizer(torch.optim.Optimizer):
+class ParamGroupOptimizer(TorchClassGroups, torch.optim.Optimizer):
     """``optimizer_class(params, **defaults)`` computed by functopk, with an optional global ``sparsify`` first.
 
     Made by :func:`functopk.optimizer_from_torch`; see there. Everything a
@@ -128,12 +121,14 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       a parameter whose ``.grad`` is ``None`` is skipped and keeps its step
       count; a parameter added later starts fresh; as in ``torch.optim``'s
       foreach implementations, ``step()`` writes the new state into these
-      tensors (every class but Adafactor and Muon, SGD with momentum, in float32 and
-      float64, with number hyperparameters; :mod:`functopk.adapter.inplace`),
-      with the same results as the pure transformation, bit for bit (not
-      ``torch.optim``'s: its fused kernels round once where update-then-add
-      rounds twice); on CPU, SGD, RMSprop and Adamax run their whole step
-      slice by slice into the parameters, without an update tree;
+      tensors (every class but Adafactor and Muon, in float32 and float64, where
+      no state kernel takes a tensor hyperparameter), through the engine of
+      :func:`functopk.update_` (:mod:`functopk.inplace`) and each class's one
+      formula, with the same results as the pure transformation, bit for bit
+      (not ``torch.optim``'s: its fused kernels round once where
+      update-then-add rounds twice); on CPU, SGD, RMSprop, Adagrad and Adamax
+      run their whole step batch by batch into the parameters, without an
+      update tree;
     * sparse gradients (``SGD`` and ``Adagrad`` without weight decay, as in
       torch) are made dense first, at the cost of one dense gradient per sparse
       parameter; complex parameters step as their real pairs (torch's
@@ -149,12 +144,13 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
       or, with ``sparsify_on="update"``, on the optimizer's updates after it
       (exactly ``k`` parameters move under ``ft.topk(k)``; see
       :func:`functopk.optimizer_from_torch`); its state is kept per parameter too, under keys starting
-      with ``"sparsify."``; a constant exact ``ft.topk(k)`` or
-      ``ft.topk(density=d)`` on gradients of one dtype and device (CPU) writes
-      its values into one flat gradient-sized buffer kept between steps (the
-      memory it costs), re-zeroed at the last step's indices, instead of a new
-      dense tree per step, with the same results bit for bit
-      (:mod:`functopk.adapter.sparsify`); ``p.grad`` is left as it is;
+      with ``"sparsify."``; it is the transformation given, run as it is: a
+      constant exact ``ft.topk(k)`` or ``ft.topk(density=d)`` on gradients of
+      one dtype and device (CPU) writes its values into the flat
+      gradient-sized buffer it keeps between steps, re-zeroed at the last
+      step's indices, instead of a new dense tree per step, with the same
+      results bit for bit (:class:`functopk.compress.topk.KeptBuffer`);
+      ``p.grad`` is left as it is;
     * ``optimizer_from_torch`` makes it of a subclass named as, and subclassing,
       ``optimizer_class`` (:mod:`functopk.adapter.classes`), for loggers and
       ``isinstance``;
@@ -181,12 +177,10 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         sparsify_on: str = "gradient",
         **defaults: Any,
     ) -> None:
-        self.optimizer_class = optimizer_class
-        self._spec = spec_for(optimizer_class)
         self._sparsify = None if sparsify is None else Sparsify(check_transformation(sparsify, "sparsify"))
         self._sparsify_on = check_choice(sparsify_on, "sparsify_on", SPARSIFY_ON)
         self._parts: dict[int, tuple[Any, Part]] = {}
-        super().__init__(params, torch_hyperparams(optimizer_class, defaults))
+        self._init_groups(optimizer_class, params, defaults)
         _disable_refusal()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -206,7 +200,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         _disable_refusal()
         if unpickled:  # the torch class's TorchSpec is looked up again (its build functions do not pickle)
-            self._spec = spec_for(self.optimizer_class)
+            self._spec = registry.spec_for(self.optimizer_class)
             self._sparsify = None if sparsify is None else Sparsify(sparsify)
             self._sparsify_on = sparsify_on
             self._parts = {}
@@ -221,41 +215,18 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         """``"gradient"``: ``sparsify`` runs on the gradients, before the optimizer; ``"update"``: on its updates."""
         return self._sparsify_on
 
-    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
-        """``group``'s hyperparameters, with what torch reads from the constructor's arguments instead."""
-        return {**group, **{k: self.defaults[k] for k in self._spec.from_defaults}}
-
-    def _build(self, group: dict[str, Any]) -> GradientTransformation:
-        """The transformation for ``group``."""
-        return self._spec.build(self._hyper(group))
-
     def _part(self, group: dict[str, Any]) -> Part:
         """The transformation for ``group``'s current hyperparameters (rebuilt when one changed)."""
-        key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in _NOT_HYPER)
+        key = tuple((k, _key(v)) for k, v in sorted(group.items()) if k not in NOT_HYPER)
         cached = self._parts.get(id(group))
         if cached is None or cached[0] != key:
-            on_updates = self._sparsify is not None and self._sparsify_on == "update"
-            topk = self._sparsify is not None and self._sparsify.constant is not None and not on_updates
-            hyper = {**self._hyper(group), MOSTLY_ZERO: topk, UPDATES_WANTED: on_updates}
-            step_ = None if self._spec.inplace is None else self._spec.inplace(hyper)
-            part = Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__,
-                         inplace=step_)  # fmt: skip
+            part = Part(self._build(group), self._spec.state_names, class_name=self.optimizer_class.__name__)
             if cached is not None and _shape(cached[0]) == _shape(key):
                 part.reuse_layouts(cached[1])  # only a value changed (a scheduler's lr): the same state structure
             cached = self._parts[id(group)] = (key, part)
         return cached[1]
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (as ``torch.optim``); missing hyperparameters take the defaults.
-
-        Raises:
-            TypeError, ValueError: a hyperparameter of the group is invalid (checked now, not at the next
-                step), or the group lists a parameter twice.
-            NotImplementedError: the group sets ``capturable`` or ``differentiable``.
-        """
-        add_checked_group(self, self.optimizer_class, param_group, self._check_layout)
-
-    def _check_layout(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: dict[str, Any]) -> None:
         """The new group's state can be laid out in torch's per-parameter entries."""
         try:
             self._part(group).layout(list(group["params"]))
@@ -281,62 +252,87 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
             RuntimeError: torch's own error for ``fused=True`` on parameters its fused kernel refuses
                 (a device or dtype), as torch raises it at its step, before anything changes.
         """
-        _check_step_allowed(self.param_groups)
+        self._check_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         active = [[p for p in g["params"] if p.grad is not None] for g in self.param_groups]
-        views.check_sparse(self.optimizer_class.__name__, self.param_groups, active, self.defaults)
+        grads = self._gradients(active)
         if not any(active):
             return loss
+        written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has stepped
+        self._step(active, grads, written)
+        for p, e in written.items():
+            if e or self._empty_entries:  # (SGD without momentum keeps nothing, and torch has no entry then)
+                self.state[p].update(e)
+        return loss
+
+    _empty_entries = False
+    """Whether a parameter that stepped gets an entry in ``state`` even when it holds nothing."""
+
+    def _check_step(self) -> None:
+        """What a step refuses before anything runs: a compiled step, a refused flag set by hand."""
+        _check_step_allowed(self.param_groups)
+
+    def _gradients(self, active: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """The active parameters' gradients, dense, once torch's checks of them passed (sparse ones, ``fused``)."""
+        views.check_sparse(self.optimizer_class.__name__, self.param_groups, active, self.defaults)
         for group, ps in zip(self.param_groups, active):  # torch's fused=True checks, as its step runs them
-            check_torch_step_accepts(self.optimizer_class, self._hyper(group), ps, _fused_kinds_accepted(self))
-        grads = [[views.dense(p.grad) for p in ps] for ps in active]  # sparse: see functopk.adapter.views
-        written: dict[torch.Tensor, dict[str, Any]] = {}  # committed only when every group has been computed
+            if ps:
+                check_torch_step_accepts(self.optimizer_class, self._hyper(group), ps, _fused_kinds_accepted(self))
+        return [[views.dense(p.grad) for p in ps] for ps in active]  # type: ignore[arg-type]  # (sparse: views)
+
+    def _step(
+        self, active: list[list[torch.Tensor]], grads: list[list[torch.Tensor]], written: dict[torch.Tensor, Any]
+    ) -> None:
+        """The maths: ``sparsify`` (on the gradients, or on the updates) and each group's transformation; the
+        parameters written, the new entries into ``written``."""
         on_updates = self._sparsify is not None and self._sparsify_on == "update"
+        writer, kept = IN_PLACE, set()
         if self._sparsify is not None:
             if on_updates:  # its checks (k against the parameters) before any in-place step writes
                 self._sparsify.layout([p for ps in active for p in ps])
             else:
-                grads = self._sparsify.step(self.state, active, grads, written)
-        updates = self._updates(active, grads, written)
+                given = grads
+                grads, sparse = self._sparsify.step(self.state, active, grads, written)
+                writer = IN_PLACE_SPARSE if sparse else IN_PLACE
+                kept = storages(grads) - storages(given) if sparse else set()  # (a kept buffer's)
+        updates = self._updates(active, grads, written, add=not on_updates, writer=writer, kept=kept)
         if on_updates:
             assert self._sparsify is not None
-            flat = self._sparsify.step(self.state, active, [[updates[p] for p in ps] for ps in active], written)
-            updates = {p: u for ps, us in zip(active, flat) for p, u in zip(ps, us)}
-        for p, e in written.items():
-            if e:  # no empty entries (SGD without momentum keeps nothing, and torch has no entry then)
-                self.state[p].update(e)
-        if updates:
-            torch._foreach_add_(list(updates), list(updates.values()))
-        return loss
+            flat, _ = self._sparsify.step(self.state, active, [[updates[p] for p in ps] for ps in active], written)
+            torch._foreach_add_([p for ps in active for p in ps], [u for us in flat for u in us])
 
     def _updates(
         self,
         active: list[list[torch.Tensor]],
         grads: list[list[torch.Tensor]],
         written: dict[torch.Tensor, dict[str, Any]],
+        *,
+        add: bool,
+        writer: Writer,
+        kept: set[int],
     ) -> dict[torch.Tensor, torch.Tensor]:
-        """Each group's step of its ``active`` parameters: their updates (none for a step that added its own
-        into the parameters), the new entries into ``written``."""
-        # The in-place cohorts run once every pure one has been computed: a failing step changes nothing.
-        results: list[tuple[list[torch.Tensor], Any]] = []
+        """Each group's step of its ``active`` parameters (through :mod:`functopk.inplace`: in place where its
+        transformation can), the new entries into ``written``; with ``add`` the updates are added into the
+        parameters, else returned. ``kept``: the storages of a buffer ``sparsify`` keeps (not for entries)."""
+        # Every cohort is checked and its pure parts computed before any writes: a failing step changes nothing.
+        runs = []
         for group, ps, gs in zip(self.param_groups, active, grads):
             if not ps:
                 continue
             part = self._part(group)
             entries = part.entries(ps, [self.state.get(p, {}) for p in ps])
             for idx in cohorts(entries, part.layout(ps)):
-                cohort, cohort_gs, cohort_es = [ps[i] for i in idx], [gs[i] for i in idx], [entries[i] for i in idx]
-                run = part.run_inplace(cohort_gs, cohort, cohort_es)
-                results.append((cohort, run if run is not None else part.run(cohort_gs, cohort, cohort_es)))
+                cohort = [ps[i] for i in idx]
+                runs.append((cohort, part.plan([gs[i] for i in idx], cohort, [entries[i] for i in idx])[0]))
         out: dict[torch.Tensor, torch.Tensor] = {}
-        for cohort, result in results:
-            updates, new = result() if callable(result) else result
-            if self._sparsify is not None and not callable(result):  # pure maths may keep a gradient as state
-                new = self._sparsify.unshared(new)
-            if updates is not None:  # (None: an in-place step that added its updates itself)
+        for cohort, run in runs:
+            updates, new = run(add, writer)
+            new = unshared(new, kept)  # pure maths may keep a gradient (a view of sparsify's buffer) as state
+            if not add:
+                assert updates is not None
                 out.update(zip(cohort, updates))
             for p, e in zip(cohort, new):
                 written.setdefault(p, {}).update(e)
@@ -374,15 +370,7 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
                 (another class's checkpoint), a state entry names no parameter, has a key the optimizer
                 does not keep, or a tensor of another shape.
         """
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            raise TypeError("state_dict must be a dict with keys 'state' and 'param_groups'")
-        if not isinstance(state_dict["param_groups"], list) or not isinstance(state_dict["state"], dict):
-            raise TypeError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
-        keys = [k for k in self.defaults if k not in _NOT_HYPER]
-        groups = [
-            checkpoint.filled_group(self.optimizer_class, i, s, keys) for i, s in enumerate(state_dict["param_groups"])
-        ]
-        checkpoint.check_group_sizes(groups, self.param_groups)
+        groups = self._saved_groups(state_dict)
         expected = self._expected(groups)
         owner = {key: p for s, g in zip(groups, self.param_groups) for key, p in zip(s["params"], g["params"])}
         loaded = {}
@@ -398,9 +386,6 @@ class ParamGroupOptimizer(torch.optim.Optimizer):
         self._parts.clear()
         self.state.update(loaded)
         checkpoint.share_equal_scalars_(self.state, self._layouts())
-
-    def _owner_name(self) -> str:
-        return f"torch.optim.{self.optimizer_class.__name__} through functopk"
 
     def _expected(self, groups: list[dict[str, Any]]) -> dict[torch.Tensor, checkpoint.Expected]:
         """What each parameter's loaded entry may hold, for the saved groups' hyperparameters."""

@@ -5,10 +5,11 @@
 adapter of :mod:`functopk.adapter.groups` stores the torch form (so that
 ``state_dict``, ``torch.distributed.checkpoint`` and users reading
 ``opt.state[p]`` see what they expect) and rebuilds the functopk form for each
-step. The parameter tree used here is a dict ``{0: p0, 1: p1, ...}``: a state
-subtree of exactly that structure holds one entry per parameter (a *part*);
-every other leaf is *shared* by the parameters the state was built for (a step
-count, NAdam's ``mu_product``).
+step. The parameter tree used here is a dict ``{0: p0, 1: p1, ...}`` (or any
+tree the caller gives, ``TorchOptimizer``'s by parameter name): a state subtree
+of exactly that structure holds one entry per parameter (a *part*); every other
+leaf is *shared* by the parameters the state was built for (a step count,
+NAdam's ``mu_product``).
 
 * :func:`entry_names`: the per-parameter key of every part and shared leaf,
   named by the state's field (``mu``), renamed to torch's key (``exp_avg``)
@@ -21,7 +22,7 @@ count, NAdam's ``mu_product``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -29,7 +30,7 @@ import torch
 
 from functopk.base import OptState
 
-__all__ = ["EntryLayout", "as_tree", "join", "layout_of", "part_of", "split"]
+__all__ = ["EntryLayout", "as_tree", "join", "layout_of", "split"]
 
 
 def as_tree(values: Sequence[Any]) -> dict[int, Any]:
@@ -45,22 +46,16 @@ class EntryLayout(NamedTuple):
         spec: The state's structure down to parts and shared leaves.
         names: The entry name of each flattened item.
         is_part: Whether each flattened item is a part (one entry per parameter).
+        part: A part's structure: the parameter tree's.
+        order: The position (in the list of parameters) of each leaf of a part, in the tree's order.
     """
 
     n: int
     spec: optree.PyTreeSpec
     names: tuple[str, ...]
     is_part: tuple[bool, ...]
-
-
-def part_of(ptree: Any) -> Callable[[Any], bool]:
-    """Whether a state node is a *part*: a subtree with exactly ``ptree``'s structure (one entry per parameter)."""
-    spec = optree.tree_structure(ptree)
-
-    def is_part(node: Any) -> bool:
-        return not isinstance(node, torch.Tensor) and optree.tree_structure(node) == spec
-
-    return is_part
+    part: optree.PyTreeSpec
+    order: tuple[int, ...]
 
 
 def _field_path(accessor: optree.PyTreeAccessor) -> list[str]:
@@ -71,14 +66,21 @@ def _field_path(accessor: optree.PyTreeAccessor) -> list[str]:
     return out
 
 
-def layout_of(state: OptState, n: int, rename: Mapping[str, str] | None = None, prefix: str = "") -> EntryLayout:
-    """The :class:`EntryLayout` of ``state``, a state built for the parameter tree ``as_tree([p0, ..., p{n-1}])``.
+def layout_of(
+    state: OptState, ptree: int | Any, rename: Mapping[str, str] | None = None, prefix: str = ""
+) -> EntryLayout:
+    """The :class:`EntryLayout` of ``state``, a state built for the parameters at the leaves of ``ptree``, a tree
+    whose leaves are their positions in the list of parameters (an int ``n``: ``as_tree(range(n))``).
 
     A part's (or shared leaf's) name is its last NamedTuple field name, passed
     through ``rename``; when two items would get the same name, each takes its
     full path (``"1.count"``) instead. ``prefix`` is put before every name.
     """
-    is_part = part_of(as_tree(range(n)))
+    positions, part = optree.tree_flatten(as_tree(range(ptree)) if isinstance(ptree, int) else ptree)  # type: ignore[arg-type]
+
+    def is_part(node: Any) -> bool:  # a subtree with exactly the parameter tree's structure
+        return not isinstance(node, torch.Tensor) and optree.tree_structure(node) == part
+
     accessors, items, spec = optree.tree_flatten_with_accessor(state, is_leaf=is_part)
     parts = tuple(is_part(x) for x in items)
     paths = [_field_path(a) for a in accessors]
@@ -89,7 +91,7 @@ def layout_of(state: OptState, n: int, rename: Mapping[str, str] | None = None, 
     names = []
     for name, path in zip(short, paths):
         names.append(prefix + (name if short.count(name) == 1 else ".".join(path)))
-    return EntryLayout(n=n, spec=spec, names=tuple(names), is_part=parts)
+    return EntryLayout(part.num_leaves, spec, tuple(names), parts, part, tuple(positions))
 
 
 def split(state: OptState, layout: EntryLayout) -> list[dict[str, Any]]:
@@ -97,8 +99,9 @@ def split(state: OptState, layout: EntryLayout) -> list[dict[str, Any]]:
     items = layout.spec.flatten_up_to(state)
     out: list[dict[str, Any]] = [{} for _ in range(layout.n)]
     for name, item, part in zip(layout.names, items, layout.is_part):
-        for i in range(layout.n):
-            out[i][name] = item[i] if part else item
+        values = layout.part.flatten_up_to(item) if part else [item] * layout.n
+        for i, value in zip(layout.order, values):
+            out[i][name] = value
     return out
 
 
@@ -110,5 +113,5 @@ def join(entries: Sequence[Mapping[str, Any]], layout: EntryLayout) -> OptState:
     """
     items = []
     for name, part in zip(layout.names, layout.is_part):
-        items.append(as_tree([e[name] for e in entries]) if part else entries[0][name])
+        items.append(layout.part.unflatten([entries[i][name] for i in layout.order]) if part else entries[0][name])
     return layout.spec.unflatten(items)

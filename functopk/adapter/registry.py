@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import torch
 
 from functopk._checks import check_distinct_params, group_scalar, is_zero, torch_duplicate_warning_ignored
-from functopk.adapter import inplace, inplace_adam_variants, inplace_classic
+from functopk.adapter.checkpoint import check_group_sizes, filled_group
 from functopk.base import GradientTransformation, init_count, recorded
-from functopk.build import leafwise
+from functopk.build import Formula, leafwise
 from functopk.combine import chain
 from functopk.optim import adam_variants as _adam_variants
 from functopk.optim import alias
@@ -41,8 +41,8 @@ from functopk.optim.muon import TORCH_BUILDERS as _MUON_BUILDERS
 from functopk.optim.muon import TORCH_STATE_NAMES as _MUON_NAMES
 
 __all__ = [
-    "IMPLEMENTATION_FLAGS", "TorchSpec", "check_implementation_flags", "check_torch_step_accepts", "from_torch",
-    "spec_for", "torch_hyperparams",
+    "IMPLEMENTATION_FLAGS", "NOT_HYPER", "TorchClassGroups", "TorchSpec", "add_checked_group",
+    "check_implementation_flags", "check_torch_step_accepts", "from_torch", "spec_for", "torch_hyperparams",
 ]  # fmt: skip
 
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -67,14 +67,11 @@ class TorchSpec(NamedTuple):
         state_names: functopk state field name -> torch's per-parameter state key.
         from_defaults: Hyperparameters the torch class reads from the constructor's arguments
             (``optimizer.defaults``), never from a param group (Adagrad's ``initial_accumulator_value``).
-        inplace: The same maths writing into the adapter's own state (:mod:`functopk.adapter.inplace`),
-            for the hyperparameters where it applies; ``None``: the adapter runs ``build``'s transformation.
     """
 
     build: Callable[[Hyperparams], GradientTransformation]
     state_names: Mapping[str, str]
     from_defaults: tuple[str, ...] = ()
-    inplace: inplace.InplaceBuilder | None = None
 
 
 def _sgd(h: Hyperparams) -> GradientTransformation:
@@ -105,10 +102,11 @@ def _counting_steps(tx: GradientTransformation) -> GradientTransformation:
     (``torch.optim`` loading a state dict without it fails at its next step.)
     """
 
-    def update(grads: list[torch.Tensor], state: StepCountState, params: Any) -> tuple[Any, StepCountState]:
-        return grads, StepCountState(count=state.count + 1)
+    def prepare(state: StepCountState, like: Any, params: Any) -> tuple[Any, dict[str, Any]]:
+        return (lambda w, g, fields, p: (g, ())), {"count": state.count + 1}
 
-    counter = leafwise("step count", update, init=lambda ps: StepCountState(init_count(ps)), state=StepCountState)
+    init = lambda ps: StepCountState(init_count(ps))  # noqa: E731
+    counter = leafwise("step count", formula=Formula(prepare, sliced=True), init=init, state=StepCountState)
     return chain(tx, counter)
 
 
@@ -135,19 +133,11 @@ def _adagrad(h: Hyperparams) -> GradientTransformation:
 _ADAM_NAMES = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
 
 _SPECS: dict[str, TorchSpec] = {
-    "SGD": TorchSpec(_sgd, {"trace": "momentum_buffer"}, inplace=inplace.sgd_step),
-    "Adam": TorchSpec(_adam, _ADAM_NAMES, inplace=inplace.adam_step),
-    "AdamW": TorchSpec(
-        lambda h: _adam(h, decoupled=True), _ADAM_NAMES, inplace=lambda h: inplace.adam_step(h, decoupled=True)
-    ),
-    "RMSprop": TorchSpec(
-        _rmsprop, {"nu": "square_avg", "mu": "grad_avg", "trace": "momentum_buffer", "count": "step"},
-        inplace=inplace.rmsprop_step,
-    ),
-    "Adagrad": TorchSpec(
-        _adagrad, {"sum_of_squares": "sum", "count": "step"}, ("initial_accumulator_value",),
-        inplace=inplace.adagrad_step,
-    ),
+    "SGD": TorchSpec(_sgd, {"trace": "momentum_buffer"}),
+    "Adam": TorchSpec(_adam, _ADAM_NAMES),
+    "AdamW": TorchSpec(lambda h: _adam(h, decoupled=True), _ADAM_NAMES),
+    "RMSprop": TorchSpec(_rmsprop, {"nu": "square_avg", "mu": "grad_avg", "trace": "momentum_buffer", "count": "step"}),
+    "Adagrad": TorchSpec(_adagrad, {"sum_of_squares": "sum", "count": "step"}, ("initial_accumulator_value",)),
 }
 
 
@@ -164,12 +154,6 @@ _add_module_specs(
     (_ADAFACTOR_BUILDERS, _ADAFACTOR_NAMES),  # (ft.optim.adafactor and ft.optim.muon are the functions)
     (_MUON_BUILDERS, _MUON_NAMES),
 )
-for _name, _step in {
-    "Adamax": inplace.adamax_step, "NAdam": inplace_adam_variants.nadam_step, "RAdam": inplace_adam_variants.radam_step,
-    "Adadelta": inplace_classic.adadelta_step, "Rprop": inplace_classic.rprop_step, "ASGD": inplace_classic.asgd_step,
-}.items():  # (the other module classes: pure)
-    _SPECS[_name] = _SPECS[_name]._replace(inplace=_step)
-
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the loss several times inside one step (a closure-driven line search), which a "
     "gradient transformation cannot do",
@@ -316,3 +300,66 @@ def from_torch(optimizer_class: type[torch.optim.Optimizer], /, **torch_kwargs: 
     """
     spec = spec_for(optimizer_class)
     return spec.build(torch_hyperparams(optimizer_class, torch_kwargs))
+
+
+NOT_HYPER = ("params", "param_names")
+"""The keys of a param group that are not hyperparameters."""
+
+
+class TorchClassGroups:
+    """The base of the optimizers that compute a ``torch.optim`` class by functopk (``ParamGroupOptimizer``,
+    ``SparseStateOptimizer``): their param groups, with the class's defaults and torch's own checks (its
+    constructor's, :func:`add_checked_group`), each group's transformation, and saved groups read as torch reads
+    them. Mixed in before :class:`torch.optim.Optimizer`."""
+
+    optimizer_class: type[torch.optim.Optimizer]
+    _spec: TorchSpec
+    defaults: dict[str, Any]
+    param_groups: list[dict[str, Any]]
+
+    def _init_groups(self, optimizer_class: type[torch.optim.Optimizer], params: Any, defaults: Any) -> None:
+        """``torch.optim.Optimizer``'s init with the class's complete hyperparameters (torch's checks first)."""
+        self.optimizer_class, self._spec = optimizer_class, spec_for(optimizer_class)
+        torch.optim.Optimizer.__init__(self, params, torch_hyperparams(optimizer_class, defaults))  # type: ignore[arg-type]
+
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        """``group``'s hyperparameters, with what torch reads from the constructor's arguments instead."""
+        return {**group, **{k: self.defaults[k] for k in self._spec.from_defaults}}
+
+    def _build(self, group: dict[str, Any]) -> GradientTransformation:
+        """The transformation for ``group``'s current hyperparameters."""
+        return self._spec.build(self._hyper(group))
+
+    def _owner_name(self) -> str:
+        return f"torch.optim.{self.optimizer_class.__name__} through functopk"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (as ``torch.optim``); missing hyperparameters take the defaults.
+
+        Raises:
+            TypeError, ValueError: a hyperparameter of the group is invalid (checked now, not at the next
+                step), or the group lists a parameter twice.
+            NotImplementedError: the group sets ``capturable`` or ``differentiable``.
+        """
+        add_checked_group(self, self.optimizer_class, param_group, self._check_group)  # type: ignore[arg-type]
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """What a new group must also satisfy (none here)."""
+
+    def _saved_groups(self, state_dict: Any) -> list[dict[str, Any]]:
+        """A state dict's param groups, read as torch reads them (keys an older torch did not save get the
+        class's defaults: :func:`functopk.adapter.checkpoint.filled_group`), as many and as large as ours.
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict with a list ``param_groups`` and a dict ``state``.
+            ValueError: the groups differ in number or size, or a group lacks one of the class's keys.
+        """
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise TypeError("state_dict must be a dict with keys 'state' and 'param_groups'")
+        if not isinstance(state_dict["param_groups"], list) or not isinstance(state_dict["state"], dict):
+            raise TypeError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
+        keys = [k for k in self.defaults if k not in NOT_HYPER]
+        saved = state_dict["param_groups"]
+        groups = [filled_group(self.optimizer_class, i, s, keys) for i, s in enumerate(saved)]
+        check_group_sizes(groups, self.param_groups)
+        return groups

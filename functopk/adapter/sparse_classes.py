@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from functopk.adapter.classes import shadows
+from functopk.adapter.classes import deprecated, shadows
 from functopk.adapter.registry import spec_for
 from functopk.adapter.sparse_state import SparseStateOptimizer
 
-__all__ = ["sparse_optimizer_class", "sparse_optimizer_from_torch"]
+__all__ = ["deprecated_alias", "sparse_optimizer_class", "sparse_optimizer_from_torch"]
 
 
 _CLASSES: dict[type[torch.optim.Optimizer], type[SparseStateOptimizer]] = {}
@@ -121,3 +121,9 @@ def sparse_optimizer_from_torch(
     """
     cls: Any = sparse_optimizer_class(optimizer_class)
     return cls(params, k=k, density=density, refresh_every=refresh_every, score=score, **defaults)
+
+
+def deprecated_alias(*args: Any, **kwargs: Any) -> SparseStateOptimizer:
+    """``ft.sparse.sparse_optimizer_from_torch``: deprecated, :func:`sparse_optimizer_from_torch` (``ft.``'s)."""
+    deprecated("ft.sparse.sparse_optimizer_from_torch", "ft.sparse_optimizer_from_torch")
+    return sparse_optimizer_from_torch(*args, **kwargs)

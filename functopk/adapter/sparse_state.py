@@ -46,12 +46,7 @@ from functopk._checks import (
     one_device,
 )
 from functopk.adapter import checkpoint, per_param
-from functopk.adapter.registry import (
-    add_checked_group,
-    check_implementation_flags,
-    spec_for,
-    torch_hyperparams,
-)
+from functopk.adapter.registry import TorchClassGroups, check_implementation_flags, spec_for, torch_hyperparams
 from functopk.sparse.k import k_on_host, resolve_k
 from functopk.sparse.opt_state import SparseOptState
 from functopk.sparse.optimizer import SCORES, TORCH_COORDINATEWISE, SparseOptimizer, trusted_sparse_optimizer
@@ -60,10 +55,7 @@ from functopk.sparse.updates import SparseUpdates, apply_sparse_updates_, shift_
 
 __all__ = ["SparseStateOptimizer"]
 
-_NOT_HYPER = ("params", "param_names")
-
-
-class SparseStateOptimizer(torch.optim.Optimizer):
+class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
     """``optimizer_class`` on ``k`` coordinates of all its parameters, with state of size ``k``.
 
     Made by :func:`functopk.sparse_optimizer_from_torch`; see there.
@@ -101,7 +93,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
         score: str = "gradient",
         **defaults: Any,
     ) -> None:
-        spec = spec_for(optimizer_class)  # TypeError / ValueError for a class functopk does not cover
+        spec_for(optimizer_class)  # TypeError / ValueError for a class functopk does not cover
         if optimizer_class.__name__ not in TORCH_COORDINATEWISE:
             raise ValueError(
                 f"optimizer_class torch.optim.{optimizer_class.__name__} is not coordinate-wise (its update of a "
@@ -109,12 +101,11 @@ class SparseStateOptimizer(torch.optim.Optimizer):
                 f"of {', '.join(sorted(TORCH_COORDINATEWISE))}"
             )
         k, density = check_k_or_density(k, density, allow_tensor=False)
-        self.optimizer_class, self._spec = optimizer_class, spec
         self.refresh_every = check_int(refresh_every, "refresh_every", minimum=1)
         self.score = check_choice(score, "score", SCORES)
         self._stream: StreamingTopK | None = None  # set once the groups are: add_param_group refuses after that
         self._removed = False  # remove() was called: the stream's hooks are gone
-        super().__init__(params, torch_hyperparams(optimizer_class, defaults))
+        self._init_groups(optimizer_class, params, defaults)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._device = one_device(self._params, "params")
         self._sizes = [p.numel() for p in self._params]
@@ -133,7 +124,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
 
         Built at every step (about 20 us), so a scheduler's or a hand edit's new value is used at once.
         """
-        tx = self._spec.build({**group, **{key: self.defaults[key] for key in self._spec.from_defaults}})
+        tx = self._build(group)
         # the names of the inner state's k-vectors (torch's: exp_avg, step); the structure does not depend on k
         layout = per_param.layout_of(tx.init([torch.zeros(1)]), 1, self._spec.state_names)
         # the class was checked to be coordinate-wise; its pieces (a step counter) are not all recorded as such
@@ -185,7 +176,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
                 "add_param_group after construction: the coordinate set and the streaming selection span the "
                 "parameters given to the constructor; make a new optimizer over all the parameters instead"
             )
-        add_checked_group(self, self.optimizer_class, param_group)
+        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ stepping
 
@@ -388,15 +379,7 @@ class SparseStateOptimizer(torch.optim.Optimizer):
                 not ascending or out of range), naming what differs.
         """
         stream = self._live_stream("load_state_dict")
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            raise TypeError("state_dict must be a dict with keys 'state' and 'param_groups'")
-        if not isinstance(state_dict["param_groups"], list):
-            raise TypeError("state_dict['param_groups'] must be a list")
-        keys = [k for k in self.defaults if k not in _NOT_HYPER]
-        groups = [
-            checkpoint.filled_group(self.optimizer_class, i, s, keys) for i, s in enumerate(state_dict["param_groups"])
-        ]
-        checkpoint.check_group_sizes(groups, self.param_groups)
+        groups = self._saved_groups(state_dict)
         accepted = inspect.signature(self.optimizer_class.__init__).parameters
         for i, group in enumerate(groups):
             try:  # torch's constructor checks (a negative lr), then functopk's build

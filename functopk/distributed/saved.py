@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functopk._checks import check_bool, check_choice, check_density, check_int, check_number, describe, listed
+from functopk._checks import check_bool, check_choice, check_density, check_int, check_keys, check_number, describe
 from functopk.distributed.config import EXCHANGES
 from functopk.distributed.names import check_names
 from functopk.distributed.resume import check_layout
@@ -61,12 +61,8 @@ def check_saved(state_dict: Any, shapes: Mapping[str, tuple[int, ...]], momentum
         raise ValueError(f"state_dict['version'] is {version}: saved by a newer functopk (this one reads up to "
                          f"{VERSION})")  # fmt: skip
     required = _REQUIRED + (("layout",) if version >= 2 else ())
-    missing = [k for k in required if k not in state_dict]
-    unknown = [k for k in state_dict if k not in required and k not in _OPTIONAL + ("layout",)]
-    if missing or unknown:
-        wrong = [f"{what} keys {listed([repr(k) for k in keys])}"
-                 for what, keys in (("misses the", missing), ("has unknown", unknown)) if keys]  # fmt: skip
-        raise ValueError(f"TopKHookState.load_state_dict: state_dict (version {version}) {' and '.join(wrong)}")
+    check_keys(state_dict, required, _OPTIONAL + ("layout",),
+               name=f"TopKHookState.load_state_dict: state_dict (version {version})")  # fmt: skip
     _check_config(state_dict)
     residuals = check_names("residuals", state_dict["residuals"], shapes)
     velocities = check_names("velocities", state_dict.get("velocities", {}), shapes)

@@ -7,6 +7,9 @@
   (``apply_if_finite``, ``multi_steps``): the inner update and state, or zeros
   and the old state, chosen on device;
 * :func:`check_count`: an int argument that may also be a 0-d tensor;
+* :func:`first_moves`: ``torch.optim``'s first moves on a gradient (negate it for
+  ``maximize``, add a coupled weight decay), and :func:`decoupled_decay`, AdamW's
+  decay of the parameters, the one writing of each;
 * the type aliases ``Leaves`` (the leaf lists of the leaf maths) and ``Hyper`` (a
   hyperparameter: a number or a 0-d tensor).
 """
@@ -22,7 +25,8 @@ import torch
 from functopk._checks import check_int, check_leaves, check_scalar_tensor, require_params
 from functopk.base import GradientTransformation, OptState, Params, Updates
 from functopk.combine import MaskOrFn, resolve_mask
-from functopk.tree import foreach
+from functopk.inplace import Planned, register_inplace, stage_of
+from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import flatten_like
 
 T = TypeVar("T")
@@ -52,7 +56,32 @@ def with_mask(
         flags = resolve_mask(mask, require_params(params, name))
         return make(flags).update(updates, state, params)
 
-    return GradientTransformation(init, update)
+    def stage(grads: Leaves, state: OptState, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
+        inner = stage_of(make(resolve_mask(mask, treedef.unflatten(params))))  # (in place: the flags by position)
+        return None if inner is None else inner(grads, state, params, treedef)
+
+    return register_inplace(GradientTransformation(init, update), stage)
+
+
+def first_moves(
+    new: Any, grads: Leaves, params: Leaves | None, maximize: bool, weight_decay: Hyper | None
+) -> Leaves:
+    """``torch.optim``'s first moves on a gradient: negate it (``maximize``), then add ``weight_decay * params``
+    (a coupled decay, where ``params`` are given and the decay is not ``None``); in fresh tensors from
+    ``new`` (a writer's temporaries, :mod:`functopk.tree.writer`), never the gradient's own. (``sgd``,
+    ``rmsprop`` and ``adagrad`` chain the same moves as ``scale(-1)`` and ``add_decayed_weights``.)
+
+    Example:
+        >>> import torch
+        >>> from functopk.tree import foreach, torch_rounding
+        >>> first_moves(foreach, [torch.tensor([1.0])], [torch.tensor([10.0])], True, 0.5)
+        [tensor([4.])]
+    """
+    if maximize:
+        grads = new.neg(grads)
+    if params is not None and weight_decay is not None:
+        grads = new.add_scaled(grads, weight_decay, params)
+    return grads
 
 
 def selected(flags: list[bool] | None, leaves: list[T]) -> list[int]:
@@ -87,3 +116,23 @@ def check_count(value: Any, name: str, *, minimum: int) -> int | torch.Tensor:
 def is_number(value: Any) -> bool:
     """Whether ``value`` is a Python int or float (not a bool, not a tensor): what a foreach ``scalar`` takes."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def decoupled_decay(lr: Hyper, weight_decay: Hyper, like: Leaves) -> Callable[..., Leaves]:
+    """AdamW's decoupled decay: ``decay_(out, params, flags=None)`` adds ``-lr * weight_decay * params`` into
+    ``out`` (fresh buffers) on the leaves the mask's ``flags`` keep, as torch applies it (the factor of
+    :func:`~functopk.tree.torch_rounding.decoupled_decay`, cast for ``like``'s dtypes once, here).
+
+    Example:
+        >>> import torch
+        >>> decoupled_decay(0.1, 0.5, [torch.zeros(1)])([torch.zeros(1)], [torch.tensor([2.0])])
+        [tensor([-0.1000])]
+    """
+    coef = foreach.for_leaves(torch_rounding.decoupled_decay(lr, weight_decay), like)
+
+    def decay_(out: Leaves, params: Leaves, flags: list[bool] | None = None) -> Leaves:
+        idx = selected(flags, out)
+        foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
+        return out
+
+    return decay_

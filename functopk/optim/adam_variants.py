@@ -17,7 +17,8 @@ every argument after ``learning_rate`` is keyword-only.
 
 ``TORCH_BUILDERS`` maps each torch class name to a function of torch's param-group
 dict returning the equivalent transformation; ``TORCH_STATE_NAMES`` maps each
-state field to torch's per-parameter state key.
+state field to torch's per-parameter state key. Each is written once as a
+:class:`~functopk.build.Formula` (pure and in place from the same maths).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, group_scalar, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
-from functopk.build import leafwise
-from functopk.optim._shared import Hyper, Leaves
-from functopk.optim.adaptive import adam_config, ema_sq
+from functopk.build import Formula, leafwise
+from functopk.inplace import Body
+from functopk.optim._shared import Hyper, Leaves, decoupled_decay, first_moves, is_number
+from functopk.optim.adaptive import adam_config, adam_moments
 from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import PyTree
+from functopk.tree.writer import Writer
 
 __all__ = [
     "TORCH_BUILDERS", "TORCH_STATE_NAMES", "AdamaxState", "NadamState", "RadamState", "adamax", "nadam", "radam",
@@ -72,36 +75,38 @@ def _config(
     return _Config(learning_rate, adam.b1, adam.b2, adam.eps, weight_decay, decoupled, adam.maximize, foreach)
 
 
-def torch_gradient(grads: Leaves, params: Leaves | None, cfg: _Config) -> Leaves:
-    """torch's first moves: negate (``maximize``), then add ``weight_decay * params`` (coupled decay)."""
-    if cfg.maximize:
-        grads = foreach.neg(grads)
-    if cfg.has_decay and not cfg.decoupled and params is not None:
-        grads = foreach.add_scaled(grads, cfg.weight_decay, params)
-    return grads
+def _first_moves(new: Any, grads: Leaves, params: Leaves | None, cfg: _Config) -> Leaves:
+    """torch's first moves (:func:`~functopk.optim._shared.first_moves`): negate, then the coupled decay."""
+    coupled = cfg.weight_decay if cfg.has_decay and not cfg.decoupled else None
+    return first_moves(new, grads, params, cfg.maximize, coupled)
 
 
-def _decoupled_decay_(out: Leaves, params: Leaves | None, lr: Hyper, cfg: _Config, like: Leaves) -> Leaves:
-    """Add ``-lr * weight_decay * params`` into ``out`` (fresh buffers) with decoupled decay; else ``out``."""
-    if cfg.has_decay and cfg.decoupled and params is not None:
-        foreach.add_scaled_(out, foreach.for_leaves(torch_rounding.decoupled_decay(lr, cfg.weight_decay), like), params)
-    return out
+def _moments(w: Writer, g: Leaves, fields: tuple[Any, ...], cfg: _Config) -> tuple[Leaves, Leaves]:
+    return adam_moments(w, g, fields[0], fields[1], cfg.b1, cfg.b2)
 
 
-def _times(count: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
-    """The step number ``t = count + 1`` as a 0-d float64 tensor (float32 on MPS), and that dtype."""
+def _formula(prepare: Any, cfg: _Config, sliced: bool = False) -> Formula:  # (b1, b2 meet state kernels)
+    return Formula(prepare, in_place=is_number(cfg.b1) and is_number(cfg.b2), sliced=sliced)
+
+
+def _decoupled_decay(params: Leaves | None, lr: Hyper, cfg: _Config, like: Leaves) -> Any:
+    """``decayed(out, params)``: ``out += -lr * weight_decay * params`` (decoupled decay, as torch), else ``out``."""
+    if not (cfg.has_decay and cfg.decoupled and params is not None):
+        return lambda out, p: out
+    return decoupled_decay(lr, cfg.weight_decay, like)
+
+
+def _times(count: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:  # (t = count + 1 in the scalar dtype)
     dtype = foreach.scalar_dtype(count.device)
     return (count + 1).to(dtype), dtype
 
 
-def _as(value: Hyper, dtype: torch.dtype) -> Hyper:
-    """A tensor hyperparameter in the scalar dtype (a number unchanged)."""
+def _as(value: Hyper, dtype: torch.dtype) -> Hyper:  # (a tensor hyperparameter in the scalar dtype)
     return value.to(dtype) if isinstance(value, torch.Tensor) else value
 
 
 def _learning_rate(cfg: _Config, count: torch.Tensor) -> Hyper:
-    lr = cfg.learning_rate
-    return lr(count) if callable(lr) else lr
+    return cfg.learning_rate(count) if callable(cfg.learning_rate) else cfg.learning_rate
 
 
 # --------------------------------------------------------------------------- NAdam
@@ -198,30 +203,24 @@ def _nadam_schedule(
     return mu, mu_next, stored, stored.to(dtype), bc2_sqrt
 
 
-def nadam_direction(
-    g: Leaves, m: Leaves, v: Leaves, count: torch.Tensor, mu_product: torch.Tensor, params: Leaves | None,
-    cfg: _Config, momentum_decay: Hyper,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """NAdam's update (fresh) from ``g`` and the new moments ``m``, ``v``; the new ``P_t`` (the in-place step's too)."""
+def _nadam_coefficients(
+    cfg: _Config, momentum_decay: Hyper, count: torch.Tensor, mu_product: torch.Tensor, like: Leaves
+) -> tuple[Any, Any, Hyper, torch.Tensor, Hyper]:
+    """``(coef_g, coef_m, eps * sqrt(1 - b2**t), the new P_t, lr)``: the update is ``(coef_g * g + coef_m * m) /
+    (sqrt(v) + eps * sqrt(1 - b2**t))``, each coefficient as torch rounds it."""
     mu, mu_next, stored, product, bc2_sqrt = _nadam_schedule(cfg, momentum_decay, count, mu_product)
     lr = _learning_rate(cfg, count)
     # torch: -lr * (1 - mu) / (1 - P) * g / d - lr * mu_next / (1 - P * mu_next) * m / d with
     # d = sqrt(v) / bc2_sqrt + eps; here d * bc2_sqrt = sqrt(v) + eps * bc2_sqrt, and bc2_sqrt
     # rides on the two coefficients.
-    if torch_rounding.lr_in_float64(lr, cfg.foreach, g, rounded_by_foreach=False):
+    if torch_rounding.lr_in_float64(lr, cfg.foreach, like, rounded_by_foreach=False):
         coef_g = (lr * (1.0 - mu) / (1.0 - product)) * -bc2_sqrt
         coef_m = (lr * mu_next / (1.0 - product * mu_next)) * -bc2_sqrt
     else:  # torch's for-loop: -lr * (1 - mu) / (1 - P) and -lr * mu_next / (1 - P * mu_next) in lr's dtype
         coef_g = torch_rounding.lr_divided(torch_rounding.lr_times(lr, 1.0 - mu), 1.0 - product) * -bc2_sqrt
         coef_m = torch_rounding.lr_divided(torch_rounding.lr_times(lr, mu_next), 1.0 - product * mu_next) * -bc2_sqrt
-    denom = foreach.add_scalar_(foreach.sqrt(v), foreach.for_leaves(cfg.eps * bc2_sqrt, g))
-    cg, cm = foreach.for_leaves(coef_g, g), cast(torch.Tensor, foreach.for_leaves(coef_m, g))
-    if denom and denom[0].device.type == "cpu":  # leaf by leaf: a second fresh tree costs page faults on CPU
-        for x, y, d in zip(g, m, denom):
-            torch.div(torch.mul(x, cg).addcmul_(y, cm), d, out=d)
-        return _decoupled_decay_(denom, params, lr, cfg, g), stored
-    num = foreach.addcmul_(foreach.mul(g, cg), m, [cm] * len(denom))  # (foreach kernels: one launch for all)
-    return _decoupled_decay_(foreach.div_into(num, denom), params, lr, cfg, g), stored
+    eps = foreach.for_leaves(cfg.eps * bc2_sqrt, like)
+    return foreach.for_leaves(coef_g, like), foreach.for_leaves(coef_m, like), eps, stored, lr
 
 
 def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:
@@ -232,15 +231,25 @@ def _nadam(cfg: _Config, momentum_decay: Hyper) -> GradientTransformation:
         zeros = foreach.zeros_like
         return NadamState(count=count, mu_product=product, mu=zeros(params), nu=zeros(params))
 
-    def update(grads: Leaves, state: NadamState, params: Leaves | None) -> tuple[Leaves, NadamState]:
-        g = torch_gradient(grads, params, cfg)
-        m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
-        v = ema_sq(state.nu, g, cfg.b2)
-        out, stored = nadam_direction(g, m, v, state.count, state.mu_product, params, cfg, momentum_decay)
-        return out, NadamState(count=state.count + 1, mu_product=stored, mu=m, nu=v)
+    def prepare(state: NadamState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
+        cg, cm, eps, stored, lr = _nadam_coefficients(cfg, momentum_decay, state.count, state.mu_product, like)
+        decayed = _decoupled_decay(params, lr, cfg, like)
 
-    fields = ("mu", "nu")
-    return leafwise("nadam", update, init=init, state=NadamState, tree_fields=fields, needs_params=cfg.has_decay)
+        def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+            g = _first_moves(w.new, g, p, cfg)
+            m, v = _moments(w, g, fields, cfg)
+            denom = foreach.add_scalar_(foreach.sqrt(v), eps)
+            if denom and denom[0].device.type == "cpu":  # leaf by leaf: a second fresh tree costs page faults
+                for x, y, d in zip(g, m, denom):
+                    torch.div(torch.mul(x, cg).addcmul_(y, cm), d, out=d)
+                return decayed(denom, p), (m, v)
+            num = foreach.addcmul_(foreach.mul(g, cg), m, [cm] * len(denom))  # (foreach kernels: one launch)
+            return decayed(foreach.div_into(num, denom), p), (m, v)
+
+        return body, {"count": state.count + 1, "mu_product": stored}
+
+    return leafwise("nadam", formula=_formula(prepare, cfg), init=init, state=NadamState, tree_fields=("mu", "nu"),
+                    needs_params=cfg.has_decay)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- RAdam
@@ -320,31 +329,22 @@ def _radam(cfg: _Config) -> GradientTransformation:
         zeros = foreach.zeros_like
         return RadamState(count=init_count(params), mu=zeros(params), nu=zeros(params))
 
-    def update(grads: Leaves, state: RadamState, params: Leaves | None) -> tuple[Leaves, RadamState]:
-        g = torch_gradient(grads, params, cfg)
-        m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
-        v = ema_sq(state.nu, g, cfg.b2)
-        out = radam_direction(g, m, v, state.count, params, cfg)
-        return out, RadamState(count=state.count + 1, mu=m, nu=v)
+    def prepare(state: RadamState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
+        lr = _learning_rate(cfg, state.count)
+        wide = torch_rounding.lr_in_float64(lr, cfg.foreach, like, rounded_by_foreach=True)
+        adaptive, plain = (foreach.for_leaves(c, like) for c in _radam_coefficients(cfg, state.count, lr, wide))
+        decayed = _decoupled_decay(params, lr, cfg, like)
 
-    fields = ("mu", "nu")
-    return leafwise("radam", update, init=init, state=RadamState, tree_fields=fields, needs_params=cfg.has_decay)
+        def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+            m, v = _moments(w, _first_moves(w.new, g, p, cfg), fields, cfg)
+            out = foreach.mul_(foreach.div_into(m, foreach.add_scalar_(foreach.sqrt(v), cfg.eps)), adaptive)
+            out = foreach.addcmul_(out, m, [cast(torch.Tensor, plain)] * len(out))  # 0 * m if rectified
+            return decayed(out, p), (m, v)
 
+        return body, {"count": state.count + 1}
 
-def radam_direction(
-    g: Leaves, m: Leaves, v: Leaves, count: torch.Tensor, params: Leaves | None, cfg: _Config
-) -> list[torch.Tensor]:
-    """RAdam's update from the gradient ``g`` and the new moments ``m``, ``v``, in fresh buffers.
-
-    Shared by :func:`radam` and the adapter's in-place step.
-    """
-    lr = _learning_rate(cfg, count)
-    wide = torch_rounding.lr_in_float64(lr, cfg.foreach, g, rounded_by_foreach=True)
-    adaptive, plain = _radam_coefficients(cfg, count, lr, wide)
-    denom = foreach.add_scalar_(foreach.sqrt(v), cfg.eps)
-    out = foreach.mul_(foreach.div_into(m, denom), foreach.for_leaves(adaptive, g))
-    out = foreach.addcmul_(out, m, [cast(torch.Tensor, foreach.for_leaves(plain, g))] * len(out))  # 0 * m if rectified
-    return _decoupled_decay_(out, params, lr, cfg, g)
+    return leafwise("radam", formula=_formula(prepare, cfg), init=init, state=RadamState, tree_fields=("mu", "nu"),
+                    needs_params=cfg.has_decay)  # fmt: skip
 
 
 def _radam_coefficients(
@@ -448,21 +448,24 @@ def _adamax(cfg: _Config) -> GradientTransformation:
         zeros = foreach.zeros_like
         return AdamaxState(count=init_count(params), mu=zeros(params), nu=zeros(params))
 
-    def update(grads: Leaves, state: AdamaxState, params: Leaves | None) -> tuple[Leaves, AdamaxState]:
-        g = torch_gradient(grads, params, cfg)
-        m = foreach.lerp(state.mu, g, 1.0 - cfg.b1)
-        u = foreach.maximum(foreach.mul(state.nu, cfg.b2), foreach.add_scalar_(foreach.abs(g), cfg.eps))
+    def prepare(state: AdamaxState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
         t, dtype = _times(state.count)
         lr = _learning_rate(cfg, state.count)
         bc1 = 1.0 - torch.pow(_as(cfg.b1, dtype), t)
         # torch's for-loop divides a tensor lr in its dtype, its foreach kernel reads it on the host
-        wide = torch_rounding.lr_in_float64(lr, cfg.foreach, g, rounded_by_foreach=False)
-        step = (lr / bc1 if wide else torch_rounding.lr_divided(lr, bc1)) * -1.0
-        out = foreach.mul_(foreach.div(m, u), foreach.for_leaves(step, g))
-        return out, AdamaxState(count=state.count + 1, mu=m, nu=u)
+        wide = torch_rounding.lr_in_float64(lr, cfg.foreach, like, rounded_by_foreach=False)
+        step = foreach.for_leaves((lr / bc1 if wide else torch_rounding.lr_divided(lr, bc1)) * -1.0, like)
 
-    fields = ("mu", "nu")
-    return leafwise("adamax", update, init=init, state=AdamaxState, tree_fields=fields, needs_params=cfg.has_decay)
+        def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+            g = _first_moves(w.new, g, p, cfg)
+            m = w.lerp(fields[0], g, 1.0 - cfg.b1)
+            u = foreach.maximum_(w.mul(fields[1], cfg.b2), foreach.add_scalar_(w.new.abs(g), cfg.eps))
+            return foreach.mul_(w.new.div(m, u), step), (m, u)  # m / u
+
+        return body, {"count": state.count + 1}
+
+    return leafwise("adamax", formula=_formula(prepare, cfg, sliced=True), init=init, state=AdamaxState,
+                    tree_fields=("mu", "nu"), needs_params=cfg.has_decay)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- torch.optim correspondence

@@ -19,36 +19,36 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
-from functopk.build import leafwise
-from functopk.combine import MaskOrFn, resolve_mask
-from functopk.inplace import Planned, Stage, fitting, register_inplace
-from functopk.optim._shared import Hyper, Leaves, is_number, selected, with_mask
+from functopk.build import Formula, leafwise
+from functopk.combine import MaskOrFn
+from functopk.inplace import Body
+from functopk.optim._shared import Hyper, Leaves, decoupled_decay, first_moves, is_number, with_mask
 from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import PyTree
+from functopk.tree.writer import Writer
 
 __all__ = ["ScaleByAdamState", "scale_by_adam"]
 
 
-def ema_sq(avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
-    """``decay * avg + (1 - decay) * grads**2``, as ``torch.optim`` computes it (``mul`` then ``addcmul``)."""
-    new = foreach.mul(avg, decay)
+def ema_sq(w: Writer, avg: Leaves, grads: Leaves, decay: Hyper) -> Leaves:
+    """``decay * avg + (1 - decay) * grads**2`` as ``torch.optim`` computes it (``mul`` then ``addcmul``), the
+    new ``avg`` through the writer ``w`` (:mod:`functopk.tree.writer`)."""
+    new = w.mul(avg, decay)
     if isinstance(decay, torch.Tensor):  # the foreach ``value`` must be a Python number
         return foreach.addcmul_(new, foreach.mul(grads, 1.0 - decay), grads)
     return foreach.addcmul_(new, grads, grads, value=1.0 - decay)
 
 
-def ema_sq_(avg: list[torch.Tensor], grads: Leaves, decay: float) -> list[torch.Tensor]:
-    """:func:`ema_sq` into ``avg`` (a state's own tensors, for :func:`functopk.update_`): ``mul_``, ``addcmul_``."""
-    torch._foreach_mul_(avg, decay)
-    torch._foreach_addcmul_(avg, list(grads), list(grads), value=1.0 - decay)
-    return avg
+def adam_moments(w: Writer, g: Leaves, mu: Leaves, nu: Leaves, b1: Hyper, b2: Hyper) -> tuple[Leaves, Leaves]:
+    """Adam's new moments through the writer ``w`` (:mod:`functopk.tree.writer`): ``lerp`` into the first,
+    ``mul`` and ``addcmul`` into the second, as ``torch.optim`` (Adam, AdamW, NAdam, RAdam)."""
+    return w.lerp(mu, g, 1.0 - b1), ema_sq(w, nu, g, b2)
 
 
 def check_optional(field: Leaves | None, wanted: bool, owner: str, name: str, option: str) -> None:
@@ -118,14 +118,6 @@ def adam_config(
     )
 
 
-def _adam_moments(grads: Leaves, state: ScaleByAdamState, cfg: AdamConfig) -> tuple[Leaves, Leaves, Leaves | None]:
-    """The new ``mu`` (one ``lerp``), ``nu`` (``mul``, ``addcmul``) and, with ``amsgrad``, ``nu_max``."""
-    mu = foreach.lerp(state.mu, grads, 1.0 - cfg.b1)
-    nu = ema_sq(state.nu, grads, cfg.b2)
-    nu_max = None if state.nu_max is None else foreach.maximum(state.nu_max, nu)  # present iff cfg.amsgrad
-    return mu, nu, nu_max
-
-
 def _absorbed_floor(eps: float, b2: float, dtype: torch.dtype) -> float | None:
     """``finfo(dtype).tiny`` if ``sqrt`` of it vanishes when added to ``eps * sqrt(1 - b2**t)`` for every ``t >= 1``.
 
@@ -171,46 +163,50 @@ def sqrt_floor(cfg: AdamConfig, nu: Leaves) -> float | None:
     return _absorbed_floor(float(cfg.eps), float(cfg.b2), dtype)
 
 
-def adam_direction(
-    mu: Leaves,
-    nu: Leaves,
-    count: torch.Tensor,
-    cfg: AdamConfig,
-    lr: Hyper | None,
-    like: Leaves,
-    floor_zeros: bool = False,
-) -> Leaves:
-    """``mu_hat / (sqrt(nu_hat + eps_root) + eps)``, times ``-lr`` when given, in fresh buffers.
+class AdamScalars(NamedTuple):
+    """The scalars of an Adam step (:func:`adam_scalars`), each as :func:`~functopk.tree.foreach.for_leaves` made it."""
 
-    ``sqrt(nu)/sqrt(bc2) + eps`` is computed as ``(sqrt(nu) + eps*sqrt(bc2)) / sqrt(bc2)``
-    with the outer division, ``1 / bc1`` and ``-lr`` folded into one final
-    multiply: the same number up to rounding, four kernels (``sqrt``, ``add``,
-    ``div``, ``mul``; one more with ``eps_root``). The result is written into the
-    denominator's buffers where that is cheaper (:func:`~functopk.tree.foreach.div_into`).
-    ``floor_zeros`` (for mostly-zero ``nu``, as after a top-k) floors ``nu`` by
-    :func:`sqrt_floor` first where that changes no bit: one more kernel, and
-    ``sqrt`` avoids its slow path for zeros.
-    """
-    # Bias corrections on the tensor counter, in float64 (as torch.optim's Python floats).
+    eps_root: Hyper | None  # eps_root * (1 - b2**t), added to nu inside the root; None without eps_root
+    eps: Hyper  # eps * sqrt(1 - b2**t), added to the root
+    step: Hyper  # sqrt(1 - b2**t) / (1 - b1**t), times -lr when there is one
+
+
+def adam_scalars(count: torch.Tensor, cfg: AdamConfig, lr: Hyper | None, like: Leaves) -> AdamScalars:
+    """The bias corrections of step ``count + 1`` folded into Adam's scalars, on the tensor counter in float64
+    (as torch.optim's Python floats): ``sqrt(nu)/sqrt(bc2) + eps`` is computed as ``(sqrt(nu) + eps*sqrt(bc2)) /
+    sqrt(bc2)``, with the outer division, ``1 / bc1`` and ``-lr`` folded into one final multiply."""
     dtype = foreach.scalar_dtype(count.device)
     t = (count + 1).to(dtype)
     bc1 = 1.0 - torch.pow(cfg.b1.to(dtype) if isinstance(cfg.b1, torch.Tensor) else cfg.b1, t)
     bc2 = 1.0 - torch.pow(cfg.b2.to(dtype) if isinstance(cfg.b2, torch.Tensor) else cfg.b2, t)
     bc2_sqrt = torch.sqrt(bc2)
-    if not is_zero(cfg.eps_root):
-        nu = foreach.add_scalar(nu, foreach.for_leaves(cfg.eps_root * bc2, like))
+    root = None if is_zero(cfg.eps_root) else foreach.for_leaves(cfg.eps_root * bc2, like)
+    if isinstance(lr, torch.Tensor):  # torch's lr / (1 - b1**t) is a tensor of lr's dtype (float32: rounded)
+        step = bc2_sqrt * -torch_rounding.lr_divided(lr, bc1)
+    else:
+        step = bc2_sqrt / bc1 if lr is None else bc2_sqrt / bc1 * -lr
+    return AdamScalars(root, foreach.for_leaves(cfg.eps * bc2_sqrt, like), foreach.for_leaves(step, like))
+
+
+def adam_direction(mu: Leaves, nu: Leaves, s: AdamScalars, cfg: AdamConfig, floor_zeros: bool = False) -> Leaves:
+    """``mu_hat / (sqrt(nu_hat + eps_root) + eps)``, times ``-lr`` when given, in fresh buffers.
+
+    Four kernels (``sqrt``, ``add``, ``div``, ``mul``; one more with ``eps_root``),
+    the scalars from :func:`adam_scalars`. The result is written into the
+    denominator's buffers where that is cheaper (:func:`~functopk.tree.foreach.div_into`).
+    ``floor_zeros`` (for mostly-zero ``nu``, as after a top-k) floors ``nu`` by
+    :func:`sqrt_floor` first where that changes no bit: one more kernel, and
+    ``sqrt`` avoids its slow path for zeros.
+    """
+    if s.eps_root is not None:
+        nu = foreach.add_scalar(nu, s.eps_root)
     floor = sqrt_floor(cfg, nu) if floor_zeros else None
     if floor is None:
         roots = foreach.sqrt(nu)
     else:  # the same bits, without sqrt's slow path for zeros
         roots = list(torch._foreach_clamp_min(list(nu), floor))
         torch._foreach_sqrt_(roots)
-    denom = foreach.add_scalar_(roots, foreach.for_leaves(cfg.eps * bc2_sqrt, like))
-    if isinstance(lr, torch.Tensor):  # torch's lr / (1 - b1**t) is a tensor of lr's dtype (float32: rounded)
-        step = bc2_sqrt * -torch_rounding.lr_divided(lr, bc1)
-    else:
-        step = bc2_sqrt / bc1 if lr is None else bc2_sqrt / bc1 * -lr
-    return foreach.mul_(foreach.div_into(mu, denom), foreach.for_leaves(step, like))
+    return foreach.mul_(foreach.div_into(mu, foreach.add_scalar_(roots, s.eps)), s.step)
 
 
 def adam_transform(
@@ -247,82 +243,33 @@ def adam_transform(
         return ScaleByAdamState(count=init_count(params), mu=zeros(params), nu=zeros(params), nu_max=nu_max)
 
     def make(flags: list[bool] | None) -> GradientTransformation:
-        def update(grads: Leaves, state: ScaleByAdamState, params: Leaves | None) -> tuple[Leaves, ScaleByAdamState]:
+        def prepare(state: ScaleByAdamState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
             check_optional(state.nu_max, cfg.amsgrad, name, "nu_max", "amsgrad")
-            if cfg.maximize:
-                grads = foreach.neg(grads)
-            if decay is not None and not decay.decoupled and params is not None:
-                grads = foreach.add_scaled(grads, decay.weight_decay, params)
-            mu, nu, nu_max = _adam_moments(grads, state, cfg)
             lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-            out = adam_direction(mu, nu if nu_max is None else nu_max, state.count, cfg, lr, grads)
-            if decay is not None and decay.decoupled and params is not None and lr is not None:
-                _decay_decoupled(out, grads, params, flags, decay.weight_decay, lr)
-            return out, ScaleByAdamState(count=state.count + 1, mu=mu, nu=nu, nu_max=nu_max)
+            scalars = adam_scalars(state.count, cfg, lr, like)
+            decay_ = None
+            if decay is not None and decay.decoupled and lr is not None:
+                decay_ = decoupled_decay(lr, decay.weight_decay, like)
 
+            def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+                coupled = None if decay is None or decay.decoupled else decay.weight_decay
+                g = first_moves(w.new, g, p, cfg.maximize, coupled)
+                mu, nu = adam_moments(w, g, fields[0], fields[1], cfg.b1, cfg.b2)
+                nu_max = None if fields[2] is None else w.maximum(fields[2], nu)  # present iff cfg.amsgrad
+                out = adam_direction(mu, nu if nu_max is None else nu_max, scalars, cfg, w.mostly_zero)
+                if decay_ is not None and p is not None:  # AdamW's decay into the fresh updates, where the mask keeps
+                    decay_(out, p, flags)
+                return out, (mu, nu, nu_max)
+
+            return body, {"count": state.count + 1}
+
+        formula = Formula(prepare, in_place=is_number(cfg.b1) and is_number(cfg.b2))
         return leafwise(
-            name, update, init=init, state=ScaleByAdamState, tree_fields=("mu", "nu", "nu_max"),
+            name, formula=formula, init=init, state=ScaleByAdamState, tree_fields=("mu", "nu", "nu_max"),
             needs_params=decay is not None,
         )
 
-    tx = with_mask(make, decay.mask if decay is not None else None, name)
-    return register_inplace(tx, _adam_stage(cfg, learning_rate, decay))
-
-
-def _decay_decoupled(
-    out: Leaves, grads: Leaves, params: Leaves, flags: list[bool] | None, weight_decay: Hyper, lr: Hyper
-) -> None:
-    """AdamW's decay into the fresh updates ``out``: ``-lr * weight_decay * params`` on the leaves the mask keeps."""
-    idx = selected(flags, out)
-    coef = foreach.for_leaves(torch_rounding.decoupled_decay(lr, weight_decay), grads)
-    foreach.add_scaled_([out[i] for i in idx], coef, [params[i] for i in idx])
-
-
-def _adam_stage(cfg: AdamConfig, learning_rate: ScalarOrSchedule | None, decay: AdamDecay | None) -> Stage:
-    """:func:`adam_transform`'s in-place form (:func:`functopk.update_`): the same kernels, the moments as outputs.
-
-    The moments are updated with ``lerp_``, ``mul_``/``addcmul_`` (and
-    ``maximum_``), the out-of-place kernels' in-place forms, which round alike in
-    float32 and float64; ``b1`` and ``b2`` must be Python numbers (the foreach
-    kernels take no tensor scalar there).
-    """
-
-    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
-        if not (isinstance(state, ScaleByAdamState) and is_number(cfg.b1) and is_number(cfg.b2)):
-            return None
-        if (state.nu_max is not None) != cfg.amsgrad or not _is_count(state.count):
-            return None
-        fields = [fitting(f, treedef, params) for f in (state.mu, state.nu, state.nu_max if cfg.amsgrad else [])]
-        if any(f is None for f in fields[: 3 if cfg.amsgrad else 2]):
-            return None
-        mu, nu, nu_max = (f or [] for f in fields)
-        b1, b2 = float(cfg.b1), float(cfg.b2)  # (numbers)
-        flags = None if decay is None or decay.mask is None else resolve_mask(decay.mask, treedef.unflatten(params))
-
-        def run(g: Leaves) -> Leaves:
-            if cfg.maximize:
-                g = foreach.neg(g)
-            if decay is not None and not decay.decoupled:
-                g = foreach.add_scaled(g, decay.weight_decay, params)
-            torch._foreach_lerp_(mu, g, 1.0 - b1)
-            ema_sq_(nu, g, b2)
-            if cfg.amsgrad:
-                torch._foreach_maximum_(nu_max, nu)
-            lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-            out = adam_direction(mu, nu_max if cfg.amsgrad else nu, state.count, cfg, lr, g)
-            if decay is not None and decay.decoupled and lr is not None:
-                _decay_decoupled(out, g, params, flags, decay.weight_decay, lr)
-            state.count.add_(1)
-            return out
-
-        return Planned([*mu, *nu, *nu_max, state.count], run)
-
-    return stage
-
-
-
-def _is_count(x: object) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point() and x.layout == torch.strided
+    return with_mask(make, decay.mask if decay is not None else None, name)
 
 
 @recorded

@@ -18,31 +18,19 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from functopk._checks import (
-    check_bool,
-    check_hyperparam,
-    check_scalar_or_schedule,
-    describe,
-    group_scalar,
-    is_zero,
-)
+from functopk._checks import check_bool, check_hyperparam, check_scalar_or_schedule, describe, group_scalar, is_zero
 from functopk.base import GradientTransformation, ScalarOrSchedule, init_count, recorded
-from functopk.build import leafwise
-from functopk.optim._shared import Hyper, Leaves
+from functopk.build import Formula, leafwise
+from functopk.inplace import Body
+from functopk.optim._shared import Hyper, Leaves, first_moves, is_number
 from functopk.optim.adaptive import ema_sq
 from functopk.tree import foreach, torch_rounding
 from functopk.tree.maths import PyTree
+from functopk.tree.writer import Writer
 
 __all__ = [
-    "TORCH_BUILDERS",
-    "TORCH_STATE_NAMES",
-    "AdadeltaState",
-    "AsgdState",
-    "RpropState",
-    "adadelta",
-    "asgd",
-    "rprop",
-]  # (adadelta_delta, rprop_factors, rprop_direction, asgd_new_params, asgd_next_eta_mu: shared with the adapter)
+    "TORCH_BUILDERS", "TORCH_STATE_NAMES", "AdadeltaState", "AsgdState", "RpropState", "adadelta", "asgd", "rprop",
+]  # fmt: skip
 
 
 def _at_most(value: Hyper, name: str, maximum: float) -> Hyper:
@@ -59,8 +47,7 @@ def _pair(value: Any, name: str) -> tuple[Any, Any]:
     return value[0], value[1]
 
 
-def _value_at(learning_rate: Any, count: torch.Tensor) -> Hyper:
-    """The learning rate at step ``count``: the schedule's value, or the constant."""
+def _value_at(learning_rate: Any, count: torch.Tensor) -> Hyper:  # (a schedule's value, or the constant)
     return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
@@ -134,27 +121,25 @@ def adadelta(
         zeros = foreach.zeros_like
         return AdadeltaState(count=init_count(params), square_avg=zeros(params), acc_delta=zeros(params))
 
-    def update(grads: Leaves, state: AdadeltaState, params: Leaves | None) -> tuple[Leaves, AdadeltaState]:
-        if maximize:
-            grads = foreach.neg(grads)
-        if decay and params is not None:
-            grads = foreach.add_scaled(grads, weight_decay, params)
-        square_avg = ema_sq(state.square_avg, grads, rho)
-        delta = adadelta_delta(square_avg, state.acc_delta, grads, eps)
-        acc_delta = ema_sq(state.acc_delta, delta, rho)
+    def prepare(state: AdadeltaState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
         lr = _value_at(learning_rate, state.count)
-        out = foreach.mul(delta, -lr)
-        return out, AdadeltaState(count=state.count + 1, square_avg=square_avg, acc_delta=acc_delta)
 
-    return leafwise(
-        "adadelta", update, init=init, state=AdadeltaState, tree_fields=("square_avg", "acc_delta"),
-        needs_params=decay,
-    )
+        def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+            g = first_moves(w.new, g, p, maximize, weight_decay if decay else None)
+            square_avg = ema_sq(w, fields[0], g, rho)
+            delta = adadelta_delta(square_avg, fields[1], g, eps)
+            acc_delta = ema_sq(w, fields[1], delta, rho)
+            return foreach.mul_(delta, -lr), (square_avg, acc_delta)
+
+        return body, {"count": state.count + 1}
+
+    return leafwise("adadelta", formula=Formula(prepare, in_place=is_number(rho)), init=init, state=AdadeltaState,
+                    tree_fields=("square_avg", "acc_delta"), needs_params=decay)  # fmt: skip
 
 
 def adadelta_delta(square_avg: Leaves, acc_delta: Leaves, grads: Leaves, eps: Hyper) -> list[torch.Tensor]:
     """``sqrt(acc_delta + eps) / sqrt(square_avg + eps) * grads`` in fresh buffers (the new ``square_avg``, the old
-    ``acc_delta``): torch's kernels, shared by :func:`adadelta` and the adapter's in-place step."""
+    ``acc_delta``), with torch's kernels."""
     std = foreach.add_scalar(square_avg, eps)
     delta = foreach.add_scalar(acc_delta, eps)
     if std:  # torch's in-place kernels on the fresh buffers: no tree allocated but these two
@@ -278,16 +263,18 @@ def rprop(
         step_size = foreach.full_like(params, learning_rate)
         return RpropState(count=init_count(params), prev=foreach.zeros_like(params), step_size=step_size)
 
-    def update(grads: Leaves, state: RpropState, params: Leaves | None) -> tuple[Leaves, RpropState]:
-        if maximize:
-            grads = foreach.neg(grads)
-        flipped, factors = rprop_factors(grads, state.prev, eta_minus, eta_plus)
-        step_size = foreach.clamp(foreach.mul_list(state.step_size, factors), low, high)
-        kept = [torch.where(f, torch.zeros((), dtype=g.dtype, device=g.device), g) for f, g in zip(flipped, grads)]
-        out = rprop_direction(kept, step_size)
-        return out, RpropState(count=state.count + 1, prev=kept, step_size=step_size)
+    def prepare(state: RpropState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
+        return body, {"count": state.count + 1}
 
-    return leafwise("rprop", update, init=init, state=RpropState, tree_fields=("prev", "step_size"))
+    def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+        if maximize:
+            g = foreach.neg(g)
+        flipped, factors = rprop_factors(g, fields[0], eta_minus, eta_plus)
+        step_size = foreach.clamp_(w.mul(fields[1], factors), low, high)  # (clamped in place: exact in any dtype)
+        kept = w.zero_where(fields[0], flipped, g)  # the gradient, 0 where its sign flipped
+        return rprop_direction(kept, step_size), (kept, step_size)
+
+    return leafwise("rprop", formula=Formula(prepare), init=init, state=RpropState, tree_fields=("prev", "step_size"))
 
 
 # --------------------------------------------------------------------------- ASGD
@@ -387,7 +374,7 @@ def asgd(
 
 def _asgd(learning_rate: Any, lambd: Hyper, alpha: Hyper, t0: Hyper, weight_decay: Hyper, maximize: bool,
           implementation: Any) -> GradientTransformation:  # fmt: skip
-    decay = not is_zero(weight_decay)
+    coupled = None if is_zero(weight_decay) else weight_decay
 
     def init(params: Leaves) -> AsgdState:
         count = init_count(params)
@@ -396,31 +383,35 @@ def _asgd(learning_rate: Any, lambd: Hyper, alpha: Hyper, t0: Hyper, weight_deca
         mu = torch.ones((), dtype=dtype, device=count.device)
         return AsgdState(count=count, eta=eta, mu=mu, ax=foreach.zeros_like(params))
 
-    def update(grads: Leaves, state: AsgdState, params: Leaves | None) -> tuple[Leaves, AsgdState]:
+    def prepare(state: AsgdState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
         assert params is not None  # needs_params
-        if maximize:
-            grads = foreach.neg(grads)
-        if decay:
-            grads = foreach.add_scaled(grads, weight_decay, params)
-        # torch's new parameters, with its kernels; the update is their difference from params (exact wherever
-        # the step is under |params|, so apply_updates gives them back)
-        loop = not torch_rounding.torch_foreach(implementation, params)
-        new_params = asgd_new_params(grads, params, state.eta, lambd, loop)
-        out = foreach.sub(new_params, params)
-        ax = foreach.addcmul(state.ax, foreach.sub(new_params, state.ax), [state.mu] * len(grads))
-        if loop:
-            asgd_copy_while_mu_is_one_(ax, new_params, state.mu)
+        loop = not torch_rounding.torch_foreach(implementation, params)  # whose rounding: torch's for-loop or foreach
         lr = _value_at(learning_rate, state.count)
         eta, mu = asgd_next_eta_mu(state.count, state.eta.dtype, lr, lambd, alpha, t0, loop)
-        return out, AsgdState(count=state.count + 1, eta=eta, mu=mu, ax=ax)
 
-    return leafwise("asgd", update, init=init, state=AsgdState, tree_fields=("ax",), needs_params=True)
+        def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+            assert p is not None
+            g = first_moves(w.new, g, p, maximize, coupled)
+            # torch's new parameters, with its kernels; the update is their difference from params (exact wherever
+            # the step is under |params|, so apply_updates gives them back)
+            new_params = asgd_new_params(g, p, state.eta, lambd, loop)
+            ax = w.toward(fields[0], new_params, state.mu)
+            if loop:
+                asgd_copy_while_mu_is_one_(ax, new_params, state.mu)
+            if new_params:  # the update, in the fresh new parameters' buffers
+                torch._foreach_sub_(new_params, p)
+            return new_params, (ax,)
+
+        return body, {"count": state.count + 1, "eta": eta, "mu": mu}
+
+    return leafwise("asgd", formula=Formula(prepare), init=init, state=AsgdState, tree_fields=("ax",),
+                    needs_params=True)  # fmt: skip
 
 
 def asgd_new_params(
     grads: Leaves, params: Leaves, eta: torch.Tensor, lambd: Hyper, loop: bool = False
 ) -> list[torch.Tensor]:
-    """torch's new parameters, fresh (shared with the in-place step): its foreach kernels'
+    """torch's new parameters, fresh: its foreach kernels'
     ``params - eta * (grads + lambd * params)``, or (``loop``) its for-loop's ``params * (1 - lambd * eta) - eta *
     grads`` with ``eta`` read as a Python float (here its float64 value, on device)."""
     if loop:

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from functopk._checks import check_bool, check_callable, check_hyperparam, check_scalar_or_schedule, is_zero
 from functopk.base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, init_count, recorded
-from functopk.build import leafwise
+from functopk.build import Formula, leafwise
 from functopk.combine import MaskOrFn
-from functopk.inplace import STATELESS, Planned, Sliced, Stage, fitting, register_inplace
+from functopk.inplace import Body
 from functopk.optim._shared import Leaves, is_number, selected, with_mask
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
+from functopk.tree.writer import Writer
 
 __all__ = [
     "ScaleByScheduleState",
@@ -43,30 +43,15 @@ __all__ = [
 def _scale(step_size: float | torch.Tensor, name: str, *, negate: bool = False) -> GradientTransformation:
     """Multiply by ``step_size`` (by ``-step_size`` with ``negate``), a tensor read at every update.
 
-    A 0-d tensor is negated inside the update, never once here: a copy made now would
+    A 0-d tensor is negated at each update, never once here: a copy made now would
     not see an in-place change (an LR scheduler's ``fill_``) at the next update.
     """
 
-    def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
-        return foreach.mul(grads, -step_size if negate else step_size), state
+    def prepare(state: EmptyState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
+        factor = -step_size if negate else step_size
+        return lambda w, g, fields, p: (w.last_mul(g, factor), ()), {}
 
-    tx = leafwise(name, update)
-    if isinstance(step_size, torch.Tensor):
-        return register_inplace(tx, STATELESS)
-    return register_inplace(tx, _scale_stage(-step_size if negate else step_size))
-
-
-def _scale_stage(factor: float) -> Stage:
-    """:func:`scale`'s in-place form for a number: ``updates * factor``, with its slice body (``mul``), so that
-    :func:`functopk.update_` can fuse it into the parameters' add (:class:`functopk.inplace.Planned`)."""
-
-    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
-        if type(state) is not EmptyState:
-            return None
-        sliced = Sliced([], lambda s, u: torch.mul(u, factor, out=s[0]), lambda: None)
-        return Planned([], lambda updates: foreach.mul(updates, factor), sliced)
-
-    return stage
+    return leafwise(name, formula=Formula(prepare, sliced=True))
 
 
 @recorded
@@ -98,13 +83,11 @@ def _scale_by_schedule(schedule: Schedule, name: str) -> GradientTransformation:
     def init(params: Leaves) -> ScaleByScheduleState:
         return ScaleByScheduleState(count=init_count(params))
 
-    def update(
-        grads: Leaves, state: ScaleByScheduleState, params: Leaves | None
-    ) -> tuple[Leaves, ScaleByScheduleState]:
-        value = foreach.for_leaves(schedule(state.count), grads)  # float64 values stay float64 for float64 leaves
-        return foreach.mul(grads, value), ScaleByScheduleState(count=state.count + 1)
+    def prepare(state: ScaleByScheduleState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
+        value = foreach.for_leaves(schedule(state.count), like)  # float64 values stay float64 for float64 leaves
+        return lambda w, g, fields, p: (w.last_mul(g, value), ()), {"count": state.count + 1}
 
-    return leafwise(name, update, init=init, state=ScaleByScheduleState)
+    return leafwise(name, formula=Formula(prepare, sliced=True), init=init, state=ScaleByScheduleState)
 
 
 @recorded
@@ -208,46 +191,26 @@ def trace(
     def init(params: Leaves) -> TraceState:
         return TraceState(trace=foreach.zeros_like(params), count=init_count(params))
 
-    def update(grads: Leaves, state: TraceState, params: Leaves | None) -> tuple[Leaves, TraceState]:
-        if is_zero(dampening):
-            buf = foreach.add_scaled(grads, decay, state.trace)
-        else:
+    def prepare(state: TraceState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
+        factor = None
+        if not is_zero(dampening):
             # torch.optim.SGD clones the gradient into the buffer on the first step; with a
             # zero buffer that is the same as an undamped first step.
             first = state.count == 0
             one = torch.ones((), dtype=foreach.scalar_dtype(first.device), device=first.device)
-            factor = foreach.for_leaves(torch.where(first, one, 1.0 - dampening), grads)
-            buf = foreach.add(foreach.mul(state.trace, decay), foreach.mul(grads, factor))
-        out = foreach.add_scaled(grads, decay, buf) if nesterov else buf
-        return out, TraceState(trace=buf, count=state.count + 1)
+            factor = foreach.for_leaves(torch.where(first, one, 1.0 - dampening), like)
 
-    tx = leafwise("trace", update, init=init, state=TraceState, tree_fields=("trace",))
-    return register_inplace(tx, _trace_stage(float(decay), nesterov)) if is_zero(dampening) and is_number(decay) else tx
+        def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+            if factor is None:
+                buf = w.scaled_plus(fields[0], decay, g)  # g + decay * buf: one kernel
+            else:
+                buf = foreach.add_(w.mul(fields[0], decay), w.new.mul(g, factor))
+            return (w.new.add_scaled(g, decay, buf) if nesterov else buf), (buf,)
 
+        return body, {"count": state.count + 1}
 
-def _trace_stage(decay: float, nesterov: bool) -> Stage:
-    """:func:`trace`'s in-place form without dampening: the buffer as the output of its one ``add`` per leaf."""
-
-    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
-        if not isinstance(state, TraceState) or not isinstance(state.count, torch.Tensor):
-            return None
-        buf = fitting(state.trace, treedef, grads)
-        if buf is None:
-            return None
-
-        def run(g: Leaves) -> Leaves:
-            foreach.add_scaled_into(g, decay, buf)
-            state.count.add_(1)
-            return foreach.add_scaled(g, decay, buf) if nesterov else buf
-
-        def body(s: list[torch.Tensor], u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # run's kernels on a slice
-            torch.add(u, b, alpha=decay, out=b)
-            return torch.add(u, b, alpha=decay, out=s[0]) if nesterov else b
-
-        return Planned([*buf, state.count], run, Sliced([buf], body, lambda: state.count.add_(1)))
-
-    return stage
-
+    formula = Formula(prepare, in_place=is_number(decay), sliced=True)
+    return leafwise("trace", formula=formula, init=init, state=TraceState, tree_fields=("trace",))
 
 
 class WeightDecayScheduleState(NamedTuple):
@@ -265,13 +228,15 @@ class WeightDecayScheduleState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]
 
 
-def _decay(grads: Leaves, params: Leaves | None, flags: list[bool] | None, weight_decay: Any) -> Leaves:
-    """``grads + weight_decay * params`` on the leaves the mask keeps, the others unchanged."""
+def _decay(new: Any, grads: Leaves, params: Leaves | None, flags: list[bool] | None, weight_decay: Any) -> Leaves:
+    """``grads + weight_decay * params`` (fresh, from ``new``) on the leaves the mask keeps, the others unchanged."""
     if params is None:  # never None here (needs_params)
         return list(grads)
+    if flags is None:
+        return new.add_scaled(grads, weight_decay, params)
     idx = selected(flags, grads)
     out = list(grads)
-    for i, x in zip(idx, foreach.add_scaled([grads[i] for i in idx], weight_decay, [params[i] for i in idx])):
+    for i, x in zip(idx, new.add_scaled([grads[i] for i in idx], weight_decay, [params[i] for i in idx])):
         out[i] = x
     return out
 
@@ -320,18 +285,19 @@ def add_decayed_weights(
                 grads: Leaves, state: WeightDecayScheduleState, params: Leaves | None
             ) -> tuple[Leaves, WeightDecayScheduleState]:
                 decay = foreach.for_leaves(schedule(state.count), grads)
-                return _decay(grads, params, flags, decay), WeightDecayScheduleState(count=state.count + 1)
+                return _decay(foreach, grads, params, flags, decay), WeightDecayScheduleState(count=state.count + 1)
 
             return leafwise(name, update, init=init, state=WeightDecayScheduleState, needs_params=True)
 
         return with_mask(make, mask, name)
 
     def make_constant(flags: list[bool] | None) -> GradientTransformation:
-        def update(grads: Leaves, state: EmptyState, params: Leaves | None) -> tuple[Leaves, EmptyState]:
+        def prepare(state: EmptyState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
             if is_zero(weight_decay):
-                return grads, state
-            return _decay(grads, params, flags, weight_decay), state
+                return lambda w, g, fields, p: (g, ()), {}
+            return lambda w, g, fields, p: (_decay(w.new, g, p, flags, weight_decay), ()), {}
 
-        return register_inplace(leafwise(name, update, needs_params=True), STATELESS)
+        # (with a mask its flags go by leaf position: not on slices)
+        return leafwise(name, formula=Formula(prepare, sliced=flags is None), needs_params=True)
 
     return with_mask(make_constant, mask, name)

@@ -1,34 +1,34 @@
 """RMSprop's running average of squared gradients and Adagrad's running sum of them.
 
 Both divide the gradient by the root of their statistic (plus ``eps``, inside or
-outside the root), with ``torch.optim``'s foreach kernels in its order; the
-in-place stages write into the state for :func:`functopk.update_`.
+outside the root), with ``torch.optim``'s foreach kernels in its order, written
+once as a :class:`~functopk.build.Formula` (fresh outputs for the pure update,
+the state's own tensors for :func:`functopk.update_` and the ``torch.optim`` adapter).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import optree
-import torch
+from typing import Any, NamedTuple
 
 from functopk._checks import check_bool, check_hyperparam
 from functopk.base import GradientTransformation, recorded
-from functopk.build import leafwise
-from functopk.inplace import Planned, Stage, fitting, register_inplace
+from functopk.build import Formula, leafwise
+from functopk.inplace import Body
 from functopk.optim._shared import Hyper, Leaves, is_number
-from functopk.optim.adaptive import check_optional, ema_sq, ema_sq_
+from functopk.optim.adaptive import check_optional, ema_sq
 from functopk.tree import foreach
 from functopk.tree.maths import PyTree
+from functopk.tree.writer import Writer
 
 __all__ = ["ScaleByRmsState", "ScaleByRssState", "scale_by_rms", "scale_by_rss"]
 
 
-def _root_plus_eps(square: Leaves, eps: Hyper, eps_in_sqrt: bool) -> Leaves:
-    """Fresh denominators ``sqrt(square + eps)`` (``eps_in_sqrt``) or ``sqrt(square) + eps``."""
+def _root_plus_eps(new: Any, square: Leaves, eps: Hyper, eps_in_sqrt: bool) -> Leaves:
+    """Fresh denominators (from ``new``: the writer's temporaries) ``sqrt(square + eps)`` (``eps_in_sqrt``) or
+    ``sqrt(square) + eps``."""
     if eps_in_sqrt:
         return foreach.sqrt(foreach.add_scalar(square, eps))
-    return foreach.add_scalar_(foreach.sqrt(square), eps)
+    return foreach.add_scalar_(new.sqrt(square), eps)
 
 
 # --------------------------------------------------------------------------- RMSprop
@@ -94,37 +94,18 @@ def scale_by_rms(
             nu=foreach.full_like(params, initial_scale), mu=foreach.zeros_like(params) if centered else None
         )
 
-    def update(grads: Leaves, state: ScaleByRmsState, params: Leaves | None) -> tuple[Leaves, ScaleByRmsState]:
+    def prepare(state: ScaleByRmsState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
         check_optional(state.mu, centered, "scale_by_rms", "mu", "centered")
-        nu = ema_sq(state.nu, grads, decay)
-        mu = None if state.mu is None else foreach.lerp(state.mu, grads, 1.0 - decay)  # present iff centered
-        square = nu if mu is None else foreach.addcmul(nu, mu, mu, value=-1.0)
-        return foreach.div_into(grads, _root_plus_eps(square, eps, eps_in_sqrt)), ScaleByRmsState(nu=nu, mu=mu)
+        return body, {}
 
-    tx = leafwise("scale_by_rms", update, init=init, state=ScaleByRmsState, tree_fields=("nu", "mu"))
-    return register_inplace(tx, _rms_stage(float(decay), eps, eps_in_sqrt, centered)) if is_number(decay) else tx
+    def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+        nu = ema_sq(w, fields[0], g, decay)
+        mu = None if fields[1] is None else w.lerp(fields[1], g, 1.0 - decay)  # present iff centered
+        square = nu if mu is None else w.new.addcmul(nu, mu, mu, value=-1.0)
+        return foreach.div_into(g, _root_plus_eps(w.new, square, eps, eps_in_sqrt)), (nu, mu)
 
-
-def _rms_stage(decay: float, eps: Hyper, eps_in_sqrt: bool, centered: bool) -> Stage:
-    """:func:`scale_by_rms`'s in-place form: ``mul_``/``addcmul_`` into ``nu``, ``lerp_`` into ``mu``."""
-
-    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
-        if not isinstance(state, ScaleByRmsState) or (state.mu is not None) != centered:
-            return None
-        nu, mu = fitting(state.nu, treedef, grads), fitting(state.mu, treedef, grads) if centered else []
-        if nu is None or mu is None:
-            return None
-
-        def run(g: Leaves) -> Leaves:
-            ema_sq_(nu, g, decay)
-            if centered:
-                torch._foreach_lerp_(mu, list(g), 1.0 - decay)
-            square = foreach.addcmul(nu, mu, mu, value=-1.0) if centered else nu
-            return foreach.div_into(g, _root_plus_eps(square, eps, eps_in_sqrt))
-
-        return Planned([*nu, *mu], run)
-
-    return stage
+    formula = Formula(prepare, in_place=is_number(decay), sliced=True)
+    return leafwise("scale_by_rms", formula=formula, init=init, state=ScaleByRmsState, tree_fields=("nu", "mu"))
 
 
 # --------------------------------------------------------------------------- Adagrad
@@ -177,30 +158,16 @@ def scale_by_rss(
     def init(params: Leaves) -> ScaleByRssState:
         return ScaleByRssState(sum_of_squares=foreach.full_like(params, initial_accumulator_value))
 
-    def update(grads: Leaves, state: ScaleByRssState, params: Leaves | None) -> tuple[Leaves, ScaleByRssState]:
-        total = foreach.addcmul(state.sum_of_squares, grads, grads)
-        out = foreach.div_into(grads, _root_plus_eps(total, eps, eps_in_sqrt))
+    def prepare(state: ScaleByRssState, like: Leaves, params: Leaves | None) -> tuple[Body, dict[str, Any]]:
+        return body, {}
+
+    def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
+        total = w.addcmul(fields[0], g, g)
+        out = foreach.div_into(g, _root_plus_eps(w.new, total, eps, eps_in_sqrt))
         if eps_in_sqrt:  # 0 where nothing was accumulated (0 / sqrt(0) would be NaN for eps == 0)
             out = foreach.where_positive(total, out)
-        return out, ScaleByRssState(sum_of_squares=total)
+        return out, (total,)
 
-    tx = leafwise("scale_by_rss", update, init=init, state=ScaleByRssState, tree_fields=("sum_of_squares",))
-    return register_inplace(tx, _rss_stage(eps, eps_in_sqrt))
-
-
-def _rss_stage(eps: Hyper, eps_in_sqrt: bool) -> Stage:
-    """:func:`scale_by_rss`'s in-place form: ``addcmul_`` into the sum."""
-
-    def stage(grads: Leaves, state: object, params: Leaves, treedef: optree.PyTreeSpec) -> Planned | None:
-        total = fitting(state.sum_of_squares, treedef, grads) if isinstance(state, ScaleByRssState) else None
-        if total is None:
-            return None
-
-        def run(g: Leaves) -> Leaves:
-            torch._foreach_addcmul_(total, list(g), list(g))
-            out = foreach.div_into(g, _root_plus_eps(total, eps, eps_in_sqrt))
-            return foreach.where_positive(total, out) if eps_in_sqrt else out
-
-        return Planned(list(total), run)
-
-    return stage
+    fields = ("sum_of_squares",)
+    formula = Formula(prepare, sliced=not eps_in_sqrt)  # (optax's form: a where per leaf, not from scratch)
+    return leafwise("scale_by_rss", formula=formula, init=init, state=ScaleByRssState, tree_fields=fields)

@@ -16,8 +16,8 @@
 * :mod:`~functopk.sparse.optimizer`: :func:`sparse_optimizer`, a coordinate-wise
   optimizer on ``k`` coordinates with state of size ``k``
   (:class:`SparseOptState`, :mod:`~functopk.sparse.opt_state`);
-* ``sparse_optimizer_from_torch``: its ``torch.optim`` form (:mod:`functopk.adapter.sparse_classes`,
-  in the interop layer, hence imported when first used);
+* its ``torch.optim`` form is :func:`functopk.sparse_optimizer_from_torch` (``ft.sparse.sparse_optimizer_from_torch``
+  is a deprecated alias, for one release);
 * :mod:`~functopk.sparse.ops`: the exact CPU kernel and the Triton kernel as custom operators, for
   compiled graphs;
 * :mod:`~functopk.sparse.kernels`: the kernels (static, scan, exact, approx, Triton);
@@ -48,7 +48,6 @@ __all__ = [
     "k_from_density",
     "resolve_k",
     "sparse_optimizer",
-    "sparse_optimizer_from_torch",
     "topk_indices",
     "topk_mask",
     "topk_sparsify",
@@ -56,9 +55,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # the torch.optim form lives in the interop layer, which imports this package: imported on first use
+    # the deprecated alias of ft.sparse_optimizer_from_torch (the interop layer, imported on first use)
     if name == "sparse_optimizer_from_torch":
-        from functopk.adapter.sparse_classes import sparse_optimizer_from_torch
+        from functopk.adapter.sparse_classes import deprecated_alias
 
-        return sparse_optimizer_from_torch
+        return deprecated_alias
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

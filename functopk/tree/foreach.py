@@ -193,6 +193,20 @@ def clamp(xs: Leaves, low: Scalar, high: Scalar) -> list[torch.Tensor]:
     return keep_dtypes(torch._foreach_clamp_max(torch._foreach_clamp_min(list(xs), low), high), xs)
 
 
+def clamp_(buffers: list[torch.Tensor], low: Scalar, high: Scalar) -> list[torch.Tensor]:
+    """:func:`clamp` in place, in ``buffers`` (fresh tensors the caller owns), which are returned."""
+    if not buffers:
+        return buffers
+    if isinstance(low, torch.Tensor) or isinstance(high, torch.Tensor):
+        lo, hi = torch.as_tensor(low), torch.as_tensor(high)
+        for x in buffers:
+            x.clamp_(lo.to(x.device), hi.to(x.device))
+    else:
+        torch._foreach_clamp_min_(buffers, low)
+        torch._foreach_clamp_max_(buffers, high)
+    return buffers
+
+
 def where(cond: torch.Tensor, xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
     """``x`` where the 0-d bool ``cond`` holds, else ``y``, leaf by leaf, without a host sync.
 
@@ -288,6 +302,20 @@ def sign_(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """``sign(b)`` in place, in ``buffers`` (fresh tensors the caller owns; ``sign(0) == 0``, NaN stays NaN)."""
     if buffers:
         torch._foreach_sign_(buffers)
+    return buffers
+
+
+def add_(buffers: list[torch.Tensor], ys: Leaves) -> list[torch.Tensor]:
+    """``b += y`` in place, in ``buffers`` (fresh tensors the caller owns), which are returned."""
+    if buffers:
+        torch._foreach_add_(buffers, list(ys))
+    return buffers
+
+
+def maximum_(buffers: list[torch.Tensor], ys: Leaves) -> list[torch.Tensor]:
+    """``b = max(b, y)`` in place, in ``buffers`` (fresh tensors the caller owns), which are returned."""
+    if buffers:
+        torch._foreach_maximum_(buffers, list(ys))
     return buffers
 
 

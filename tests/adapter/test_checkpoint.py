@@ -1,4 +1,4 @@
-"""``TorchOptimizer.from_torch`` checkpoints against ``torch.optim``'s, in both directions.
+"""``optimizer_from_torch`` checkpoints against ``torch.optim``'s, in both directions.
 
 Each test runs a torch.optim optimizer and the adapter side by side on the same
 float64 parameters, moves a checkpoint between them through ``torch.save`` /
@@ -73,7 +73,7 @@ def test_torch_sgd_checkpoint_resumes_with_damped_momentum():
     with torch.no_grad():
         for a, b in zip(ours_p, theirs_p):
             a.copy_(b)
-    ours = ft.TorchOptimizer.from_torch(torch.optim.SGD, ours_p, **kwargs)
+    ours = ft.optimizer_from_torch(torch.optim.SGD, ours_p, **kwargs)
     ours.load_state_dict(through_file(theirs.state_dict()))  # torch's SGD keeps no step count
     run(theirs, theirs_p, 2)
     run(ours, ours_p, 2)
@@ -97,7 +97,7 @@ def test_functopk_checkpoint_loads_into_torch_with_per_parameter_steps(cls, kwar
     with default_dtype_for(torch.float64):  # NAdam's and ASGD's scalars in float64 too
         theirs_p, ours_p, loaded_p = make_params(3)
         theirs = cls(theirs_p, lr=0.05, **kwargs)
-        ours = ft.TorchOptimizer.from_torch(cls, ours_p, lr=0.05, **kwargs)
+        ours = ft.optimizer_from_torch(cls, ours_p, lr=0.05, **kwargs)
         run(theirs, theirs_p, 2)
         run(ours, ours_p, 2)
         with torch.no_grad():
@@ -116,7 +116,7 @@ def test_functopk_checkpoint_loads_into_torch_with_per_parameter_steps(cls, kwar
 
 def test_unknown_state_keys_raise_before_changing_anything():
     (params,) = make_params(1)
-    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, params, lr=0.05)
+    ours = ft.optimizer_from_torch(torch.optim.Adam, params, lr=0.05)
     run(ours, params, 1)
     saved = through_file(ours.state_dict())
     saved["state"][1]["exp_avgg"] = saved["state"][1].pop("exp_avg")
@@ -130,7 +130,7 @@ def test_checkpoint_of_another_class_or_shape_raises_before_changing_anything():
     sgd_p, params = make_params()
     sgd = torch.optim.SGD(sgd_p, lr=0.1, momentum=0.9)
     run(sgd, sgd_p, 1)
-    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, params, lr=0.05)
+    ours = ft.optimizer_from_torch(torch.optim.Adam, params, lr=0.05)
     run(ours, params, 1)
     before = snapshot(ours)
     with pytest.raises(ValueError, match=r"param group 0 lacks 'betas'.*another optimizer class"):
@@ -148,7 +148,7 @@ def test_checkpoint_of_another_class_or_shape_raises_before_changing_anything():
 def test_a_step_count_that_is_not_a_whole_number_raises_before_changing_anything(step):
     """torch.optim would carry 2.7 steps on (3.7 after its next step); functopk's counts are integers: no silent 2."""
     (params,) = make_params(1)
-    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, params, lr=0.05)
+    ours = ft.optimizer_from_torch(torch.optim.Adam, params, lr=0.05)
     run(ours, params, 2)
     saved = through_file(ours.state_dict())
     saved["state"][1]["step"] = step
@@ -178,7 +178,7 @@ def test_older_torch_checkpoints_get_torchs_defaults_and_tensor_steps(older):
         for a, b, c in zip(ours_p, old_p, theirs_p):
             a.copy_(c)
             b.copy_(c)
-    ours = ft.TorchOptimizer.from_torch(torch.optim.Adam, ours_p, lr=0.05)
+    ours = ft.optimizer_from_torch(torch.optim.Adam, ours_p, lr=0.05)
     ours.load_state_dict(copy.deepcopy(old))
     old_torch = torch.optim.Adam(old_p, lr=0.05)
     old_torch.load_state_dict(old)
@@ -191,7 +191,7 @@ def test_older_torch_checkpoints_get_torchs_defaults_and_tensor_steps(older):
 def test_sgd_without_momentum_keeps_no_per_parameter_entries():
     theirs_p, ours_p = make_params()
     theirs = torch.optim.SGD(theirs_p, lr=0.1)
-    ours = ft.TorchOptimizer.from_torch(torch.optim.SGD, ours_p, lr=0.1)
+    ours = ft.optimizer_from_torch(torch.optim.SGD, ours_p, lr=0.1)
     run(theirs, theirs_p, 1)
     run(ours, ours_p, 1)
     assert len(ours.state) == len(theirs.state) == 0
@@ -217,7 +217,7 @@ def test_without_momentum_or_lr_decay_torchs_step_is_kept_and_loads_both_ways(cl
     """The maths needs no step count here, but torch.optim keeps one per parameter, and its loading wants it."""
     theirs_p, ours_p, loaded_p, resumed_p = make_params(4)
     theirs = cls(theirs_p, lr=0.05)
-    ours = ft.TorchOptimizer.from_torch(cls, ours_p, lr=0.05)
+    ours = ft.optimizer_from_torch(cls, ours_p, lr=0.05)
     for opt, params in ((theirs, theirs_p), (ours, ours_p)):
         run_skipping_last(opt, params)
     assert_same_steps(ours, theirs)  # steps 2 and 1
@@ -227,7 +227,7 @@ def test_without_momentum_or_lr_decay_torchs_step_is_kept_and_loads_both_ways(cl
             b.copy_(c)
     loaded = cls(loaded_p, lr=0.05)  # functopk -> torch.optim
     loaded.load_state_dict(through_file(ours.state_dict()))
-    resumed = ft.TorchOptimizer.from_torch(cls, resumed_p, lr=0.05)  # torch.optim -> functopk
+    resumed = ft.optimizer_from_torch(cls, resumed_p, lr=0.05)  # torch.optim -> functopk
     resumed.load_state_dict(through_file(theirs.state_dict()))
     for opt, params in ((theirs, theirs_p), (ours, ours_p), (loaded, loaded_p), (resumed, resumed_p)):
         run(opt, params, 2)
@@ -236,7 +236,7 @@ def test_without_momentum_or_lr_decay_torchs_step_is_kept_and_loads_both_ways(cl
         assert_same_steps(opt, theirs)  # steps 4 and 3
     # functopk's own resume: bit for bit
     again_p = [p.detach().clone().requires_grad_() for p in ours_p]
-    again = ft.TorchOptimizer.from_torch(cls, again_p, lr=0.05)
+    again = ft.optimizer_from_torch(cls, again_p, lr=0.05)
     again.load_state_dict(through_file(ours.state_dict()))
     run(ours, ours_p, 2)
     run(again, again_p, 2)
@@ -250,7 +250,7 @@ def test_adagrad_state_starts_at_a_parameters_first_step_and_loads_both_ways():
     (torch's Adagrad before 2.12 needs every entry at its step: there the first load is checked to fail so.)"""
     theirs_p, ours_p, loaded_p, resumed_p = make_params(4)
     theirs = torch.optim.Adagrad(theirs_p, lr=0.05, initial_accumulator_value=0.1)
-    ours = ft.TorchOptimizer.from_torch(torch.optim.Adagrad, ours_p, lr=0.05, initial_accumulator_value=0.1)
+    ours = ft.optimizer_from_torch(torch.optim.Adagrad, ours_p, lr=0.05, initial_accumulator_value=0.1)
     assert len(theirs.state) == 2 and len(ours.state) == 0
     for opt, params in ((theirs, theirs_p), (ours, ours_p)):
         params[-1].grad = None
@@ -258,7 +258,7 @@ def test_adagrad_state_starts_at_a_parameters_first_step_and_loads_both_ways():
     assert set(theirs.state[theirs_p[-1]]) == {"step", "sum"} and ours_p[-1] not in ours.state
     loaded = torch.optim.Adagrad(loaded_p, lr=0.05, initial_accumulator_value=0.1)
     loaded.load_state_dict(through_file(ours.state_dict()))
-    resumed = ft.TorchOptimizer.from_torch(torch.optim.Adagrad, resumed_p, lr=0.05, initial_accumulator_value=0.1)
+    resumed = ft.optimizer_from_torch(torch.optim.Adagrad, resumed_p, lr=0.05, initial_accumulator_value=0.1)
     resumed.load_state_dict(through_file(theirs.state_dict()))
     with torch.no_grad():
         for a, b, c in zip(loaded_p, resumed_p, ours_p):

@@ -1,8 +1,9 @@
-"""The doors of torch interop, named by what they return, and the older names kept as aliases.
+"""The doors of torch interop, named by what they return, and the older names, deprecated aliases for a release.
 
 ``ft.from_torch`` returns a transformation; ``ft.optimizer_from_torch`` an optimizer of the torch
 class (through functopk); ``ft.optimizer_class_from_torch`` that optimizer's class;
-``ft.TorchOptimizer.from_torch`` and ``.from_torch_class`` are the optimizer door's older names.
+``ft.TorchOptimizer.from_torch`` and ``.from_torch_class`` are the optimizer door's older names, and
+``ft.sparse.sparse_optimizer_from_torch`` the sparse door's: each warns (``DeprecationWarning``) and works.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib
 import inspect
 import pkgutil
 
+import pytest
 import torch
 
 import functopk as ft
@@ -51,8 +53,10 @@ def test_the_optimizer_door_and_its_kept_aliases_step_as_torch_optim():
     kwargs = {"lr": 0.05, "weight_decay": 0.1}
     theirs = _train(lambda m: torch.optim.AdamW(m.parameters(), **kwargs))
     door = _train(lambda m: ft.optimizer_from_torch(torch.optim.AdamW, m.parameters(), **kwargs))
-    alias = _train(lambda m: ft.TorchOptimizer.from_torch(torch.optim.AdamW, m.parameters(), **kwargs))
-    by_class = _train(lambda m: ft.TorchOptimizer.from_torch_class(torch.optim.AdamW)(m.parameters(), **kwargs))
+    with pytest.warns(DeprecationWarning, match=r"TorchOptimizer\.from_torch is deprecated: use ft\.optimizer_from"):
+        alias = _train(lambda m: ft.TorchOptimizer.from_torch(torch.optim.AdamW, m.parameters(), **kwargs))
+    with pytest.warns(DeprecationWarning, match="use ft.optimizer_class_from_torch"):
+        by_class = _train(lambda m: ft.TorchOptimizer.from_torch_class(torch.optim.AdamW)(m.parameters(), **kwargs))
     for ours in (door, alias, by_class):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
     assert_tree_bitwise_equal(door, alias)
@@ -62,8 +66,22 @@ def test_the_optimizer_door_and_its_kept_aliases_step_as_torch_optim():
 def test_the_class_door_and_its_alias_give_the_same_class():
     sparsify = ft.topk(2)
     cls = ft.optimizer_class_from_torch(torch.optim.SGD, sparsify)
-    assert ft.TorchOptimizer.from_torch_class(torch.optim.SGD, sparsify) is cls
+    with pytest.warns(DeprecationWarning):
+        assert ft.TorchOptimizer.from_torch_class(torch.optim.SGD, sparsify) is cls
     assert cls.__name__ == "SGD" and cls is not ft.optimizer_class_from_torch(torch.optim.SGD)
+
+
+def test_the_sparse_door_and_its_deprecated_alias_step_alike():
+    params, kwargs = [torch.nn.Parameter(torch.arange(4.0))], {"k": 2, "lr": 0.5}
+    with pytest.warns(DeprecationWarning, match="use ft.sparse_optimizer_from_torch"):
+        old = ft.sparse.sparse_optimizer_from_torch(torch.optim.SGD, params, **kwargs)
+    new = ft.sparse_optimizer_from_torch(torch.optim.SGD, [torch.nn.Parameter(torch.arange(4.0))], **kwargs)
+    for opt in (old, new):
+        opt.param_groups[0]["params"][0].mul(torch.tensor([1.0, -3.0, 2.0, 0.5])).sum().backward()
+        opt.step()
+    assert type(old) is type(new)
+    assert_tree_bitwise_equal(old.param_groups[0]["params"][0].detach(), new.param_groups[0]["params"][0].detach())
+    assert "sparse_optimizer_from_torch" not in ft.sparse.__all__
 
 
 def test_no_two_public_classes_of_the_package_share_a_name():

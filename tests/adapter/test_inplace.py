@@ -1,14 +1,16 @@
-"""The adapter's in-place steps (functopk.adapter.inplace): bit for bit the pure transformation, in the old tensors."""
+"""The adapter's in-place steps (functopk.inplace's engine): bit for bit the pure transformation, in the old tensors."""
 
 from __future__ import annotations
 
 import copy
 
+import optree
 import pytest
 import torch
 
 import functopk as ft
-from functopk.adapter import inplace, registry
+from functopk.adapter import registry
+from functopk.inplace import check_disjoint, plan_step, split
 from functopk.tree import chunked
 from tests.helpers import assert_tree_bitwise_equal
 
@@ -129,20 +131,42 @@ def test_state_dicts_in_and_out_are_copies_a_step_leaves_alone():
     assert_tree_bitwise_equal(saved["state"], kept["state"])
 
 
-def test_no_inplace_step_for_tensor_hyperparameters_or_unfit_state():
+def _planned(h, edit=None, dtype=torch.float32):
+    """The engine's in-place plans of one Adam step (torch's hyperparameters ``h``) on a state ``edit`` may change."""
+    tx = ft.from_torch(torch.optim.Adam, **h)
+    params, grads = {0: torch.zeros(3, dtype=dtype)}, {0: torch.ones(3, dtype=dtype)}
+    state = tx.init(params)
+    state = edit(state) if edit else state
+    return split(tx, state, list(grads.values()), list(params.values()), optree.tree_structure(params))[2]
+
+
+def test_no_inplace_step_for_tensor_betas_or_unfit_state():
     h = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False}
-    assert inplace.adam_step(h) is not None
-    assert inplace.adam_step({**h, "lr": torch.tensor(0.01)}) is None
-    assert inplace.adam_step({**h, "betas": (torch.tensor(0.9), 0.999)}) is None
-    check = inplace.adam_step(h)
-    p = torch.zeros(3)
-    fine = {"step": torch.tensor(0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
-    assert check([torch.ones(3)], [p], [fine]) is not None
-    for name, bad in [("exp_avg", torch.zeros(3, dtype=torch.float64)), ("exp_avg_sq", torch.zeros(3).to_sparse())]:
-        assert check([torch.ones(3)], [p], [{**fine, name: bad}]) is None
-    assert check([torch.ones(3)], [p], [{**fine, "exp_avg_sq": fine["exp_avg"]}]) is None  # one tensor twice
-    half = {n: v.bfloat16() if v.dim() else v for n, v in fine.items()}  # mul_ rounds unlike mul there
-    assert check([torch.ones(3).bfloat16()], [p.bfloat16()], [half]) is None
+    assert _planned(h)
+    assert not _planned({**h, "betas": (torch.tensor(0.9), torch.tensor(0.999))})  # state kernels would take them
+    for bad in (lambda s: s._replace(mu={0: torch.zeros(3, dtype=torch.float64)}),
+                lambda s: s._replace(nu={0: torch.zeros(3).to_sparse()})):  # fmt: skip
+        assert not _planned(h, bad)
+    assert not _planned(h, dtype=torch.bfloat16)  # mul_ rounds unlike mul there
+    # one tensor twice: written twice by an in-place step; the engine refuses it, the adapter takes the pure path
+    tx, params, grads = ft.from_torch(torch.optim.Adam, **h), {0: torch.zeros(3)}, {0: torch.ones(3)}
+    state = tx.init(params)
+    twice = plan_step(tx, grads, state._replace(nu=state.mu), params)
+    assert twice.plans
+    with pytest.raises(ValueError, match="share"):
+        check_disjoint(twice, [], list(grads.values()), optree.tree_structure(grads))
+    p = torch.zeros(3, requires_grad=True)
+    opt = ft.optimizer_from_torch(torch.optim.Adam, [p], **h)
+    p.grad = torch.ones(3)
+    opt.step()
+    opt.state[p]["exp_avg_sq"] = shared = opt.state[p]["exp_avg"]
+    expected = tx.update({0: torch.ones(3)}, state._replace(count=torch.tensor(1), mu={0: shared}, nu={0: shared}),
+                         {0: p.detach().clone()})  # fmt: skip
+    before = p.detach().clone()
+    opt.step()
+    assert_tree_bitwise_equal(p.detach(), before + expected[0][0])
+    new = [opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]]
+    assert_tree_bitwise_equal(new, [expected[1].mu[0], expected[1].nu[0]])
 
 
 def test_a_step_that_fails_in_a_later_group_changes_nothing():
@@ -159,17 +183,36 @@ def test_a_step_that_fails_in_a_later_group_changes_nothing():
 
 
 @pytest.mark.parametrize(
-    ("cls", "key"),
-    [(torch.optim.NAdam, "momentum_decay"), (torch.optim.RAdam, "lr"), (torch.optim.Adadelta, "rho"),
-     (torch.optim.Rprop, "etas"), (torch.optim.ASGD, "lambd")],
+    ("cls", "key", "in_place"),
+    [(torch.optim.NAdam, "momentum_decay", True), (torch.optim.RAdam, "lr", True), (torch.optim.Adam, "lr", True),
+     (torch.optim.Rprop, "etas", True), (torch.optim.ASGD, "lambd", True), (torch.optim.Adadelta, "rho", False),
+     (torch.optim.Adam, "betas", False), (torch.optim.SGD, "momentum", False), (torch.optim.RMSprop, "alpha", False)],
 )  # fmt: skip
-def test_a_tensor_hyperparameter_takes_the_pure_path(cls, key):
-    h = registry.torch_hyperparams(cls, {})
-    build = registry.spec_for(cls).inplace
-    assert build(h) is not None
+def test_a_tensor_hyperparameter_is_the_pure_transformation_bit_for_bit(cls, key, in_place):
+    """In place where the tensor meets no state kernel (its scalars are computed before), purely where one would
+    take it (``mul_`` with a tensor rounds unlike ``mul``)."""
+    h = registry.torch_hyperparams(cls, {"lr": 0.01, "momentum": 0.9} if cls is torch.optim.SGD else {})
+    h = {k: v for k, v in h.items() if k not in ("foreach", "fused", "differentiable", "capturable")}
     value = h[key]
     h[key] = tuple(torch.tensor(v) for v in value) if isinstance(value, tuple) else torch.tensor(value)
-    assert build(h) is None
+    params = _params(torch.float64)
+    ptrs = _steps_bit_for_bit(ft.optimizer_from_torch(cls, params, **h), ft.from_torch(cls, **h), params)
+    assert ptrs[0] and (ptrs[1] == ptrs[2]) == in_place
+
+
+def _steps_bit_for_bit(opt, tx, params):
+    """Three steps of ``opt``, each checked bit for bit against ``tx``'s; the data pointers of ``params[0]``'s
+    parameter-shaped state tensors after each."""
+    ref = [p.detach().clone() for p in params]
+    state, ptrs = tx.init(ref), []
+    for step in range(3):
+        grads = _set_grads(params, step)
+        opt.step()
+        updates, state = tx.update(grads, state, ref)
+        ref = ft.apply_updates(ref, updates)
+        assert_tree_bitwise_equal([p.detach() for p in params], ref)
+        ptrs.append([v.data_ptr() for v in opt.state[params[0]].values() if v.shape == params[0].shape])
+    return ptrs
 
 
 def _option_combinations():
@@ -237,12 +280,4 @@ def test_whole_tensor_step_of_the_sliced_classes_is_the_pure_transformation_bit_
     params = _params(torch.float64)
     n = sum(p.numel() for p in params)
     opt = ft.optimizer_from_torch(cls, params, sparsify=ft.topk(n), sparsify_on="update", **kwargs)
-    tx = ft.from_torch(cls, **kwargs)
-    ref = [p.detach().clone() for p in params]
-    state = tx.init(ref)
-    for step in range(3):
-        grads = _set_grads(params, step)
-        opt.step()
-        updates, state = tx.update(grads, state, ref)
-        ref = ft.apply_updates(ref, updates)
-        assert_tree_bitwise_equal([p.detach() for p in params], ref)
+    _steps_bit_for_bit(opt, ft.from_torch(cls, **kwargs), params)

@@ -1,18 +1,24 @@
-"""ParamGroupOptimizer's sparsify: the kept-buffer road of a constant exact top-k against the generic one.
+"""ParamGroupOptimizer's sparsify: the kept-buffer road of a constant exact top-k against the pure one.
 
-The reference is the same optimizer with ``ft.chain(ft.topk(...))`` as ``sparsify``, which the buffer does
-not serve (it builds the dense tree as ``ft.topk`` does), and, independently, ``torch.optim`` in float64 on
-gradients top-k'd by brute force (``torch.topk`` of the concatenated magnitudes).
+The reference is the same optimizer with ``ft.chain(ft.topk(...), ft.identity())`` as ``sparsify``: a chain
+whose last part has no in-place form runs purely, so its top-k builds the dense tree as ``ft.topk`` does; and,
+independently, ``torch.optim`` in float64 on gradients top-k'd by brute force (``torch.topk`` of the
+concatenated magnitudes).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 import functopk as ft
-from functopk.adapter.sparsify import Sparsify, constant_topk
+from functopk.adapter.sparsify import Sparsify, unshared
+from functopk.compress.topk import KeptBuffer
+from functopk.inplace import stage_of
 from functopk.sparse.selection import Indices
+from tests.helpers import OpsSeen
 
 SHAPES = [(4, 3), (3,), (2, 2, 2), (5,)]  # 28 coordinates
 CLASSES = [
@@ -37,10 +43,22 @@ def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
 
 
+def _pure(sparsify: ft.GradientTransformation) -> ft.GradientTransformation:
+    """``sparsify`` on the pure road: a chain whose last part has no in-place form (a copy: its own buffer)."""
+    return ft.chain(copy.deepcopy(sparsify), ft.identity())
+
+
+def _buffer(tx: ft.GradientTransformation) -> torch.Tensor | None:
+    """The buffer a top-k keeps (``None`` before its in-place form first ran)."""
+    stage = stage_of(tx)
+    assert isinstance(stage, KeptBuffer)
+    return stage.buffer
+
+
 def _pair(cls: type, kwargs: dict, sparsify: ft.GradientTransformation, groups=None, dtype=torch.float32):
-    """The same optimizer twice: ``sparsify`` (the buffer) and ``chain(sparsify)`` (the generic road)."""
+    """The same optimizer twice: ``sparsify`` (the buffer) and :func:`_pure` (the pure road)."""
     out = []
-    for tx in (sparsify, ft.chain(sparsify)):
+    for tx in (sparsify, _pure(sparsify)):
         params = _params(dtype)
         given = params if groups is None else groups(params)
         out.append((params, ft.optimizer_from_torch(cls, given, sparsify=tx, **kwargs)))
@@ -67,13 +85,13 @@ def _assert_same(pairs) -> None:
             assert torch.equal(sa[key][name], sb[key][name]), (key, name)
 
 
-def test_constant_topk_recognises_only_a_constant_exact_topk():
-    assert constant_topk(ft.topk(3)) == (3, None)
-    assert constant_topk(ft.topk(density=0.25)) == (None, 0.25)
-    assert constant_topk(ft.topk(k=2, method="exact")) == (2, None)
+def test_only_a_constant_exact_topk_keeps_a_buffer():
+    for constant in (ft.topk(3), ft.topk(density=0.25), ft.topk(k=2, method="exact")):
+        assert isinstance(stage_of(constant), KeptBuffer)
     for other in [ft.topk(lambda c: 1 + c), ft.topk(density=lambda c: 0.1), ft.topk(3, method="torch"),
-                  ft.topk(torch.tensor(3)), ft.chain(ft.topk(3)), ft.randk(3), ft.identity()]:  # fmt: skip
-        assert constant_topk(other) is None, other
+                  ft.topk(torch.tensor(3)), ft.topk(density=torch.tensor(0.1)), ft.randk(3),
+                  ft.identity()]:  # fmt: skip
+        assert not isinstance(stage_of(other), KeptBuffer), other
 
 
 @pytest.mark.parametrize("cls,kwargs", CLASSES, ids=lambda v: getattr(v, "__name__", ""))
@@ -81,8 +99,8 @@ def test_constant_topk_recognises_only_a_constant_exact_topk():
 def test_bit_identical_to_the_generic_road(cls, kwargs, sparsify):
     pairs = _pair(cls, kwargs, sparsify)
     _run(pairs)
-    assert pairs[0][1]._sparsify._buffer is not None  # the buffer served the steps
-    assert pairs[1][1]._sparsify._buffer is None
+    assert _buffer(pairs[0][1].sparsify) is not None  # the buffer served the steps
+    assert _buffer(pairs[1][1].sparsify.recipe[1][0]) is None  # (the chain's recipe: its parts)
     _assert_same(pairs)
 
 
@@ -93,7 +111,7 @@ def test_float64_and_param_groups_with_their_own_hyperparameters():
     pairs = _pair(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, ft.topk(7), groups, torch.float64)
     _run(pairs, steps=4)
     _assert_same(pairs)
-    assert pairs[0][1]._sparsify._buffer.dtype == torch.float64
+    assert _buffer(pairs[0][1].sparsify).dtype == torch.float64
 
 
 def test_params_without_grads_and_a_changing_set_of_params_with_grads():
@@ -145,8 +163,7 @@ def test_the_buffer_is_reused_and_p_grad_is_left_alone(monkeypatch):
     params = _params()
     opt = ft.optimizer_from_torch(torch.optim.SGD, params, sparsify=ft.topk(3), lr=0.1)
     _run([(params, opt)], steps=1)
-    sp = opt._sparsify
-    ptr = sp._buffer.data_ptr()
+    ptr = _buffer(opt.sparsify).data_ptr()
 
     def no_dense_tree(self, leaves):
         raise AssertionError("a dense tree was built")
@@ -157,8 +174,8 @@ def test_the_buffer_is_reused_and_p_grad_is_left_alone(monkeypatch):
         for p, g in zip(params, grads):
             p.grad = g.clone()
         opt.step()
-        assert sp._buffer.data_ptr() == ptr
-        assert int((sp._buffer != 0).sum()) == 3  # the last step's values only: the others were re-zeroed
+        assert _buffer(opt.sparsify).data_ptr() == ptr
+        assert int((_buffer(opt.sparsify) != 0).sum()) == 3  # the last step's values only: the others re-zeroed
         for p, g in zip(params, grads):
             assert torch.equal(p.grad, g)
 
@@ -166,9 +183,9 @@ def test_the_buffer_is_reused_and_p_grad_is_left_alone(monkeypatch):
 def test_the_buffer_holds_exactly_the_last_top_k():
     sp = Sparsify(ft.topk(2))
     ps = [torch.zeros(3), torch.zeros(2)]
-    first = sp.step({}, [ps], [[torch.tensor([5.0, 0.0, 1.0]), torch.tensor([-6.0, 2.0])]], {})
-    assert [x.tolist() for x in first[0]] == [[5.0, 0.0, 0.0], [-6.0, 0.0]]
-    out = sp.step({}, [ps[:1], ps[1:]], [[torch.tensor([0.0, 3.0, 1.0])], [torch.tensor([0.5, -4.0])]], {})
+    first, sparse = sp.step({}, [ps], [[torch.tensor([5.0, 0.0, 1.0]), torch.tensor([-6.0, 2.0])]], {})
+    assert sparse and [x.tolist() for x in first[0]] == [[5.0, 0.0, 0.0], [-6.0, 0.0]]
+    out, _ = sp.step({}, [ps[:1], ps[1:]], [[torch.tensor([0.0, 3.0, 1.0])], [torch.tensor([0.5, -4.0])]], {})
     assert [x.tolist() for gs in out for x in gs] == [[0.0, 3.0, 0.0], [0.0, -4.0]]
 
 
@@ -176,17 +193,17 @@ def test_a_smaller_set_of_grads_uses_a_prefix_of_the_buffer():
     sp = Sparsify(ft.topk(1))
     ps = [torch.zeros(3), torch.zeros(2)]
     sp.step({}, [ps], [[torch.tensor([0.0, 0.0, 0.0]), torch.tensor([0.0, 9.0])]], {})
-    out = sp.step({}, [ps[:1]], [[torch.tensor([1.0, -2.0, 0.0])]], {})  # index 4 was set: re-zeroed
-    assert out[0][0].tolist() == [0.0, -2.0, 0.0] and sp._buffer.tolist() == [0.0, -2.0, 0.0, 0.0, 0.0]
+    out, _ = sp.step({}, [ps[:1]], [[torch.tensor([1.0, -2.0, 0.0])]], {})  # index 4 was set: re-zeroed
+    assert out[0][0].tolist() == [0.0, -2.0, 0.0] and _buffer(sp.tx).tolist() == [0.0, -2.0, 0.0, 0.0, 0.0]
 
 
 def test_unshared_copies_only_tensors_living_in_the_buffer():
     sp = Sparsify(ft.topk(1))
-    out = sp.step({}, [[torch.zeros(2)]], [[torch.tensor([1.0, 2.0])]], {})
-    other = torch.ones(2)
-    entries = sp.unshared([{"prev": out[0][0], "other": other}])
+    out, _ = sp.step({}, [[torch.zeros(2)]], [[torch.tensor([1.0, 2.0])]], {})
+    other, kept = torch.ones(2), {_buffer(sp.tx).untyped_storage().data_ptr()}
+    entries = unshared([{"prev": out[0][0], "other": other}], kept)
     assert entries[0]["other"] is other
-    assert entries[0]["prev"].untyped_storage().data_ptr() != sp._buffer.untyped_storage().data_ptr()
+    assert entries[0]["prev"].untyped_storage().data_ptr() not in kept
     assert entries[0]["prev"].tolist() == [0.0, 2.0]
 
 
@@ -194,27 +211,27 @@ def test_unshared_copies_only_tensors_living_in_the_buffer():
     "sparsify", [ft.topk(lambda c: 3), ft.topk(3, method="torch"), ft.topk(density=lambda c: 0.2)],
     ids=["k schedule", "torch method", "density schedule"],
 )
-def test_other_sparsifiers_take_the_generic_road(sparsify):
+def test_other_sparsifiers_take_the_pure_road(sparsify):
     params = _params()
     opt = ft.optimizer_from_torch(torch.optim.SGD, params, sparsify=sparsify, lr=0.1, momentum=0.9)
     _run([(params, opt)], steps=2)
-    assert opt._sparsify._buffer is None
+    assert not isinstance(stage_of(sparsify), KeptBuffer)
 
 
-def test_mixed_dtypes_take_the_generic_road_with_the_same_result():
+def test_mixed_dtypes_take_the_pure_road_with_the_same_result():
     pairs = []
-    for tx in (ft.topk(4), ft.chain(ft.topk(4))):
+    for tx in (ft.topk(4), _pure(ft.topk(4))):
         params = _params()
         params[1] = params[1].detach().double().requires_grad_()
         pairs.append((params, ft.optimizer_from_torch(torch.optim.Adam, params, sparsify=tx, lr=0.01)))
     _run(pairs)
-    assert pairs[0][1]._sparsify._buffer is None
+    assert _buffer(pairs[0][1].sparsify) is None
     _assert_same(pairs)
 
 
-def test_complex_params_take_the_generic_road_with_the_same_result():
+def test_complex_params_step_through_their_real_pairs_with_the_same_result():
     pairs = []
-    for tx in (ft.topk(3), ft.chain(ft.topk(3))):
+    for tx in (ft.topk(3), _pure(ft.topk(3))):
         gen = torch.Generator().manual_seed(1)
         params = [torch.randn(3, generator=gen, dtype=torch.complex64).requires_grad_(), _params()[0]]
         opt = ft.optimizer_from_torch(torch.optim.SGD, params, sparsify=tx, lr=0.1, momentum=0.9)
@@ -223,13 +240,13 @@ def test_complex_params_take_the_generic_road_with_the_same_result():
                 p.grad = g
             opt.step()
         pairs.append((params, opt))
-    assert pairs[0][1]._sparsify._buffer is None
+    assert _buffer(pairs[0][1].sparsify) is not None  # (their real pairs, float32 like the rest)
     _assert_same(pairs)
 
 
 def test_k_larger_than_the_tree_raises_as_the_generic_road_does():
     messages = []
-    for tx in (ft.topk(5), ft.chain(ft.topk(5))):
+    for tx in (ft.topk(5), _pure(ft.topk(5))):
         params = _params(shapes=[(2,), (2,)])
         opt = ft.optimizer_from_torch(torch.optim.SGD, params, sparsify=tx, lr=0.1)
         for p in params:
@@ -242,24 +259,13 @@ def test_k_larger_than_the_tree_raises_as_the_generic_road_does():
 
 
 def test_adam_floors_nu_before_sqrt_only_behind_a_constant_topk():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
     floored = []
-    for sparsify in (ft.topk(5), ft.chain(ft.topk(5)), None):
+    for sparsify in (ft.topk(5), _pure(ft.topk(5)), None):
         params = _params()
         opt = ft.optimizer_from_torch(torch.optim.AdamW, params, sparsify=sparsify, lr=0.01)
         for p, g in zip(params, _grads(params, 0)):
             p.grad = g
-        with Seen() as seen:
+        with OpsSeen() as seen:
             opt.step()
         floored.append("_foreach_clamp_min" in seen.names)
     assert floored == [True, False, False]  # (the bits are the same: test_bit_identical_to_the_generic_road)
@@ -282,7 +288,7 @@ def _changed(params: list[torch.Tensor], before: list[torch.Tensor]) -> int:
 
 
 @pytest.mark.parametrize("cls,kwargs", ON_UPDATE, ids=lambda v: getattr(v, "__name__", ""))
-@pytest.mark.parametrize("sparsify", [ft.topk(5), ft.chain(ft.topk(5))], ids=["buffer", "generic"])
+@pytest.mark.parametrize("sparsify", [ft.topk(5), _pure(ft.topk(5))], ids=["buffer", "pure"])
 def test_sparsify_on_update_moves_exactly_k_parameters(cls, kwargs, sparsify):
     params = _params()
     opt = ft.optimizer_from_torch(cls, params, sparsify=sparsify, sparsify_on="update", **kwargs)

@@ -196,7 +196,7 @@ def test_sqrt_floor_hand_checked_edge():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_floor_zeros_changes_no_bit_of_adam_direction(dtype):
-    from functopk.optim.adaptive import adam_config, adam_direction, sqrt_floor
+    from functopk.optim.adaptive import adam_config, adam_direction, adam_scalars, sqrt_floor
 
     fi = torch.finfo(dtype)
     gen = torch.Generator().manual_seed(0)
@@ -212,9 +212,9 @@ def test_floor_zeros_changes_no_bit_of_adam_direction(dtype):
             cfg = adam_config(0.9, b2, eps, 0.0)
             engaged += sqrt_floor(cfg, [nu]) is not None
             for count in (0, 1, 9, 10**6):
-                t = torch.tensor(count)
-                plain = adam_direction([mu], [nu.clone()], t, cfg, 0.01, [mu])[0]
-                floored = adam_direction([mu], [nu.clone()], t, cfg, 0.01, [mu], floor_zeros=True)[0]
+                scalars = adam_scalars(torch.tensor(count), cfg, 0.01, [mu])
+                plain = adam_direction([mu], [nu.clone()], scalars, cfg)[0]
+                floored = adam_direction([mu], [nu.clone()], scalars, cfg, floor_zeros=True)[0]
                 assert torch.equal(_bits(plain), _bits(floored)), (eps, b2, count)
     assert engaged == 12  # every combination above takes the floor
 

@@ -33,11 +33,18 @@ def test_kernels_give_each_element_the_same_value_in_any_slice(name, kernel, dty
         assert torch.equal(torch.cat(parts), whole), (name, size)
 
 
-def _body(s, p, g, buf):
-    """SGD with momentum: the momentum written in place, the update into a scratch row."""
-    torch.add(g, buf, alpha=0.9, out=buf)
-    assert s[0].shape == p.shape and (s[0].numel() <= 5 or not p.is_contiguous())  # a slice, or a strided leaf
-    return torch.mul(buf, -0.1, out=s[0])
+def _body(scratch, ps, gs, bufs):
+    """SGD with momentum on a batch: the momentum written in place, the updates into the scratch rows."""
+    assert sum(p.numel() for p in ps) <= 5 or (len(ps) == 1 and not ps[0].is_contiguous())  # a batch, or a strided leaf
+    for g, buf in zip(gs, bufs):
+        torch.add(g, buf, alpha=0.9, out=buf)
+    updates = scratch.mul(bufs, -0.1)
+    if all(p.is_contiguous() for p in ps):  # (a large strided leaf runs whole, its temporaries fresh)
+        ROWS.update(u.untyped_storage().data_ptr() for u in updates)
+    return updates
+
+
+ROWS: set[int] = set()
 
 
 def test_add_is_the_whole_tensor_step_bit_for_bit():
@@ -49,10 +56,12 @@ def test_add_is_the_whole_tensor_step_bit_for_bit():
     want_bufs = [torch.add(g, b, alpha=0.9) for g, b in zip(grads, bufs)]
     want = [p + torch.mul(b, -0.1) for p, b in zip(params, want_bufs)]
     ptrs = [p.data_ptr() for p in params]
+    ROWS.clear()
     chunked.add_(params, [grads, bufs], _body, chunk=5)  # 12 elements: three slices; the strided one whole
     assert_tree_bitwise_equal(params, want)
     assert_tree_bitwise_equal(bufs, want_bufs)
     assert [p.data_ptr() for p in params] == ptrs
+    assert len(ROWS) == 2  # every batch's updates in one of two rows: float32's and float64's, reused
 
 
 def test_applies_on_cpu_only():

@@ -1,42 +1,64 @@
-"""``torch.optim`` adapter: any functopk transformation in an imperative training loop.
+"""``TorchOptimizer``: any functopk transformation in an imperative training loop, over one tree of all parameters.
 
-:class:`TorchOptimizer` is a real :class:`torch.optim.Optimizer`: it plugs into
-``loss.backward(); opt.step(); opt.zero_grad()`` loops, learning-rate schedulers,
-AMP's ``GradScaler`` and ``torch.compile``, while the update itself is computed
-by one pure functopk transformation over *one tree of all parameters of all
-groups*, so ``topk(k)`` selects the ``k`` largest gradient coordinates across
-the whole model::
+A :class:`~functopk.adapter.ParamGroupOptimizer` whose all-groups transformation
+is ``tx`` itself and whose groups add no maths of their own (a group's ``lr`` is a
+factor on its updates): it plugs into ``loss.backward(); opt.step(); opt.zero_grad()``
+loops, learning-rate schedulers and AMP's ``GradScaler``, while the update is
+computed by one functopk transformation over *one tree of all parameters of all
+groups*, so ``topk(k)`` selects the ``k`` largest gradient coordinates across the
+whole model::
 
     opt = ft.TorchOptimizer(model.parameters(), ft.chain(ft.topk(1000), ft.sgd(0.1)))
+
+Its state lives where the adapter keeps every state: one entry per parameter in
+``opt.state`` (:mod:`functopk.adapter.per_param`), stepped by the in-place engine
+(:mod:`functopk.inplace`); :attr:`TorchOptimizer.transform_state` puts it back
+together as the transformation's state, and its checkpoints hold that state
+(:func:`functopk.state_to_dict`), guarded by a digest of the param groups
+(:mod:`functopk.adapter.group_digest`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
-import optree
 import torch
 
 from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
-from functopk._compat import replace
+from functopk.adapter import per_param
 from functopk.adapter.checkpoint import check_group_sizes
-from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
 from functopk.adapter.group_digest import check_groups_digest, groups_digest
 from functopk.adapter.groups import ParamGroupOptimizer
-from functopk.adapter.recut import LastStepParams, make_tree, param_names, remap, same_ptree, saved_names
+from functopk.adapter.sparsify import Sparsify
 from functopk.base import GradientTransformation, OptState
 from functopk.checkpoint import CheckpointError, state_from_dict, state_to_dict
 from functopk.optim.inject import inject_hyperparams
-from functopk.tree.maths import PyTree
-from functopk.update import paired_leaves
 
-__all__ = ["TorchOptimizer"]
+__all__ = ["TorchOptimizer", "param_names"]
 
 Factory = Callable[[Any], GradientTransformation]
 _STATE_KEY = "functopk"
 _ENTRY_KEYS = frozenset({"transform", "params_with_state", "digest"})
+
+
+def param_names(groups: list[dict[str, Any]]) -> list[str] | None:
+    """All parameter names in group order, or ``None`` when the parameters have no names.
+
+    Raises:
+        ValueError: a name appears twice.
+    """
+    if not all("param_names" in g for g in groups):
+        return None
+    names = [n for g in groups for n in g["param_names"]]
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"parameter name {name!r} appears twice in the param groups; names must be unique")
+        seen.add(name)
+    return names
 
 
 def _lr_key(lr: Any) -> Any:
@@ -54,7 +76,26 @@ def _checked_build(factory: Factory, learning_rate: Any) -> GradientTransformati
     return out
 
 
-class TorchOptimizer(torch.optim.Optimizer):
+class _Tree(Sparsify):
+    """``tx`` over the parameters of all groups, in the tree :class:`TorchOptimizer` documents: a dict by
+    parameter name when they have names, else a list in group order; ``None`` for a parameter not taking part."""
+
+    def __init__(self, tx: GradientTransformation) -> None:
+        super().__init__(tx, prefix="")
+        self.slots: list[torch.Tensor] = []
+        self.names: list[str] | None = None
+
+    def tree(self, params: list[torch.Tensor], values: list[Any]) -> Any:
+        at = {id(p): v for p, v in zip(params, values)}
+        leaves = [at.get(id(p)) for p in self.slots]
+        return dict(zip(self.names, leaves)) if self.names is not None else leaves
+
+    def _key(self, params: list[torch.Tensor]) -> Any:
+        ids = set(map(id, params))
+        return tuple(self.names or ()), tuple(id(p) in ids for p in self.slots)
+
+
+class TorchOptimizer(ParamGroupOptimizer):
     """A ``torch.optim.Optimizer`` that applies a functopk transformation to ``.grad``.
 
     At each :meth:`step` the gradients of all parameters of all groups form one
@@ -63,6 +104,9 @@ class TorchOptimizer(torch.optim.Optimizer):
     the transformation turns it into updates, and the updates are added to the
     parameters in place. A parameter whose ``.grad`` is ``None`` appears as
     ``None`` in the tree: it takes no part (top-k ignores it) and is not changed.
+    The step runs on :mod:`functopk.inplace`'s engine, as :func:`functopk.update_`:
+    the parts of ``tx`` that can write their new state into the old do (the
+    same numbers as ``tx.update``, bit for bit).
 
     **Learning rate.** Two forms, chosen by what ``tx`` is:
 
@@ -81,14 +125,16 @@ class TorchOptimizer(torch.optim.Optimizer):
       hold the same ``lr`` (the same number, or the same tensor object: values
       are not compared, which would sync), else :meth:`step` raises.
 
-    **State.** One state for the whole tree, created at the first step from the
-    parameters with gradients. Parameters that get gradients later (unfreezing,
-    :meth:`add_param_group`) extend it: state subtrees shaped like the parameter
-    tree get fresh ``init`` values for them; other leaves (step counts, which
-    count optimizer steps) are kept. A step without gradients for some covered
-    parameters runs on the others and carries their state over, as
-    ``torch.optim`` does. A state sized by the whole parameter set (not per
-    parameter) cannot be extended or restricted: ``ValueError``.
+    **State.** As every adapter keeps it: one entry per parameter in
+    ``opt.state``, named by the state's fields (``trace``, ``count``, ...);
+    :attr:`transform_state` is it put together, the transformation's state for the
+    parameters that have one. A parameter gets its entry when it first has a
+    gradient: parameters that get gradients later (unfreezing,
+    :meth:`add_param_group`) start from ``init``'s values, while leaves not shaped
+    like the parameters (step counts, which count optimizer steps) are kept. A step
+    without gradients for some parameters runs on the others and leaves theirs as
+    they are, as ``torch.optim`` does. A state sized by the whole parameter set
+    (not per parameter) cannot be extended or restricted: ``ValueError``.
 
     **Checkpoints.** :meth:`state_dict` is ``torch.optim``'s format with the
     transformation state under ``state["functopk"]`` as a plain dict
@@ -105,13 +151,10 @@ class TorchOptimizer(torch.optim.Optimizer):
     inside the scaler, as for ``torch.optim.SGD``); a skipped step leaves the
     parameters and the transformation state exactly as they were.
 
-    **Compile.** ``torch.compile(opt.step)`` works (and equals the eager step);
-    the learning rates pass as values, so a scheduled ``lr`` may recompile the
-    step when it changes unless it is a 0-d tensor (``lr=torch.tensor(0.1)``), as
-    for ``torch.optim``. The fully compiled path is the functional one
-    (``tx.update`` in a compiled step). The optimizers made by
-    :func:`~functopk.optimizer_from_torch` do not compile: their compiled step
-    raises ``NotImplementedError``.
+    **Compile.** The step writes the state in place, which is eager work:
+    ``torch.compile(opt.step)`` runs it eagerly (dynamo skips it), with the same
+    result. A compiled step is the functional one (``tx.update`` in a compiled
+    function). Sparse gradients raise ``TypeError`` (the tree is dense).
 
     Args:
         params: Parameters, ``(name, parameter)`` pairs, or param-group dicts, as
@@ -144,76 +187,69 @@ class TorchOptimizer(torch.optim.Optimizer):
                     "lr= goes with a factory lr -> GradientTransformation (e.g. lambda lr: ft.sgd(lr)); tx has its "
                     "own learning rate, which lr would multiply. Leave lr out: group lr is then a factor from 1.0"
                 )
-            self._injected = False
-            self._tx = tx
-            lr = 1.0
+            self._injected, self._tx, lr = False, tx, 1.0
         elif callable(tx):
             if lr is None:
                 raise TypeError("lr is required when tx is a factory lr -> GradientTransformation")
             build = functools.partial(_checked_build, tx)  # picklable when tx is a module-level function
-            self._injected = True
+            self._injected, self._factory = True, build
             self._tx = inject_hyperparams(build)(learning_rate=check_hyperparam(lr, "lr", minimum=0.0))
-            self._factory = build  # rebuilt below with a float64 rate when a parameter is float64
         else:
             raise TypeError(
                 f"tx must be a functopk.GradientTransformation or a factory lr -> GradientTransformation, "
                 f"got {type(tx).__name__}"
             )
-        # Everything step() changes lives in this dict and is changed by item assignment:
-        # torch.compile (dynamo) replays mutations of a dict, but silently drops attribute
-        # assignments on torch.optim.Optimizer subclasses (torch 2.14; cf. pytorch/pytorch#171590).
-        self._mutable: dict[str, Any] = {"state": None, "ptree": None, "last_step": None, "lr": None}
-        super().__init__(params, {"lr": check_hyperparam(lr, "lr", minimum=0.0)})
+        torch.optim.Optimizer.__init__(self, params, {"lr": check_hyperparam(lr, "lr", minimum=0.0)})
         self._lr_dtype = torch.float32
         if self._injected and any(p.dtype == torch.float64 for g in self.param_groups for p in g["params"]):
             self._lr_dtype = torch.float64
             # the injected rate in float64, so that float64 models step exactly as with torch.optim's Python lr
             exact = torch.tensor(float(lr) if not isinstance(lr, torch.Tensor) else lr.item(), dtype=torch.float64)
             self._tx = inject_hyperparams(self._factory)(learning_rate=exact)
+        self._setup()
 
-    # The optimizer door's older names, kept because user code depends on them (transformers' Trainer
-    # takes a from_torch_class class); they return what functopk.optimizer_from_torch returns.
+    _empty_entries = True  # (an entry, empty for a stateless tx, says the parameter has stepped)
+
+    def _setup(self) -> None:
+        """What is rebuilt rather than pickled: ``tx`` as the all-groups transformation, no group maths."""
+        self._sparsify, self._sparsify_on = _Tree(self._tx), "gradient"
+        self.__dict__["_joined"] = None  # the state put together, until the next step or load
+
+    # The optimizer door's older names (transformers' Trainer took a from_torch_class class): deprecated.
 
     @classmethod
-    def from_torch(
-        cls,
-        optimizer_class: type[torch.optim.Optimizer],
-        params: Iterable[Any],
-        sparsify: GradientTransformation | None = None,
-        *,
-        sparsify_on: str = "gradient",
-        **defaults: Any,
-    ) -> ParamGroupOptimizer:
-        """:func:`functopk.optimizer_from_torch` (a kept alias): a drop-in ``optimizer_class(params, **defaults)``.
-
-        The result is an instance of ``optimizer_class`` and of
-        :class:`~functopk.adapter.ParamGroupOptimizer`, not of :class:`TorchOptimizer`.
+    def from_torch(cls, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any], *args: Any,
+                   **kwargs: Any) -> ParamGroupOptimizer:  # fmt: skip
+        """Deprecated: :func:`functopk.optimizer_from_torch` (this name goes in the next release).
 
         Example:
-            >>> import torch, functopk as ft
-            >>> opt = ft.TorchOptimizer.from_torch(torch.optim.SGD, torch.nn.Linear(4, 1).parameters(), lr=0.1)
+            >>> import warnings, torch, functopk as ft
+            >>> with warnings.catch_warnings(record=True):
+            ...     opt = ft.TorchOptimizer.from_torch(torch.optim.SGD, torch.nn.Linear(4, 1).parameters(), lr=0.1)
             >>> type(opt).__name__, isinstance(opt, ft.ParamGroupOptimizer)
             ('SGD', True)
         """
-        return optimizer_from_torch(optimizer_class, params, sparsify, sparsify_on=sparsify_on, **defaults)
+        from functopk.adapter.classes import deprecated, optimizer_from_torch
+
+        deprecated("ft.TorchOptimizer.from_torch", "ft.optimizer_from_torch")
+        return optimizer_from_torch(optimizer_class, params, *args, **kwargs)
 
     @classmethod
-    def from_torch_class(
-        cls,
-        optimizer_class: type[torch.optim.Optimizer],
-        sparsify: GradientTransformation | None = None,
-        *,
-        sparsify_on: str = "gradient",
-    ) -> type[ParamGroupOptimizer]:
-        """:func:`functopk.optimizer_class_from_torch` (a kept alias): the class of :meth:`from_torch`'s optimizer.
+    def from_torch_class(cls, optimizer_class: type[torch.optim.Optimizer], *args: Any,
+                         **kwargs: Any) -> type[ParamGroupOptimizer]:  # fmt: skip
+        """Deprecated: :func:`functopk.optimizer_class_from_torch` (this name goes in the next release).
 
         Example:
-            >>> import torch, functopk as ft
-            >>> C = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW)
+            >>> import warnings, torch, functopk as ft
+            >>> with warnings.catch_warnings(record=True):
+            ...     C = ft.TorchOptimizer.from_torch_class(torch.optim.AdamW)
             >>> C is ft.optimizer_class_from_torch(torch.optim.AdamW), C.__name__
             (True, 'AdamW')
         """
-        return optimizer_class_from_torch(optimizer_class, sparsify, sparsify_on=sparsify_on)
+        from functopk.adapter.classes import deprecated, optimizer_class_from_torch
+
+        deprecated("ft.TorchOptimizer.from_torch_class", "ft.optimizer_class_from_torch")
+        return optimizer_class_from_torch(optimizer_class, *args, **kwargs)
 
     # -- the public view of the state ------------------------------------------------------------
 
@@ -224,15 +260,41 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     @property
     def transform_state(self) -> OptState | None:
-        """The current transformation state (``None`` before the first step). Read it; do not mutate it."""
-        return self._mutable["state"]
+        """The transformation's state for the parameters that have one (``None`` before the first step).
+
+        Put together from ``opt.state``'s entries (the same tensors); read it, do not mutate it.
+        """
+        if self.__dict__["_joined"] is None:
+            with_state = [p for p in self._slots() if p in self.state]
+            if with_state:
+                part = self._tree()
+                entries = [{n: self.state[p][n] for n in part.layout(with_state).names} for p in with_state]
+                self.__dict__["_joined"] = per_param.join(entries, part.layout(with_state))
+        return self.__dict__["_joined"]
+
+    def _slots(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _tree(self, groups: list[dict[str, Any]] | None = None) -> _Tree:
+        """The all-groups part, set to the current parameters and names (those of ``groups`` if given)."""
+        part = self._sparsify
+        assert isinstance(part, _Tree)
+        part.slots, part.names = self._slots(), param_names(groups or self.param_groups)
+        return part
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        for name in ("_injected", "_tx", "_mutable", "_lr_dtype", "_factory"):
+        state = torch.optim.Optimizer.__getstate__(self)
+        for name in ("_injected", "_tx", "_lr_dtype", "_factory"):
             if hasattr(self, name):  # _factory: with a factory only
                 state[name] = getattr(self, name)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (or deep-copy); ``load_state_dict`` also calls this, with groups and state only."""
+        torch.optim.Optimizer.__setstate__(self, state)
+        if "_tx" in state:
+            self._setup()
+        self.__dict__["_joined"] = None
 
     # -- parameter groups --------------------------------------------------------------------------
 
@@ -244,7 +306,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 lists a parameter twice.
         """
         with torch_duplicate_warning_ignored():  # a repeated parameter is refused below, by position
-            super().add_param_group(param_group)
+            torch.optim.Optimizer.add_param_group(self, param_group)
         try:
             group = self.param_groups[-1]
             check_distinct_params(group, len(self.param_groups) - 1)
@@ -256,7 +318,7 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     # -- the step ----------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.compiler.disable  # (the in-place engine is eager: a compiled caller runs the step as it is)
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Apply the transformation to the current gradients and update the parameters in place.
 
@@ -267,108 +329,63 @@ class TorchOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        slots = [p for g in self.param_groups for p in g["params"]]
-        grads = []
-        for p in slots:
-            g = p.grad
-            if g is not None and g.is_sparse:
-                raise TypeError(
-                    "TorchOptimizer(params, tx) does not support sparse gradients (its tree is dense); "
-                    "ft.optimizer_from_torch(torch.optim.SGD or torch.optim.Adagrad, ...) takes them as torch does"
-                )
-            grads.append(g)
-        if all(g is None for g in grads):
-            return loss
-        names = param_names(self.param_groups)
-        mask = tuple(g is not None for g in grads)
-        active = make_tree([p if m else None for p, m in zip(slots, mask)], names)
-        grad_tree = make_tree(grads, names)
+        return super().step(closure)
 
-        # Work on locals and commit at the end, so that an error leaves the state as it was.
-        box = self._mutable
-        state, ptree, last_step = box["state"], box["ptree"], box["last_step"]
-        if state is not None and last_step is not None and last_step.fits(slots, mask, names):
-            full, union = True, ptree  # the common case: the same parameters have gradients as last time
-        else:
-            last_step = None
-            if state is None:
-                state, ptree = self._tx.init(active), active
-            covered = {id(p) for p in optree.tree_leaves(ptree)}
-            union = make_tree([p if m or id(p) in covered else None for p, m in zip(slots, mask)], names)
-            if not same_ptree(union, ptree):
-                grows = any(id(p) not in covered for p in optree.tree_leaves(active))
-                state = remap(state, ptree, union, self._tx.init(union) if grows else None)
-            full = same_ptree(active, union)
+    def _check_step(self) -> None:
+        pass  # (no torch class: no flags of its to refuse)
 
-        run_state = state if full else remap(state, union, active, self._shape_template(active))
-        if self._injected:
-            lr = self._injected_lr(active)
-            run_state = replace(run_state, hyperparams={**run_state.hyperparams, "learning_rate": lr})
-        updates, new_state = self._tx.update(grad_tree, run_state, active)
-        if not full:
-            new_state = remap(new_state, active, union, state)
-        self._apply_updates(active, updates)
-        if last_step is None and full:
-            last_step = LastStepParams(tuple(slots), mask, names)
-        box.update(state=new_state, ptree=union, last_step=last_step)
-        return loss
+    def _gradients(self, active: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        grads: list[list[torch.Tensor]] = [[p.grad for p in ps] for ps in active]  # type: ignore[misc]
+        if any(g.is_sparse for gs in grads for g in gs):
+            raise TypeError(
+                "TorchOptimizer(params, tx) does not support sparse gradients (its tree is dense); "
+                "ft.optimizer_from_torch(torch.optim.SGD or torch.optim.Adagrad, ...) takes them as torch does"
+            )
+        return grads
 
-    def _shape_template(self, ptree: PyTree) -> OptState:
-        """A state for ``ptree`` to check shapes against; on the meta device when ``init`` allows."""
-        try:
-            meta = optree.tree_map(lambda p: torch.empty_like(p, device="meta"), ptree)
-            return self._tx.init(meta)
-        except Exception:  # an init that reads values: build a real one
-            return self._tx.init(ptree)
+    def _step(
+        self, active: list[list[torch.Tensor]], grads: list[list[torch.Tensor]], written: dict[torch.Tensor, Any]
+    ) -> None:
+        """``tx`` over all groups; its updates added, times each group's ``lr`` unless that is the number 1."""
+        part, flat = self._tree(), [p for ps in active for p in ps]
+        shared = None
+        if self._injected:  # the groups' lr into the state, where the transformation reads it
+            lr_name = next(n for n in part.layout(flat).names if n.split(".")[-1] == "learning_rate")
+            shared = {lr_name: self._injected_lr(active)}
+        lrs = [g["lr"] for g in self.param_groups]
+        unit = self._injected or all(not isinstance(lr, torch.Tensor) and lr == 1.0 for lr in lrs)
+        self.__dict__["_joined"] = None
+        updates, _ = part.step(self.state, [flat], [[g for gs in grads for g in gs]], written, add=unit, shared=shared)
+        if not unit:
+            self._add_times_lr(flat, updates[0])
 
-    def _injected_lr(self, active: PyTree) -> torch.Tensor:
-        groups = [g for g in self.param_groups if any(p.grad is not None for p in g["params"])]
-        lrs = {_lr_key(g["lr"]) for g in groups}
-        if len(lrs) > 1:
+    def _injected_lr(self, active: list[list[torch.Tensor]]) -> torch.Tensor:
+        groups = [g for g, ps in zip(self.param_groups, active) if ps]
+        if len({_lr_key(g["lr"]) for g in groups}) > 1:
             raise ValueError(
                 "with a factory tx, the learning rate lives in the one global transformation, so all param "
                 f"groups with gradients must have the same lr; got {[g['lr'] for g in groups]}. Pass a "
                 "GradientTransformation instead to use group lrs as per-group factors on the updates"
             )
-        lr = groups[0]["lr"]
-        device = optree.tree_leaves(active)[0].device
-        dtype = self._lr_dtype
+        lr, device, dtype = groups[0]["lr"], next(p for ps in active for p in ps).device, self._lr_dtype
         if isinstance(lr, torch.Tensor):
             # A copy: schedulers update tensor lrs in place, and the state must not change behind our back.
             return lr.detach().to(device=device, dtype=dtype, copy=True)
-        key = (float(lr), device, dtype)
-        cached = self._mutable["lr"]
+        key, cached = (float(lr), device, dtype), self.__dict__.get("_lr")
         if cached is None or cached[0] != key:
             # torch.full writes the value with a kernel: no host-to-device copy, no sync.
-            cached = self._mutable["lr"] = (key, torch.full((), float(lr), dtype=dtype, device=device))
+            cached = self.__dict__["_lr"] = (key, torch.full((), float(lr), dtype=dtype, device=device))
         return cached[1]
 
-    def _apply_updates(self, active: PyTree, updates: PyTree) -> None:
-        """Add the updates into the parameters of ``active`` (``None`` where no gradient)."""
-        try:
-            p_leaves, pairs, _ = paired_leaves(active, updates, in_place=False)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"the transformation's updates do not fit the parameters with gradients: {err}") from err
-        ps, us = [p_leaves[i] for i, _ in pairs], [u for _, u in pairs]
-        if not ps:
-            return
-        if self._injected or all(
-            not isinstance(g["lr"], torch.Tensor) and g["lr"] == 1.0 for g in self.param_groups
-        ):
-            torch._foreach_add_(ps, us)  # updates exactly as the transformation computed them
-            return
-        # group lrs are factors on the updates: one foreach call per distinct factor
+    def _add_times_lr(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        """``p += lr * u``, each group's ``lr`` a factor on its updates: one foreach call per distinct factor."""
         factor = {id(p): g["lr"] for g in self.param_groups for p in g["params"]}
         buckets: dict[Any, tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = {}
-        for p, u in zip(ps, us):
+        for p, u in zip(params, updates):
             lr = factor[id(p)]
             bucket = buckets.setdefault(_lr_key(lr), (lr, [], []))
             bucket[1].append(p)
-            bucket[2].append(u)
+            bucket[2].append(u if u.dtype == p.dtype else u.to(p.dtype))
         for lr, bps, bus in buckets.values():
             if isinstance(lr, torch.Tensor):
                 torch._foreach_add_(bps, torch._foreach_mul(bus, lr.to(bps[0].device)))
@@ -384,31 +401,31 @@ class TorchOptimizer(torch.optim.Optimizer):
         """``torch.optim``'s state dict, with the transformation state under ``state["functopk"]``.
 
         ``state["functopk"]`` holds ``"transform"`` (a :func:`functopk.state_to_dict`
-        dict, with the digest of its leaves), ``"params_with_state"`` (the indices,
-        in ``param_groups`` order, of the parameters the state covers) and
-        ``"digest"`` (SHA-256 digests of every key of every param group and of
-        ``params_with_state``, checked by :meth:`load_state_dict`). Empty before
-        the first step.
+        dict of :attr:`transform_state`, with the digest of its leaves),
+        ``"params_with_state"`` (the indices, in ``param_groups`` order, of the
+        parameters the state covers) and ``"digest"`` (SHA-256 digests of every key
+        of every param group and of ``params_with_state``, checked by
+        :meth:`load_state_dict`). Empty before the first step.
         """
-        box = self._mutable
-        if box["state"] is None:
-            return super().state_dict()
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        with_state = sorted(index[id(p)] for p in optree.tree_leaves(box["ptree"]))
-        packed = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
-                  for g in self.param_groups]  # fmt: skip  # (the groups as torch's state_dict writes them)
-        entry = {
-            "transform": state_to_dict(box["state"]),
-            "params_with_state": with_state,
-            "digest": groups_digest(packed, with_state),
-        }
-        # Placed in self.state for the duration of the call, so that state-dict hooks see it.
-        state: dict[Any, Any] = self.state
-        state[_STATE_KEY] = entry
+        state, entries = self.transform_state, self.state
+        kept: dict[Any, Any] = {}
+        if state is not None:
+            slots = self._slots()
+            with_state = [i for i, p in enumerate(slots) if p in self.state]
+            index = {id(p): i for i, p in enumerate(slots)}
+            packed = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                      for g in self.param_groups]  # fmt: skip  # (the groups as torch's state_dict writes them)
+            kept[_STATE_KEY] = {
+                "transform": state_to_dict(state),
+                "params_with_state": with_state,
+                "digest": groups_digest(packed, with_state),
+            }
+        # In self.state for the duration of the call, so that state-dict hooks see it.
+        self.state = defaultdict(dict, kept)
         try:
-            return super().state_dict()
+            return torch.optim.Optimizer.state_dict(self)
         finally:
-            del state[_STATE_KEY]
+            self.state = entries
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -427,16 +444,15 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._check_saved_groups(saved_groups)
         saved_state = dict(state_dict["state"])
         entry = saved_state.pop(_STATE_KEY, None)
-        new_state = new_ptree = None
-        if entry is not None:
-            new_state, new_ptree = self._parse_entry(entry, saved_groups)
         if saved_state:
             raise CheckpointError(
                 f"state_dict['state'] has entries {sorted(map(str, saved_state))[:5]} that TorchOptimizer does "
                 f"not know (it keeps its whole state under {_STATE_KEY!r})"
             )
-        super().load_state_dict({**state_dict, "state": {}})
-        self._mutable.update(state=new_state, ptree=new_ptree, last_step=None, lr=None)
+        loaded = {} if entry is None else self._parse_entry(entry, saved_groups)
+        torch.optim.Optimizer.load_state_dict(self, {**state_dict, "state": {}})
+        self.state.update(loaded)
+        self.__dict__["_joined"] = None
 
     def _check_saved_groups(self, saved_groups: Any) -> None:
         """What :meth:`step` needs of the groups a load puts in place: sizes, a valid ``lr``, unique names."""
@@ -449,18 +465,17 @@ class TorchOptimizer(torch.optim.Optimizer):
             if "lr" not in s:
                 raise ValueError(f"param group {i} lacks 'lr', which every TorchOptimizer group keeps")
             check_hyperparam(s["lr"], f"state_dict['param_groups'][{i}]['lr']", minimum=0.0)
-        # after loading, the saved names (if any) replace the current ones, as in torch.optim
-        param_names(saved_names(self.param_groups, saved_groups))
+        param_names(_saved_names(self.param_groups, saved_groups))  # after loading, the saved names replace ours
 
-    def _parse_entry(self, entry: Any, saved_groups: list[dict[str, Any]]) -> tuple[OptState, PyTree]:
+    def _parse_entry(self, entry: Any, saved_groups: list[dict[str, Any]]) -> dict[torch.Tensor, dict[str, Any]]:
+        """The per-parameter entries of a saved ``state["functopk"]``, checked whole."""
         if not isinstance(entry, dict) or not {"transform", "params_with_state"} <= set(entry) <= _ENTRY_KEYS:
             raise CheckpointError(
                 f"state_dict['state'][{_STATE_KEY!r}] must be a dict with keys 'transform', 'params_with_state' "
                 "and 'digest'"
             )
         check_groups_digest(entry, saved_groups, f"state_dict['state'][{_STATE_KEY!r}]")
-        slots = [p for g in self.param_groups for p in g["params"]]
-        indices = entry["params_with_state"]
+        slots, indices = self._slots(), entry["params_with_state"]
         if (
             not isinstance(indices, list)
             or not all(isinstance(i, int) and 0 <= i < len(slots) for i in indices)
@@ -471,8 +486,13 @@ class TorchOptimizer(torch.optim.Optimizer):
                 f"got {indices!r}"
             )
         # After loading, the saved names (if any) replace the current ones, as in torch.optim.
-        groups = saved_names(self.param_groups, saved_groups)
-        names = param_names(groups)
-        chosen = set(indices)
-        ptree = make_tree([p if i in chosen else None for i, p in enumerate(slots)], names)
-        return state_from_dict(self._tx.init(ptree), entry["transform"]), ptree
+        part, chosen = self._tree(_saved_names(self.param_groups, saved_groups)), set(indices)
+        with_state = [p for i, p in enumerate(slots) if i in chosen]
+        template = self._tx.init(part.tree(with_state, with_state))
+        state = state_from_dict(template, entry["transform"])
+        return dict(zip(with_state, per_param.split(state, part.layout(with_state))))
+
+
+def _saved_names(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` with the names a checkpoint's groups carry (a load replaces them, as in ``torch.optim``)."""
+    return [{**g, "param_names": s["param_names"]} if "param_names" in s else g for g, s in zip(groups, saved)]
