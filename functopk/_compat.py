@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -58,6 +59,17 @@ COMPILE_TOO_OLD = too_old_for("torch.compile of functopk code")
 FOREACH_TENSOR_SCALARS_TRACE = not torch_older_than("2.11")
 """Whether dynamo traces a foreach kernel given a 0-d tensor as its scalar (``torch._foreach_add(xs, t)``):
 2.10 makes it a host read it then loses (``PendingUnbackedSymbolNotFound``); the list form traces everywhere."""
+
+DTENSOR_FOREACH_TENSOR_SCALAR = not torch_older_than("2.10")
+"""Whether DTensor propagates a foreach kernel's 0-d tensor scalar over shards (``torch._foreach_add_(shards, t,
+alpha=1)``, the ``Tensor`` overload): torch 2.9.1 raises "Sharding propagation failed"; its ``Scalar`` overload
+works there (a host read of the scalar)."""
+
+
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a ``DTensor``, without importing ``torch.distributed.tensor`` (none exists before it is)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def check_compiling() -> None:
@@ -123,6 +135,30 @@ def replace(state: _T, **fields: Any) -> _T:
     if unknown:
         raise ValueError(f"{type(state).__name__} has no fields {sorted(unknown)}")
     return type(state)(*[fields.get(name, value) for name, value in zip(state._fields, state)])  # type: ignore
+
+
+class EagerUnderCompile:
+    """``fn``, which a compiled caller runs eagerly (``torch.compiler.disable``) once :meth:`arm` has been called.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo`` (about a second), so it is applied when the first
+    object that needs it is built (an optimizer's ``__init__`` calls :meth:`arm`), not at ``import functopk``.
+
+    >>> f = EagerUnderCompile(lambda x: x + 1)
+    >>> f.arm()
+    >>> f(1)
+    2
+    """
+
+    def __init__(self, fn: Callable[..., Any], reason: str | None = None) -> None:
+        self.fn, self.reason, self.disabled = fn, reason, None
+
+    def arm(self) -> None:
+        """Make the disabled form (once)."""
+        if self.disabled is None:
+            self.disabled = torch.compiler.disable(self.fn, reason=self.reason)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.disabled or self.fn)(*args, **kwargs)
 
 
 def assume_constant_result(fn: _F) -> _F:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from functopk._checks import check_choice
+from functopk._compat import EagerUnderCompile
 from functopk.adapter import checkpoint, per_param, registry, views
 from functopk.adapter.part import Part, cohorts
 from functopk.adapter.registry import NOT_HYPER, TorchClassGroups, check_implementation_flags, check_torch_step_accepts
@@ -74,15 +75,7 @@ def _refuse() -> None:
     raise NotImplementedError(_NOT_COMPILED)
 
 
-_refuse_compiled_step: Callable[[], None] = _refuse
-
-
-def _disable_refusal() -> None:
-    """Make :func:`_refuse` a function dynamo does not trace, once an optimizer exists (not at import:
-    ``torch.compiler.disable`` imports ``torch._dynamo``, a second of ``import functopk``)."""
-    global _refuse_compiled_step
-    if _refuse_compiled_step is _refuse:
-        _refuse_compiled_step = torch.compiler.disable(_refuse, reason=_NOT_COMPILED)
+_refuse_compiled_step = EagerUnderCompile(_refuse, reason=_NOT_COMPILED)  # (armed by the optimizers)
 
 
 def _check_step_allowed(groups: list[dict[str, Any]]) -> None:
@@ -181,7 +174,7 @@ class ParamGroupOptimizer(TorchClassGroups, torch.optim.Optimizer):
         self._sparsify_on = check_choice(sparsify_on, "sparsify_on", SPARSIFY_ON)
         self._parts: dict[int, tuple[Any, Part]] = {}
         self._init_groups(optimizer_class, params, defaults)
-        _disable_refusal()
+        _refuse_compiled_step.arm()
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's groups and state, the torch class and sparsify; the rest (spec, transformations) is rebuilt
@@ -198,7 +191,7 @@ class ParamGroupOptimizer(TorchClassGroups, torch.optim.Optimizer):
         sparsify = state.pop("sparsify", None)
         sparsify_on = state.pop("sparsify_on", "gradient")
         super().__setstate__(state)
-        _disable_refusal()
+        _refuse_compiled_step.arm()
         if unpickled:  # the torch class's TorchSpec is looked up again (its build functions do not pickle)
             self._spec = registry.spec_for(self.optimizer_class)
             self._sparsify = None if sparsify is None else Sparsify(sparsify)

@@ -28,6 +28,7 @@ from typing import Any, Union
 import torch
 
 from functopk._checks import check_distinct_params, check_hyperparam, torch_duplicate_warning_ignored
+from functopk._compat import EagerUnderCompile
 from functopk.adapter import per_param
 from functopk.adapter.checkpoint import check_group_sizes
 from functopk.adapter.group_digest import check_groups_digest, groups_digest
@@ -200,6 +201,7 @@ class TorchOptimizer(ParamGroupOptimizer):
                 f"got {type(tx).__name__}"
             )
         torch.optim.Optimizer.__init__(self, params, {"lr": check_hyperparam(lr, "lr", minimum=0.0)})
+        _eager_step.arm()
         self._lr_dtype = torch.float32
         if self._injected and any(p.dtype == torch.float64 for g in self.param_groups for p in g["params"]):
             self._lr_dtype = torch.float64
@@ -292,6 +294,7 @@ class TorchOptimizer(ParamGroupOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle (or deep-copy); ``load_state_dict`` also calls this, with groups and state only."""
         torch.optim.Optimizer.__setstate__(self, state)
+        _eager_step.arm()
         if "_tx" in state:
             self._setup()
         self.__dict__["_joined"] = None
@@ -318,7 +321,6 @@ class TorchOptimizer(ParamGroupOptimizer):
 
     # -- the step ----------------------------------------------------------------------------------
 
-    @torch.compiler.disable  # (the in-place engine is eager: a compiled caller runs the step as it is)
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Apply the transformation to the current gradients and update the parameters in place.
 
@@ -329,7 +331,7 @@ class TorchOptimizer(ParamGroupOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        return super().step(closure)
+        return _eager_step(self, closure)
 
     def _check_step(self) -> None:
         pass  # (no torch class: no flags of its to refuse)
@@ -496,3 +498,7 @@ class TorchOptimizer(ParamGroupOptimizer):
 def _saved_names(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``groups`` with the names a checkpoint's groups carry (a load replaces them, as in ``torch.optim``)."""
     return [{**g, "param_names": s["param_names"]} if "param_names" in s else g for g, s in zip(groups, saved)]
+
+
+# the in-place engine is eager: a compiled caller runs the step as it is
+_eager_step = EagerUnderCompile(ParamGroupOptimizer.step)

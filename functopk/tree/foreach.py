@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from functopk._compat import FOREACH_TENSOR_SCALARS_TRACE
+from functopk._compat import DTENSOR_FOREACH_TENSOR_SCALAR, FOREACH_TENSOR_SCALARS_TRACE, is_dtensor
 
 Leaves = Sequence[torch.Tensor]
 Scalar = float | torch.Tensor
@@ -93,9 +93,12 @@ def _as_tensor(scalar: Scalar, xs: Leaves) -> dict[str, int]:
     synchronisation, and an error while a CUDA graph is being captured); the
     tensor overload reads it on the device, with the same bits on the CPU. A
     CPU tensor beside leaves elsewhere keeps the ``Scalar`` overload (a host
-    read of host memory; CUDA's tensor overload wants the scalar on its device).
+    read of host memory; CUDA's tensor overload wants the scalar on its device),
+    and so do ``DTensor`` leaves on a torch whose DTensor cannot propagate the tensor overload.
     """
-    return {"alpha": 1} if isinstance(scalar, torch.Tensor) and scalar.device == xs[0].device else {}
+    if not isinstance(scalar, torch.Tensor) or scalar.device != xs[0].device:
+        return {}
+    return {} if not DTENSOR_FOREACH_TENSOR_SCALAR and is_dtensor(xs[0]) else {"alpha": 1}
 
 
 def sub(xs: Leaves, ys: Leaves) -> list[torch.Tensor]:
