@@ -17,7 +17,8 @@ door's older names, kept. The modules behind the doors:
 * :mod:`~functopk.adapter.views`: sparse gradients and complex parameters as dense real tensors;
 * :mod:`~functopk.adapter.checkpoint`: :class:`ParamGroupOptimizer`'s state dicts in torch's
   layout, checked whole before loading;
-* :mod:`~functopk.adapter.sparse_classes`: :func:`~functopk.sparse_optimizer_from_torch`, a
+* :mod:`~functopk.adapter.sparse_classes`: :func:`~functopk.sparse_optimizer_from_torch` (and its
+  class, :func:`~functopk.sparse_optimizer_class_from_torch`), a
   ``torch.optim`` optimizer on ``k`` coordinates with state of size ``k`` (also ``ft.sparse``'s),
   whose behaviour is :class:`SparseStateOptimizer`'s (:mod:`~functopk.adapter.sparse_state`);
 * :mod:`~functopk.adapter.recut`: ``TorchOptimizer``'s state when the set of parameters changes.
@@ -26,7 +27,7 @@ door's older names, kept. The modules behind the doors:
 from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
 from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.registry import from_torch
-from functopk.adapter.sparse_classes import sparse_optimizer_from_torch
+from functopk.adapter.sparse_classes import sparse_optimizer_class_from_torch, sparse_optimizer_from_torch
 from functopk.adapter.sparse_state import SparseStateOptimizer
 
 __all__ = [
@@ -35,5 +36,6 @@ __all__ = [
     "from_torch",
     "optimizer_class_from_torch",
     "optimizer_from_torch",
+    "sparse_optimizer_class_from_torch",
     "sparse_optimizer_from_torch",
 ]
