@@ -82,35 +82,20 @@ def sparse_optimizer_from_torch(
 ) -> SparseStateOptimizer:
     """``optimizer_class(params, **defaults)`` training only ``k`` coordinates of ``params``, with state of size ``k``.
 
-    The adapter form of :func:`functopk.sparse.sparse_optimizer`, for loops,
-    LR schedulers and trainers written for ``torch.optim``. Every ``refresh_every``
-    steps (``M``; steps ``0, M, 2M, ...``) the coordinate set becomes the exact
-    global top-``k`` of ``|g|`` over all parameters of all groups (or of ``|g|`` summed since
-    the last refresh: ``score="accumulated"``); on the steps
-    between, the gradient is gathered at that set. Only those ``k``
-    coordinates are updated, with ``optimizer_class``'s maths
-    (:func:`functopk.from_torch`) and each coordinate's own param group's
-    hyperparameters; coordinates that stay in the set keep their state, new
-    ones start from fresh state with their own step count (Adam's bias
-    correction is that of their first step), dropped ones keep their values.
-    The flat indices (in ``state_dict()``) run over the parameters in
-    ``param_groups`` order.
-
-    Memory: the gradients are folded during backward and freed
-    (:class:`~functopk.sparse.StreamingTopK`): after ``loss.backward()`` every
-    ``p.grad`` is ``None``, and the state is ``k`` indices plus one value per
-    coordinate and buffer (16 bytes per coordinate for AdamW in float32).
-    Between refreshes the weight gradients of ``nn.Linear``, transformers'
-    ``Conv1D``, ``nn.Embedding`` and ``nn.Conv2d`` layers are computed at the
-    set only (``sampled=True``): no dense weight gradient is formed, and the
-    backward costs about what a frozen layer's does.
-
-    Lifetime: the stream's hooks live as long as the optimizer. ``opt.remove()``
-    (or ``with sparse_optimizer_from_torch(...) as opt:``) removes them, and so
-    does deleting it; a second one on the same parameters raises ``ValueError``
-    until then. ``opt.zero_grad()`` after a backward skips that batch.
-
-    What differs from ``torch.optim`` is listed in :class:`SparseStateOptimizer`.
+    The adapter form of :func:`functopk.sparse.sparse_optimizer`. On steps
+    ``0, M, 2M, ...`` (``M = refresh_every``) the coordinate set becomes the
+    exact global top-``k`` of ``|g|`` over all groups; on the steps between, the
+    gradient is gathered at that set, and the weight gradients of
+    ``nn.Linear``, transformers' ``Conv1D``, ``nn.Embedding`` and ``nn.Conv2d``
+    layers are computed there only (``sampled=True``: no dense weight gradient).
+    The ``k`` coordinates step with ``optimizer_class``'s maths and their own
+    group's hyperparameters; new ones start from fresh state with their own
+    step count, dropped ones keep their values. The flat indices (in
+    ``state_dict()``) run over the parameters in ``param_groups`` order. The
+    gradients are freed during backward (every ``p.grad`` is ``None`` after it);
+    the state is 16 bytes per coordinate for AdamW in float32. The hooks live
+    as long as the optimizer: ``opt.remove()`` or ``with`` removes them. What
+    differs from ``torch.optim`` is listed in :class:`SparseStateOptimizer`.
 
     Args:
         optimizer_class: A coordinate-wise ``torch.optim`` class: ``SGD``, ``Adam``, ``AdamW``,

@@ -22,7 +22,7 @@ from functopk.sparse.layers import Claim
 from functopk.sparse.updates import check_ascending_indices
 from functopk.tree.layout import FlatLayout
 
-__all__ = ["GatherPlan", "checked_indices"]
+__all__ = ["GatherPlan", "checked_indices", "stale"]
 
 
 def checked_indices(indices: Any, device: torch.device, numel: int) -> torch.Tensor:
@@ -43,6 +43,20 @@ def checked_indices(indices: Any, device: torch.device, numel: int) -> torch.Ten
     idx = indices.long()
     check_ascending_indices(idx, numel, "indices")
     return idx
+
+
+def stale(path: str) -> RuntimeError:
+    """The error of a coordinate leaf whose gradient arrives after its set ended.
+
+    Example:
+        >>> "Run the forward again" in str(stale("['w']"))
+        True
+    """
+    return RuntimeError(
+        f"StreamingTopK: the forward of a layer using {path} ran while the stream gathered at a coordinate set, "
+        "and its backward came after that set ended (result(), gather() with other indices, or remove()): its "
+        "weight gradient was computed for the old set only. Run the forward again"
+    )
 
 
 class GatherPlan:
@@ -75,6 +89,17 @@ class GatherPlan:
         """Leaf ``i``'s dense gradient at its indices (``O(k_i)``)."""
         off, lo, hi = self.bounds[i]
         return grad.detach().reshape(-1).index_select(0, self.indices[lo:hi] - off)
+
+    def write(self, values: torch.Tensor, i: int, grad: torch.Tensor, *, claimed: bool, first: bool) -> None:
+        """Leaf ``i``'s gradient at its indices into ``values``: a claim's leaf holds exactly them, a dense gradient
+        is gathered. The first write sets (a -0.0 stays -0.0), later ones add (a tied or repeated use)."""
+        _, lo, hi = self.bounds[i]
+        if hi > lo:
+            part = (grad.reshape(-1) if claimed else self.gathered(i, grad)).to(values.dtype)
+            if first:
+                values[lo:hi] = part
+            else:
+                values[lo:hi] += part
 
     def claim(self, i: int, weight: torch.Tensor, owner: Any, on_gradient: OnGradient) -> Claim:
         """Leaf ``i``'s claim, made at its first use: a coordinate leaf hooked as ``on_gradient(owner, i, leaf)``.

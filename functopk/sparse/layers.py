@@ -45,9 +45,16 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from functopk.sparse.hooks import owner_of
-from functopk.sparse.sampled import conv2d_values, embedding_values, plan_conv2d, plan_product, sampled_product
+from functopk.sparse.sampled import (
+    box_limit,
+    conv2d_values,
+    embedding_values,
+    plan_conv2d,
+    plan_product,
+    sampled_product,
+)
 
-__all__ = ["Claim", "claimed", "enable", "enabled", "find_claim", "kind_of"]
+__all__ = ["Claim", "claimed", "enable", "find_claim", "kind_of", "users"]
 
 
 class Claim(NamedTuple):
@@ -72,6 +79,11 @@ def _plan(claim: Claim, key: Any, build: Callable[[], Any]) -> Any:
     return claim.plans[key]
 
 
+def _rows_by_cols(positions: torch.Tensor, shape: torch.Size) -> Any:
+    """The product plan of a 2-d weight's flat ``positions``: row ``p // cols``, column ``p % cols``."""
+    return plan_product(positions // shape[1], positions % shape[1], box_elements=box_limit(shape.numel()))
+
+
 class _Kind:
     """A supported layer type: what its call needs at backward (``spec``, ``None``: not claimed) and the values."""
 
@@ -86,7 +98,7 @@ class _Linear(_Kind):
     """``y = x W^T + b``, ``W`` of shape ``(out, in)``: rows index ``dy``, columns ``x``."""
 
     def values(self, inp: torch.Tensor, dy: torch.Tensor, shape: torch.Size, spec: Any, claim: Claim) -> torch.Tensor:
-        plan = _plan(claim, "linear", lambda: plan_product(claim.positions // shape[1], claim.positions % shape[1]))
+        plan = _plan(claim, "linear", lambda: _rows_by_cols(claim.positions, shape))
         return sampled_product(dy.reshape(-1, shape[0]), inp.reshape(-1, shape[1]), plan, (0,))
 
 
@@ -94,7 +106,7 @@ class _Conv1D(_Kind):
     """transformers' ``Conv1D``: ``y = x W + b``, ``W`` of shape ``(in, out)``: rows index ``x``, columns ``dy``."""
 
     def values(self, inp: torch.Tensor, dy: torch.Tensor, shape: torch.Size, spec: Any, claim: Claim) -> torch.Tensor:
-        plan = _plan(claim, "conv1d", lambda: plan_product(claim.positions // shape[1], claim.positions % shape[1]))
+        plan = _plan(claim, "conv1d", lambda: _rows_by_cols(claim.positions, shape))
         return sampled_product(inp.reshape(-1, shape[0]), dy.reshape(-1, shape[1]), plan, (0,))
 
 
@@ -247,7 +259,7 @@ def enable() -> Callable[[], None]:
 
     Example:
         >>> release = enable()
-        >>> enabled()
+        >>> users() > 0
         True
         >>> release(); release()
     """
@@ -274,14 +286,17 @@ def enable() -> Callable[[], None]:
     return release
 
 
-def enabled() -> bool:
-    """Whether the global module hooks are installed (some user holds them).
+def users() -> int:
+    """How many users hold the global module hooks (installed while there is one).
 
     Example:
-        >>> isinstance(enabled(), bool)
-        True
+        >>> before = users()
+        >>> release = enable()
+        >>> users() - before
+        1
+        >>> release()
     """
-    return bool(_HANDLES)
+    return _USERS[0]
 
 
 @contextlib.contextmanager

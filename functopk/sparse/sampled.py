@@ -37,6 +37,7 @@ import torch
 __all__ = [
     "Conv2dPlan",
     "ProductPlan",
+    "box_limit",
     "conv2d_values",
     "embedding_values",
     "plan_conv2d",
@@ -49,6 +50,18 @@ __all__ = [
 # of its box is computed as a product.
 BOX_RATIO = 32
 BOX_ELEMENTS = 1 << 20  # the largest |R| x |C| product block held at once (4 MiB in float32)
+
+
+def box_limit(numel: int) -> int:
+    """The largest box of a weight of ``numel`` elements: ``BOX_ELEMENTS``, and at most half of the weight.
+
+    So no block ever holds the weight's whole gradient, however its coordinates fill it.
+
+    Example:
+        >>> box_limit(36), box_limit(10**9)
+        (18, 1048576)
+    """
+    return max(1, min(BOX_ELEMENTS, numel // 2))
 GATHER_ELEMENTS = 1 << 20  # the most gathered elements (tokens x coordinates) held per operand at once
 
 
@@ -73,10 +86,15 @@ class ProductPlan(NamedTuple):
     size: int
 
 
-def plan_product(rows: torch.Tensor, cols: torch.Tensor) -> ProductPlan:
+def plan_product(
+    rows: torch.Tensor, cols: torch.Tensor, *, box_ratio: float = BOX_RATIO, box_elements: int = BOX_ELEMENTS
+) -> ProductPlan:
     """The blocks of :func:`sampled_product` for the coordinates ``(rows[j], cols[j])``, sorted by row.
 
-    Reads a few sizes on the host (the distinct rows and columns of each block).
+    A block is a box product when its distinct rows times columns are at most
+    ``box_ratio`` times its coordinates; no box holds more than ``box_elements``
+    (tests pass small ones). Reads a few sizes on the host (the distinct rows and
+    columns of each block).
 
     Example:
         >>> import torch
@@ -87,7 +105,7 @@ def plan_product(rows: torch.Tensor, cols: torch.Tensor) -> ProductPlan:
         return ProductPlan((), 0)
     uniq_rows, row_of = torch.unique_consecutive(rows, return_inverse=True)
     n_cols = int(torch.unique(cols).numel())
-    per_block = max(1, BOX_ELEMENTS // n_cols)  # distinct rows per block: its box stays within BOX_ELEMENTS
+    per_block = max(1, box_elements // n_cols)  # distinct rows per block: its box stays within box_elements
     bounds = torch.searchsorted(row_of, torch.arange(0, uniq_rows.numel(), per_block, device=rows.device))
     edges = [*bounds.tolist(), rows.numel()]
     blocks = []
@@ -95,7 +113,7 @@ def plan_product(rows: torch.Tensor, cols: torch.Tensor) -> ProductPlan:
         r, c = rows[lo:hi], cols[lo:hi]
         box_rows, r_at = torch.unique_consecutive(r, return_inverse=True)
         box_cols, c_at = torch.unique(c, return_inverse=True)
-        if box_rows.numel() * box_cols.numel() <= BOX_RATIO * (hi - lo):
+        if box_rows.numel() * box_cols.numel() <= box_ratio * (hi - lo):
             blocks.append(_Block(lo, box_rows, box_cols, r_at * box_cols.numel() + c_at))
         else:
             blocks.append(_Block(lo, r, c, None))
@@ -107,12 +125,15 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def sampled_product(a: torch.Tensor, b: torch.Tensor, plan: ProductPlan, reduce: tuple[int, ...]) -> torch.Tensor:
+def sampled_product(
+    a: torch.Tensor, b: torch.Tensor, plan: ProductPlan, reduce: tuple[int, ...], *, chunk: int = GATHER_ELEMENTS
+) -> torch.Tensor:
     """``v_j = sum over the dimensions reduce of a[:, rows_j] * b[:, cols_j]`` for the plan's coordinates.
 
     ``a`` and ``b`` index their rows and columns along dimension 1 and share the
     ``reduce`` dimensions (the tokens); views (a window, strides) are read as they are.
-    Returns the values in the plan's order, in float32 or wider.
+    Gathers hold at most ``chunk`` elements per operand at once. Returns the
+    values in the plan's order, in float32 or wider.
 
     Example:
         >>> import torch
@@ -134,7 +155,7 @@ def sampled_product(a: torch.Tensor, b: torch.Tensor, plan: ProductPlan, reduce:
             bc = b.index_select(1, block.cols).to(dtype)
             out[block.start : stop] = torch.tensordot(ar, bc, dims=(reduce, reduce)).view(-1)[block.flat]
             continue
-        step = max(1, GATHER_ELEMENTS // tokens)
+        step = max(1, chunk // tokens)
         for lo in range(0, stop - block.start, step):
             ar = a.index_select(1, block.rows[lo : lo + step]).to(dtype)
             ar.mul_(b.index_select(1, block.cols[lo : lo + step]))
@@ -176,7 +197,8 @@ def plan_conv2d(positions: torch.Tensor, shape: tuple[int, ...], groups: int) ->
     for off in torch.unique(offset).tolist():
         where = torch.nonzero(offset == off).view(-1)
         p, q = divmod(int(off), kw)
-        groups_out.append((p, q, where, plan_product(o[where], channel[where])))
+        product = plan_product(o[where], channel[where], box_elements=box_limit(out_ch * per_group * kh * kw))
+        groups_out.append((p, q, where, product))
     return Conv2dPlan(tuple(groups_out), positions.numel())
 
 
@@ -208,8 +230,8 @@ def conv2d_values(
         >>> torch.allclose(got, dense.view(-1)[pos])
         True
     """
-    if x.dim() == 3:  # unbatched
-        x, dy = x.unsqueeze(0), dy.unsqueeze(0)
+    x = x.unsqueeze(0) if x.dim() == 3 else x  # unbatched (dy may come batched: the output's base)
+    dy = dy.unsqueeze(0) if dy.dim() == 3 else dy
     out = torch.zeros(plan.size, dtype=_work_dtype(torch.promote_types(x.dtype, dy.dtype)), device=x.device)
     (height, width), (out_h, out_w) = x.shape[-2:], dy.shape[-2:]
     for p, q, where, product in plan.offsets:
@@ -226,9 +248,12 @@ def conv2d_values(
 def embedding_values(
     ids: torch.Tensor, dy: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, padding_idx: int | None
 ) -> torch.Tensor:
-    """The gradient of ``embedding(ids, W)`` at ``(rows[j], cols[j])``: ``dy`` summed over the tokens of each row.
+    """The gradient of ``embedding(ids, W)`` at ``(rows[j], cols[j])`` (rows ascending): ``dy`` summed over the tokens.
 
-    Tokens equal to ``padding_idx`` add nothing (``nn.Embedding``'s padding row has no gradient).
+    Each token is paired with the coordinates of its row (at most ``T x D``
+    pairs, usually far fewer), and each pair's ``dy`` is added into its
+    coordinate in token order. Tokens equal to ``padding_idx`` add nothing
+    (``nn.Embedding``'s padding row has no gradient).
 
     Example:
         >>> import torch
@@ -238,13 +263,13 @@ def embedding_values(
     """
     flat_ids = ids.reshape(-1)
     dtype = _work_dtype(dy.dtype)
-    grads = dy.reshape(flat_ids.numel(), -1).to(dtype)
-    tokens, token_of = torch.unique(flat_ids, return_inverse=True)
-    if tokens.numel() == 0:
-        return torch.zeros(rows.shape, dtype=dtype, device=dy.device)
-    summed = torch.zeros(tokens.numel(), grads.shape[1], dtype=dtype, device=dy.device).index_add_(0, token_of, grads)
-    at = torch.searchsorted(tokens, rows).clamp_(max=tokens.numel() - 1)
-    present = tokens[at] == rows
+    grads = dy.reshape(flat_ids.numel(), dy.shape[-1])
+    first = torch.searchsorted(rows, flat_ids)  # each token's row: its coordinates are rows[first:last]
+    count = torch.searchsorted(rows, flat_ids, right=True) - first
     if padding_idx is not None:
-        present &= rows != padding_idx
-    return torch.where(present, summed[at, cols], torch.zeros((), dtype=dtype, device=dy.device))
+        count = torch.where(flat_ids == padding_idx, 0, count)
+    token = torch.repeat_interleave(torch.arange(flat_ids.numel(), device=ids.device), count)
+    start = torch.cumsum(count, 0) - count
+    coordinate = first[token] + torch.arange(token.numel(), device=ids.device) - start[token]
+    out = torch.zeros(rows.shape, dtype=dtype, device=dy.device)
+    return out.index_add_(0, coordinate, grads[token, cols[coordinate]].to(dtype))

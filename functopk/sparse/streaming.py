@@ -17,12 +17,10 @@ in which autograd finishes the parameters does not matter: ties at the
 ``k``-th magnitude go to the lower flat index (:class:`RunningTopK`). A
 parameter is selected from by the existing exact kernels.
 
-The hooks are :class:`~functopk.sparse.hooks.GradientHooks`: they hold the
-stream weakly, and allow one stream per parameter. Between selections (after
-:meth:`StreamingTopK.gather`) the stream claims the weights of its supported
-layers (:mod:`functopk.sparse.layers`): their weight gradient is computed only
-at the gathered coordinates (:mod:`functopk.sparse.gathering`), and arrives
-through a coordinate leaf's hook instead of the weight's.
+The hooks are :class:`~functopk.sparse.hooks.GradientHooks` (weak, one stream
+per parameter). Between selections the stream claims its supported layers'
+weights (:mod:`functopk.sparse.layers`, :mod:`functopk.sparse.gathering`):
+their gradient at the set arrives through a coordinate leaf's hook.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ import torch
 from functopk._checks import check_bool, check_choice, check_k_or_density, check_leaves, one_device, path_str
 from functopk.sparse import layers
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
-from functopk.sparse.gathering import GatherPlan, checked_indices
+from functopk.sparse.gathering import GatherPlan, checked_indices, stale
 from functopk.sparse.hooks import GradientHooks
 from functopk.sparse.k import k_on_host, resolve_k
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES, common_dtype
@@ -58,64 +56,26 @@ def _nothing() -> None:
 class StreamingTopK:
     """The exact global top-k of a tree's gradients, selected during backward; each gradient freed once folded.
 
-    Registers a :meth:`torch.Tensor.register_post_accumulate_grad_hook` on
-    every parameter of ``params`` that requires grad. When autograd has
-    accumulated a parameter's gradient, the hook folds it into a running
-    top-``k`` over the whole tree and sets ``p.grad = None``. :meth:`result`
-    then returns, bit for bit, what ``ft.topk_indices(grads, k)`` (or
-    ``density=``) returns on the dense gradients ``grads =
-    ft.tree.map(lambda p: p.grad, params)``: the flat order of ``params``
-    (optree's: a dict's keys sorted, not ``named_parameters()`` order; not the
-    order in which autograd finishes them), ties to the lower flat index, NaN
-    ranked as ``+inf`` with ``±inf``, values in the promoted dtype, exactly
-    ``k`` coordinates. One exception to "bit for bit": the candidates are held
-    in the promoted dtype of all of ``params``, so when a parameter of a wider
-    dtype than every gradient that arrived has no gradient, a NaN value passes
-    through that wider dtype and its payload bits may differ from a direct
-    conversion (it is NaN either way, at the same index). Peak gradient memory
-    is the largest parameter's gradient plus ``O(k)``.
+    A post-accumulate-grad hook on every parameter of ``params`` that requires
+    grad folds its gradient into a running top-``k`` over the whole tree and
+    sets ``p.grad = None``. :meth:`result` then returns, bit for bit, what
+    ``ft.topk_indices(grads, k)`` returns on the dense gradients: the flat order
+    of ``params`` (optree's: a dict's keys sorted, not ``named_parameters()``
+    order), ties to the lower flat index, NaN ranked as ``+inf``, exactly ``k``
+    coordinates (a NaN passed through a wider dtype may change payload bits).
+    Peak gradient memory is the largest parameter's gradient plus ``O(k)``.
+    A step: ``loss.backward()``, ``sparse = stream.result()``,
+    ``ft.apply_sparse_updates_(stream.selected_from, sparse, -lr)``.
 
-    A training step::
-
-        loss.backward()                                   # gradients folded and freed
-        sparse = stream.result()
-        ft.apply_sparse_updates_(stream.selected_from, sparse, -lr)   # params, None where no gradient
-
-    Rules:
-
-    * **Parameters without a gradient** (unused in the loss, ``requires_grad=False``)
-      are skipped, as ``topk_indices`` skips ``None`` leaves: the flat indices count
-      only the parameters that had a gradient, and ``k`` (or ``density``) is
-      resolved against their size; :attr:`selected_from` is the tree it applies to.
-    * :meth:`result` **ends the step**: it also folds (and frees) any ``.grad``
-      still set (left under :meth:`paused`, or set by hand), returns the
-      selection and empties the stream. :meth:`discard` ends it without one.
-    * **Gradient accumulation**: run the micro-batches but the last under
-      ``with stream.paused():`` (the hooks do nothing there, so ``.grad``
-      accumulates as usual), then the last backward outside it. Or make the
-      stream with ``grad_accumulation=True``: any number of backward passes per
-      step add up, as ``.grad`` does (a selecting step keeps ``.grad`` until
-      :meth:`result`; a gathering step adds each one's gradient at its set).
-    * **A second backward before** :meth:`result` (without ``grad_accumulation``)
-      would fold a parameter twice: its hook raises ``RuntimeError`` (out of
-      ``backward``) and the step is discarded.
-    * **Between selections** (after :meth:`gather`), with ``sampled=True``, the
-      weight gradients of ``nn.Linear``, transformers' ``Conv1D``,
-      ``nn.Embedding`` and ``nn.Conv2d`` layers are computed only at the gathered
-      coordinates (:mod:`functopk.sparse.layers`): equal to the dense gradient
-      there within rounding, and no dense weight gradient is formed. A layer
-      whose forward ran while gathering gives its weight no ``.grad`` in that
-      backward, ``torch.autograd.grad`` included.
-    * **Lifetime**: one stream per parameter (a second one raises ``ValueError``
-      naming it). :meth:`remove`, or the end of a ``with StreamingTopK(...)``
-      block, removes the hooks; they hold the stream weakly, so a stream that is
-      deleted stops at once and removes them too.
-    * **GradScaler**: a power-of-two scale selects the same coordinates and
-      scales the values: apply them with ``-lr / scaler.get_scale()``.
-      ``sparse.values`` are all finite exactly when the step's gradients are.
-    * **Not done**: error feedback (its residual is ``n``-sized); DDP (the
-      averaged gradients written back make :meth:`result` raise ``RuntimeError``;
-      use ``ft.distributed.topk_hook``). ``docs/sparse_training.md`` says more.
+    Parameters without a gradient are skipped (:attr:`selected_from`).
+    :meth:`result` ends the step; a second backward before it raises
+    ``RuntimeError``, unless ``grad_accumulation=True`` or the earlier ones ran
+    under :meth:`paused`. After :meth:`gather` the step gathers at a fixed set,
+    the weight gradients of ``nn.Linear``, ``Conv1D``, ``nn.Embedding`` and
+    ``nn.Conv2d`` layers computed there only (``sampled=True``; equal within
+    rounding). One stream per parameter; its hooks hold it weakly; :meth:`remove`
+    or ``with`` removes them. ``docs/sparse_training.md`` says more (DDP and
+    error feedback are not done).
 
     Args:
         params: A pytree of float tensors on one device (``dict(model.named_parameters())``),
@@ -192,13 +152,11 @@ class StreamingTopK:
         self._plan: GatherPlan | None = None  # the set gather() names, kept while it stays the same
         self._gathering = False  # this step gathers at the plan's set (armed by gather(), ended by result())
         # score="accumulated": sum |g| per coordinate since the last selecting step (n-sized, one per leaf)
-        self._scores = (
-            [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in leaves] if self._accumulate else None
-        )
+        self._scores = [x.new_zeros(x.shape) for x in leaves] if self._accumulate else None  # contiguous
         self._clear()
         self._removed = False
         # last, once everything is checked: weak hooks, one stream per parameter (ValueError naming it)
-        self._hooks = GradientHooks(self, StreamingTopK._on_gradient, leaves, paths)
+        self._hooks = GradientHooks(self, StreamingTopK._arrive, leaves, paths)
         self._release = weakref.finalize(self, layers.enable() if self._sampled else _nothing)
 
     def _clear(self) -> None:
@@ -223,24 +181,17 @@ class StreamingTopK:
         payload = self._dtype if self._accumulate else None  # rank by the score, carry the gradient
         self._run = RunningTopK(k, self._dtype, self._numel, self._config, self._leaves[0].device, payload)
 
-    def _on_gradient(self, i: int, param: torch.Tensor) -> None:
-        """Leaf ``i``'s hook (its :class:`GradientHooks` call this): fold its gradient into the step, free it."""
-        self._arrive(i, param)
-
     def _on_coordinates(self, i: int, leaf: torch.Tensor) -> None:
         """The hook of leaf ``i``'s coordinate leaf: the gradient of its sampled layers, at the set."""
         if self._paused or leaf.grad is None:
             return
-        if not (self._gathering and self._plan is not None and self._plan.owns(i, leaf)):
+        if not (self._gathering and self._plan is not None and self._plan.owns(i, leaf)):  # its set ended
             leaf.grad = None
-            raise RuntimeError(
-                f"StreamingTopK: the forward of a layer using {self._paths[i]} ran while the stream gathered at a "
-                "coordinate set, and its backward came after that set ended (result(), gather() with other indices, "
-                "or remove()): its weight gradient was computed for the old set only. Run the forward again"
-            )
+            raise stale(self._paths[i])
         self._arrive(-1 - i, leaf)
 
     def _arrive(self, slot: int, tensor: torch.Tensor) -> None:
+        """A slot's gradient arrived (leaf ``slot``'s hook, or a claim's): fold it into the step and free it."""
         if self._paused or tensor.grad is None or (self._summing and not self._gathering):
             return  # paused, or a selecting step of grad_accumulation: .grad accumulates until result()
         if not self._is_open():
@@ -275,14 +226,7 @@ class StreamingTopK:
             if self._scores is not None:  # added now: keeping |g| until result() would take n more numbers
                 self._scores[i].view(-1).add_(flat.abs())
                 self._scored = True
-            _, lo, hi = self._plan.bounds[i]
-            values = flat if slot < 0 else self._plan.gathered(i, flat)
-            if hi == lo:
-                return
-            if written:  # a tied or repeated use adds; the first one writes (a -0.0 stays -0.0)
-                self._values[lo:hi] += values.to(self._dtype)
-            else:
-                self._values[lo:hi] = values.to(self._dtype)
+            self._plan.write(self._values, i, flat, claimed=slot < 0, first=not written)
         elif grad.numel():
             assert self._run is not None
             if self._scores is None:
@@ -333,14 +277,12 @@ class StreamingTopK:
     def gather(self, indices: torch.Tensor) -> None:
         """Make the next step gather the gradient at ``indices`` instead of selecting its top ``k``.
 
-        For an optimizer that keeps its coordinate set for several steps
-        (:func:`~functopk.sparse.sparse_optimizer`): the next backward copies each
-        gradient's values at those flat indices (in the flat order of ``params``)
-        and frees it, the supported layers compute their weight gradients only
-        there (``sampled=True``), and :meth:`result` returns them as a
-        :class:`~functopk.SparseUpdates` over all of ``params`` (zero where a
-        parameter had no gradient), then goes back to selecting. Reads a few
-        integers on the host (the indices' bounds per leaf) when the set changes.
+        For an optimizer that keeps its coordinate set for several steps: the
+        next backward gathers each gradient at these flat indices (the supported
+        layers compute theirs there only, ``sampled=True``), and :meth:`result`
+        returns them over all of ``params`` (zero where a parameter had no
+        gradient), then goes back to selecting. Reads the indices' bounds per
+        leaf on the host when the set changes.
 
         Args:
             indices: 1-d int64 (or int32) strictly ascending flat indices in ``[0, n)``, on the parameters' device.
@@ -370,10 +312,7 @@ class StreamingTopK:
     def sampling_claim(self, weight: torch.Tensor) -> Claim | None:
         """What a supported layer using ``weight`` computes in this step: the claim at the gathered set, or ``None``.
 
-        Called by :mod:`functopk.sparse.layers` when such a layer's forward runs
-        with grad enabled: while the stream gathers (``sampled=True``), the
-        layer's weight gradient is computed at the set only; otherwise ``None``
-        (the dense gradient, through the weight's own hook).
+        Asked by :mod:`functopk.sparse.layers` when such a layer runs with grad enabled.
 
         Example:
             >>> import torch, functopk as ft
@@ -392,13 +331,11 @@ class StreamingTopK:
 
     def _gathered(self) -> SparseUpdates:
         """A gathering step's result: the gradient at its indices, over all of ``params``."""
-        assert self._plan is not None
         if self._values is None:  # no gradient arrived: zeros
             self._start()
-        assert self._values is not None
+        assert self._plan is not None and self._values is not None
         self._selected_from = self._treedef.unflatten(list(self._leaves))
-        arrived = [self._folded[i] for i in sorted(self._folded)] or [self._dtype]
-        dtype = functools.reduce(torch.promote_types, arrived)
+        dtype = functools.reduce(torch.promote_types, [self._folded[i] for i in sorted(self._folded)] or [self._dtype])
         return SparseUpdates(self._plan.indices, self._values.to(dtype), self._numel, tuple(self._sizes))
 
     def _finish(self) -> SparseUpdates:
@@ -445,9 +382,7 @@ class StreamingTopK:
     def selected_from(self) -> PyTree:
         """The tree the last :meth:`result` applies to: ``params``, ``None`` where a parameter had no gradient.
 
-        Its flat indices count only the parameters that had a gradient (as
-        ``ft.topk_indices`` counts the leaves of a gradient tree that are not
-        ``None``), so apply it to this tree, not to ``params`` itself.
+        Its flat indices count only the parameters that had a gradient: apply it to this tree.
 
         Example:
             >>> import torch, functopk as ft
@@ -455,11 +390,9 @@ class StreamingTopK:
             >>> stream = ft.sparse.StreamingTopK(params, k=1)
             >>> (params["used"] * torch.tensor([1.0, -2.0])).sum().backward()
             >>> sparse = stream.result()
-            >>> stream.selected_from["unused"] is None
-            True
             >>> _ = ft.apply_sparse_updates_(stream.selected_from, sparse, -1.0)
-            >>> params["used"]
-            tensor([0., 2.], requires_grad=True)
+            >>> stream.selected_from["unused"] is None, params["used"]
+            (True, tensor([0., 2.], requires_grad=True))
         """
         return self._selected_from
 
@@ -511,12 +444,9 @@ class StreamingTopK:
     def discard(self) -> None:
         """End the step without a selection, as ``zero_grad()`` discards ``.grad``: to skip a batch.
 
-        Drops what the step's backward folded (without it, the next backward
-        would fold a second gradient and raise) and clears any ``.grad`` of
-        ``params`` (a paused backward's). A :meth:`gather` stays armed. With
-        ``score="accumulated"`` a selecting step leaves the sums as they were; a
-        gathering step added its ``|g|`` as they arrived (keeping them apart
-        would take ``n`` more numbers), so they stay, with a ``UserWarning``.
+        Drops what the step's backward folded and any ``.grad`` left (a paused
+        backward's); a :meth:`gather` stays armed. With ``score="accumulated"``
+        a gathering step's ``|g|`` were added as they arrived, and stay (a ``UserWarning``).
 
         Example:
             >>> import torch, functopk as ft
@@ -546,9 +476,8 @@ class StreamingTopK:
     def remove(self) -> None:
         """Remove the hooks now: later backward passes leave ``.grad`` as autograd writes it.
 
-        What the end of a ``with StreamingTopK(...)`` block does; a second call
-        does nothing. An unfinished step is discarded, the parameters are free
-        for another stream, and :meth:`result` and :meth:`gather` raise ``RuntimeError``.
+        What the end of a ``with`` block does; again: nothing. An unfinished step is discarded, the
+        parameters are free for another stream, and :meth:`result` and :meth:`gather` raise ``RuntimeError``.
 
         Example:
             >>> import torch, functopk as ft
