@@ -25,8 +25,13 @@ from functopk.tree.layout import FlatLayout
 __all__ = ["GatherPlan", "checked_indices", "stale"]
 
 
-def checked_indices(indices: Any, device: torch.device, numel: int) -> torch.Tensor:
+def checked_indices(
+    indices: Any, device: torch.device, numel: int, known: torch.Tensor | None = None
+) -> torch.Tensor:
     """``indices`` as int64 flat indices into ``numel`` coordinates on ``device``; ``TypeError``/``ValueError`` else.
+
+    Indices equal to ``known`` (a set checked before: a stream's current one) are not checked again: ``known`` is
+    returned.
 
     Example:
         >>> import torch
@@ -41,6 +46,8 @@ def checked_indices(indices: Any, device: torch.device, numel: int) -> torch.Ten
             f"{tuple(indices.shape)} on {indices.device}"
         )
     idx = indices.long()
+    if known is not None and idx.shape == known.shape and torch.equal(idx, known):
+        return known
     check_ascending_indices(idx, numel, "indices")
     return idx
 
@@ -80,10 +87,6 @@ class GatherPlan:
         self.indices = indices
         self.bounds = FlatLayout.from_tree(leaves).bounds(indices, name="indices")  # (offset, lo, hi) per leaf
         self.claims: dict[int, Claim] = {}  # leaf position -> the claim of the layers that use it
-
-    def same(self, indices: torch.Tensor) -> bool:
-        """Whether ``indices`` (checked) are this plan's."""
-        return indices.shape == self.indices.shape and bool(torch.equal(indices, self.indices))
 
     def gathered(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Leaf ``i``'s dense gradient at its indices (``O(k_i)``)."""

@@ -45,14 +45,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from functopk.sparse.hooks import owner_of
-from functopk.sparse.sampled import (
-    box_limit,
-    conv2d_values,
-    embedding_values,
-    plan_conv2d,
-    plan_product,
-    sampled_product,
-)
+from functopk.sparse.sampled import conv2d_values, embedding_values, plan_conv2d, plan_product, sampled_product
 
 __all__ = ["Claim", "claimed", "enable", "find_claim", "kind_of", "users"]
 
@@ -81,7 +74,7 @@ def _plan(claim: Claim, key: Any, build: Callable[[], Any]) -> Any:
 
 def _rows_by_cols(positions: torch.Tensor, shape: torch.Size) -> Any:
     """The product plan of a 2-d weight's flat ``positions``: row ``p // cols``, column ``p % cols``."""
-    return plan_product(positions // shape[1], positions % shape[1], box_elements=box_limit(shape.numel()))
+    return plan_product(positions // shape[1], positions % shape[1])
 
 
 class _Kind:
@@ -99,7 +92,7 @@ class _Linear(_Kind):
 
     def values(self, inp: torch.Tensor, dy: torch.Tensor, shape: torch.Size, spec: Any, claim: Claim) -> torch.Tensor:
         plan = _plan(claim, "linear", lambda: _rows_by_cols(claim.positions, shape))
-        return sampled_product(dy.reshape(-1, shape[0]), inp.reshape(-1, shape[1]), plan, (0,))
+        return sampled_product(dy.reshape(-1, shape[0]), inp.reshape(-1, shape[1]), plan)
 
 
 class _Conv1D(_Kind):
@@ -107,7 +100,7 @@ class _Conv1D(_Kind):
 
     def values(self, inp: torch.Tensor, dy: torch.Tensor, shape: torch.Size, spec: Any, claim: Claim) -> torch.Tensor:
         plan = _plan(claim, "conv1d", lambda: _rows_by_cols(claim.positions, shape))
-        return sampled_product(inp.reshape(-1, shape[0]), dy.reshape(-1, shape[1]), plan, (0,))
+        return sampled_product(inp.reshape(-1, shape[0]), dy.reshape(-1, shape[1]), plan)
 
 
 class _Embedding(_Kind):

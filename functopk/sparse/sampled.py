@@ -1,43 +1,43 @@
 """A layer's weight gradient at fixed coordinates only: sampled dense-dense products, never the dense gradient.
 
 For ``y = x W^T`` (``nn.Linear``) the weight gradient at ``(i, j)`` is
-``sum_t dy[t, i] * x[t, j]``: ``T`` multiply-adds per coordinate on two gathered
-columns, against ``T * m * n`` for the whole ``m x n`` gradient. Every kernel
-here computes such sums for a fixed list of coordinates:
+``sum_t dy[t, i] * x[t, j]``: ``T`` multiply-adds per coordinate, against
+``T * m * n`` for the whole ``m x n`` gradient. Every kernel here computes such
+sums for a fixed list of coordinates:
 
-* :func:`plan_product` and :func:`sampled_product`: ``v_j = sum over tokens of
-  a[:, rows_j] * b[:, cols_j]`` (the tokens are every dimension but the gathered
-  one). The coordinates are cut into blocks of rows; a block whose coordinates
-  fill a good part of the box of its distinct rows times its distinct columns
-  (top-k gradients cluster in a few large rows and columns) is one dense
-  product of the gathered rows and columns (``|R| x |C|``, bounded), from which
-  its coordinates are read; a sparser block gathers each coordinate's pair of
-  columns, multiplies and sums (bounded chunks). ``benchmarks/sampled_grad.py``
-  measures both against ``torch.sparse.sampled_addmm``.
+* :func:`plan_product` and :func:`sampled_product`: ``v_j = sum_t a[t, rows_j] *
+  b[t, cols_j]``, the coordinates as the pattern of a CSR matrix and the sums by
+  ``torch.sparse.sampled_addmm`` (one vectorized dot product of length ``T`` per
+  coordinate), over chunks of tokens so that the operands it copies stay small
+  (``benchmarks/sampled_grad.py`` measures it against gathering the columns and
+  multiplying, and against dense products of the rows and columns a block of
+  coordinates spans: on CPU it is the fastest of the three, or level);
 * :func:`plan_conv2d` and :func:`conv2d_values`: ``nn.Conv2d``, whose gradient at
   ``(o, c, p, q)`` sums ``dy[b, o, y, x] * x[b, c', y*s + p*d - pad, x*s + q*d - pad]``
   over the batch and the output positions: the coordinates are grouped by
   kernel offset ``(p, q)``, and each group is a sampled product of a window of
-  ``dy`` and a strided view of ``x`` (no padded copy, no im2col).
+  ``dy`` and a strided view of ``x``, copied a few images (or rows) at a time:
+  no padded copy, no im2col;
 * :func:`embedding_values`: ``nn.Embedding``, whose gradient row ``v`` sums
-  ``dy`` over the tokens equal to ``v``: ``dy`` summed per distinct token
-  (``index_add_``, at most ``T x D``), then read at the coordinates.
+  ``dy`` over the tokens equal to ``v``.
 
 Plans depend only on the coordinates (and the layer's shape), so a caller that
 keeps a coordinate set for several steps builds them once. Values come in the
-order of the coordinates given. Reduced-precision inputs are summed in float32.
+order of the coordinates given (ascending flat positions). Reduced-precision
+inputs are summed in float32.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
 
 __all__ = [
+    "CHUNK_ELEMENTS",
     "Conv2dPlan",
     "ProductPlan",
-    "box_limit",
     "conv2d_values",
     "embedding_values",
     "plan_conv2d",
@@ -45,79 +45,38 @@ __all__ = [
     "sampled_product",
 ]
 
-# A dense block product costs about this many multiply-adds per gathered coordinate pair at equal time
-# (a BLAS product against gathers, on CPU: benchmarks/sampled_grad.py); a block denser than 1/BOX_RATIO
-# of its box is computed as a product.
-BOX_RATIO = 32
-BOX_ELEMENTS = 1 << 20  # the largest |R| x |C| product block held at once (4 MiB in float32)
-
-
-def box_limit(numel: int) -> int:
-    """The largest box of a weight of ``numel`` elements: ``BOX_ELEMENTS``, and at most half of the weight.
-
-    So no block ever holds the weight's whole gradient, however its coordinates fill it.
-
-    Example:
-        >>> box_limit(36), box_limit(10**9)
-        (18, 1048576)
-    """
-    return max(1, min(BOX_ELEMENTS, numel // 2))
-GATHER_ELEMENTS = 1 << 20  # the most gathered elements (tokens x coordinates) held per operand at once
-
-
-class _Block(NamedTuple):
-    start: int  # where its values go among the plan's
-    rows: torch.Tensor  # a box: its distinct rows; a gather: each coordinate's row
-    cols: torch.Tensor  # the same for columns
-    flat: torch.Tensor | None  # a box: each coordinate's position in the |rows| x |cols| product; a gather: None
+CHUNK_ELEMENTS = 1 << 20  # the most operand elements copied at once per chunk of tokens (4 MiB in float32)
 
 
 class ProductPlan(NamedTuple):
-    """How :func:`sampled_product` computes its coordinates: row blocks, each a box product or gathers.
+    """The coordinates of :func:`sampled_product`: the rows and columns they use, and a CSR pattern over those.
 
     Example:
         >>> import torch
-        >>> plan = plan_product(torch.tensor([0, 0, 1]), torch.tensor([0, 2, 1]))
-        >>> plan.size, len(plan.blocks)
-        (3, 1)
+        >>> plan = plan_product(torch.tensor([0, 0, 7]), torch.tensor([3, 9, 3]))
+        >>> plan.rows, plan.cols, plan.crow, plan.col
+        (tensor([0, 7]), tensor([3, 9]), tensor([0, 2, 3]), tensor([0, 1, 0]))
     """
 
-    blocks: tuple[_Block, ...]
-    size: int
+    rows: torch.Tensor  # the distinct rows, ascending
+    cols: torch.Tensor  # the distinct columns, ascending
+    crow: torch.Tensor  # (len(rows) + 1,): where each row's coordinates start
+    col: torch.Tensor  # (k,): each coordinate's column, as a position in cols
 
 
-def plan_product(
-    rows: torch.Tensor, cols: torch.Tensor, *, box_ratio: float = BOX_RATIO, box_elements: int = BOX_ELEMENTS
-) -> ProductPlan:
-    """The blocks of :func:`sampled_product` for the coordinates ``(rows[j], cols[j])``, sorted by row.
-
-    A block is a box product when its distinct rows times columns are at most
-    ``box_ratio`` times its coordinates; no box holds more than ``box_elements``
-    (tests pass small ones). Reads a few sizes on the host (the distinct rows and
-    columns of each block).
+def plan_product(rows: torch.Tensor, cols: torch.Tensor) -> ProductPlan:
+    """The plan of :func:`sampled_product` for the coordinates ``(rows[j], cols[j])``, in row-major order.
 
     Example:
         >>> import torch
-        >>> plan_product(torch.tensor([2, 5]), torch.tensor([1, 1])).blocks[0].flat
-        tensor([0, 1])
+        >>> plan_product(torch.tensor([1]), torch.tensor([4])).col
+        tensor([0])
     """
-    if rows.numel() == 0:
-        return ProductPlan((), 0)
-    uniq_rows, row_of = torch.unique_consecutive(rows, return_inverse=True)
-    n_cols = int(torch.unique(cols).numel())
-    per_block = max(1, box_elements // n_cols)  # distinct rows per block: its box stays within box_elements
-    bounds = torch.searchsorted(row_of, torch.arange(0, uniq_rows.numel(), per_block, device=rows.device))
-    edges = [*bounds.tolist(), rows.numel()]
-    blocks = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        r, c = rows[lo:hi], cols[lo:hi]
-        box_rows, r_at = torch.unique_consecutive(r, return_inverse=True)
-        box_cols, c_at = torch.unique(c, return_inverse=True)
-        if box_rows.numel() * box_cols.numel() <= box_ratio * (hi - lo):
-            blocks.append(_Block(lo, box_rows, box_cols, r_at * box_cols.numel() + c_at))
-        else:
-            blocks.append(_Block(lo, r, c, None))
-    return ProductPlan(tuple(blocks), rows.numel())
+    used_rows, row_at = torch.unique_consecutive(rows, return_counts=True)
+    used_cols, col_at = torch.unique(cols, return_inverse=True)
+    crow = torch.zeros(used_rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    crow[1:] = row_at.cumsum(0)
+    return ProductPlan(used_rows, used_cols, crow, col_at.to(torch.int64))
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -125,42 +84,43 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def sampled_product(
-    a: torch.Tensor, b: torch.Tensor, plan: ProductPlan, reduce: tuple[int, ...], *, chunk: int = GATHER_ELEMENTS
-) -> torch.Tensor:
-    """``v_j = sum over the dimensions reduce of a[:, rows_j] * b[:, cols_j]`` for the plan's coordinates.
+def _accumulate(plan: ProductPlan, dtype: torch.dtype, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The sum over ``pairs`` of ``m1 @ m2`` (``|rows| x t`` by ``t x |cols|``) at the plan's coordinates."""
+    shape = (plan.rows.numel(), plan.cols.numel())
+    with warnings.catch_warnings():  # torch's notice that sparse CSR support is in beta
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.zeros(plan.col.shape, dtype=dtype, device=plan.col.device)
+        acc = torch.sparse_csr_tensor(plan.crow, plan.col, values, shape, check_invariants=False)
+        for m1, m2 in pairs:
+            acc = torch.sparse.sampled_addmm(acc, m1.to(dtype), m2.to(dtype))
+    return acc.values()
 
-    ``a`` and ``b`` index their rows and columns along dimension 1 and share the
-    ``reduce`` dimensions (the tokens); views (a window, strides) are read as they are.
-    Gathers hold at most ``chunk`` elements per operand at once. Returns the
-    values in the plan's order, in float32 or wider.
+
+def sampled_product(
+    a: torch.Tensor, b: torch.Tensor, plan: ProductPlan, *, chunk: int = CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """``v_j = sum_t a[t, rows_j] * b[t, cols_j]`` for the plan's coordinates; ``a`` and ``b`` are ``(T, .)``.
+
+    Only the rows and columns the coordinates use are copied (token-major to
+    coordinate-major), at most ``chunk`` elements at once. Returns the values in
+    the plan's order, in float32 or wider.
 
     Example:
         >>> import torch
         >>> dy, x = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[1.0, 0.0], [1.0, 1.0]])
-        >>> plan = plan_product(torch.tensor([0, 1]), torch.tensor([1, 0]))
-        >>> sampled_product(dy, x, plan, (0,))                     # (dy.T @ x)[0, 1], (dy.T @ x)[1, 0]
+        >>> sampled_product(dy, x, plan_product(torch.tensor([0, 1]), torch.tensor([1, 0])))  # at [0, 1] and [1, 0]
         tensor([3., 6.])
-        >>> (dy.T @ x)
+        >>> dy.T @ x
         tensor([[4., 3.],
                 [6., 4.]])
     """
     dtype = _work_dtype(torch.promote_types(a.dtype, b.dtype))
-    out = torch.empty(plan.size, dtype=dtype, device=a.device)
-    tokens = max(1, a.numel() // max(1, a.shape[1]))
-    for block in plan.blocks:
-        stop = block.start + (block.flat.numel() if block.flat is not None else block.rows.numel())
-        if block.flat is not None:
-            ar = a.index_select(1, block.rows).to(dtype)
-            bc = b.index_select(1, block.cols).to(dtype)
-            out[block.start : stop] = torch.tensordot(ar, bc, dims=(reduce, reduce)).view(-1)[block.flat]
-            continue
-        step = max(1, chunk // tokens)
-        for lo in range(0, stop - block.start, step):
-            ar = a.index_select(1, block.rows[lo : lo + step]).to(dtype)
-            ar.mul_(b.index_select(1, block.cols[lo : lo + step]))
-            out[block.start + lo : block.start + lo + ar.shape[1]] = ar.sum(reduce)
-    return out
+    step = max(1, chunk // max(1, plan.rows.numel() + plan.cols.numel()))
+    pairs = [
+        (a[t : t + step].t().index_select(0, plan.rows), b[t : t + step].t().index_select(0, plan.cols).t())
+        for t in range(0, a.shape[0], step)
+    ]
+    return _accumulate(plan, dtype, pairs)
 
 
 class Conv2dPlan(NamedTuple):
@@ -185,7 +145,7 @@ def plan_conv2d(positions: torch.Tensor, shape: tuple[int, ...], groups: int) ->
 
     Example:
         >>> import torch
-        >>> plan_conv2d(torch.tensor([5]), (2, 1, 2, 2), groups=2).offsets[0][3].blocks[0].cols   # o=1: channel 1
+        >>> plan_conv2d(torch.tensor([5]), (2, 1, 2, 2), groups=2).offsets[0][3].cols   # o=1: input channel 1
         tensor([1])
     """
     out_ch, per_group, kh, kw = shape
@@ -197,8 +157,7 @@ def plan_conv2d(positions: torch.Tensor, shape: tuple[int, ...], groups: int) ->
     for off in torch.unique(offset).tolist():
         where = torch.nonzero(offset == off).view(-1)
         p, q = divmod(int(off), kw)
-        product = plan_product(o[where], channel[where], box_elements=box_limit(out_ch * per_group * kh * kw))
-        groups_out.append((p, q, where, product))
+        groups_out.append((p, q, where, plan_product(o[where], channel[where])))
     return Conv2dPlan(tuple(groups_out), positions.numel())
 
 
@@ -216,8 +175,12 @@ def conv2d_values(
     stride: tuple[int, int],
     padding: tuple[int, int],
     dilation: tuple[int, int],
+    *,
+    chunk: int = CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """The gradient of ``conv2d(x, W)`` (zero padding ``padding`` at the top and left) at the plan's coordinates.
+
+    Each kernel offset's windows are copied at most ``chunk`` elements at a time.
 
     Example:
         >>> import torch
@@ -241,8 +204,30 @@ def conv2d_values(
             continue
         rows = slice(iy, iy + (y1 - y0 - 1) * stride[0] + 1, stride[0])
         cols = slice(ix, ix + (x1 - x0 - 1) * stride[1] + 1, stride[1])
-        out[where] = sampled_product(dy[:, :, y0:y1, x0:x1], x[:, :, rows, cols], product, (0, 2, 3))
+        pairs = _window_pairs(dy[:, :, y0:y1, x0:x1], x[:, :, rows, cols], product, chunk)
+        out[where] = _accumulate(product, out.dtype, pairs)
     return out
+
+
+def _window_pairs(
+    dy: torch.Tensor, x: torch.Tensor, plan: ProductPlan, chunk: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(|rows| x t, t x |cols|)`` operands of one kernel offset's windows (the channels the coordinates use), a few
+    images (or output rows) at a time."""
+    images, _, height, width = dy.shape
+    per_row = width * (plan.rows.numel() + plan.cols.numel())
+    rows_at_once = max(1, chunk // max(1, per_row))
+    if rows_at_once >= height:  # whole images
+        step = max(1, rows_at_once // height)
+        spans = [(slice(i, i + step), slice(None)) for i in range(0, images, step)]
+    else:  # an image larger than a chunk: a few of its output rows at a time
+        starts = range(0, height, rows_at_once)
+        spans = [(slice(i, i + 1), slice(r, r + rows_at_once)) for i in range(images) for r in starts]
+
+    def channels_first(t: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+        return t.index_select(1, used).transpose(0, 1).reshape(used.numel(), -1)
+
+    return [(channels_first(dy[i, :, r], plan.rows), channels_first(x[i, :, r], plan.cols).t()) for i, r in spans]
 
 
 def embedding_values(

@@ -304,8 +304,9 @@ class StreamingTopK:
         self._check_live("gather")
         if self._is_open():
             raise RuntimeError("StreamingTopK.gather() must come before the step's backward, not during it")
-        idx = checked_indices(indices, self._leaves[0].device, self._numel)
-        if self._plan is None or not self._plan.same(idx):
+        known = None if self._plan is None else self._plan.indices
+        idx = checked_indices(indices, self._leaves[0].device, self._numel, known)
+        if idx is not known:  # a new set
             self._plan = GatherPlan(idx, self._leaves)
         self._gathering = True
 
@@ -400,8 +401,7 @@ class StreamingTopK:
     def scores(self) -> list[torch.Tensor] | None:
         """With ``score="accumulated"``, the sums of ``|g|`` since the last selecting step; else ``None``.
 
-        One tensor per leaf of ``params`` (flat order), the stream's own: a
-        checkpoint saves them and a resume restores them in place (``copy_``).
+        One per leaf of ``params`` (flat order), the stream's own: a checkpoint saves them, a resume ``copy_``-s them.
 
         Example:
             >>> import torch, functopk as ft

@@ -21,13 +21,12 @@ class WeightShaped(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        storages = {
-            t.untyped_storage().data_ptr() for t in ft.tree.leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        for t in ft.tree.leaves(out):
-            new = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages  # not a view/in place
-            if new and tuple(t.shape) in self.shapes:
-                self.seen.append(str(func))
+        strided = [t for t in ft.tree.leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.is_sparse_csr]
+        storages = {t.untyped_storage().data_ptr() for t in strided}
+        for t in ft.tree.leaves(out):  # a new strided tensor (not a view, not written in place; a sparse one is O(k))
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and tuple(t.shape) in self.shapes:
+                if t.untyped_storage().data_ptr() not in storages:
+                    self.seen.append(str(func))
         return out
 
 

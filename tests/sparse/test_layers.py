@@ -42,7 +42,7 @@ CASES = {
     "linear": (lambda: nn.Linear(7, 5), lambda: inputs(2, 3, 7)),
     "conv1d": (lambda: Conv1D(5, 7), lambda: inputs(2, 3, 7)),
     "embedding": (lambda: nn.Embedding(13, 4, padding_idx=2), lambda: ids(3, 6)),
-    "conv2d": (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2), lambda: inputs(2, 4, 7, 6)),
+    "conv2d": (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2), lambda: inputs(3, 4, 7, 6)),
     "conv2d_same": (lambda: nn.Conv2d(3, 4, (2, 3), padding="same", dilation=(2, 1)), lambda: inputs(2, 3, 5, 5)),
     "conv2d_unbatched": (lambda: nn.Conv2d(2, 3, 3, dilation=2, bias=False), lambda: inputs(2, 7, 7)),
     "tied": (Tied, lambda: ids(3, 5)),
