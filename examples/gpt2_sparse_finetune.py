@@ -37,10 +37,12 @@ the optimizer steps; each step changes at most ``k`` coordinates; the state is
 falls, in both ways; the logged ``grad_norm`` is the clipped norm, above zero,
 at every step; ``trainer.train(resume_from_checkpoint=...)`` from the
 half-way checkpoint, into a model with other initial weights, ends with the
-uninterrupted run's parameters, bit for bit; in float64, two accumulated
-micro-batches of 8 end where single batches of 16 do (the optimizer made by
-the Trainer from its class), within rounding. (That the adapter and the
-functional form compute the same thing is tested in ``tests/adapter/``.)
+uninterrupted run's parameters, bit for bit; in float64 with every
+coordinate trained (``density=1``), two accumulated micro-batches and clipping
+end where the Trainer's own ``torch.optim.AdamW`` run (its accumulation, its
+clipping) ends, within rounding, the optimizer made by the Trainer from its
+class. (That the adapter and the functional form compute the same thing is
+tested in ``tests/adapter/``.)
 
     python examples/gpt2_sparse_finetune.py [--density 0.01] [--refresh-every 3] [--steps 40]
 """
@@ -155,6 +157,7 @@ def with_trainer(
     from_class: bool = False,
     steps: int | None = None,
     dtype: torch.dtype = torch.float32,
+    density: float | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """(1): the Trainer with the adapter (saving half way, or resuming from there); the model and what was seen.
 
@@ -163,7 +166,8 @@ def with_trainer(
     """
     model = make_model(args.seed if init_seed is None else init_seed).to(dtype)
     n = sum(p.numel() for p in model.parameters())
-    sparse = {"density": args.density, "refresh_every": args.refresh_every, "grad_accumulation": True, "lr": args.lr}
+    sparse = {"density": density or args.density, "refresh_every": args.refresh_every, "grad_accumulation": True,
+              "lr": args.lr}  # fmt: skip
     steps = steps or args.steps
     training = TrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=16 // accumulate,
@@ -187,6 +191,21 @@ def with_trainer(
             "clipped": getattr(trainer, "norms", [])}  # fmt: skip
     opt.remove()  # the parameters are free again
     return model, seen
+
+
+def with_torch_adamw(args: argparse.Namespace, data: RuleText, out: Path, steps: int) -> torch.nn.Module:
+    """The Trainer's own path in float64: ``torch.optim.AdamW``, its clipping, 2 accumulated micro-batches."""
+    model = make_model(args.seed).double()
+    training = TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+        learning_rate=args.lr, lr_scheduler_type="linear", max_grad_norm=args.max_grad_norm, report_to="none",
+        seed=args.seed, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, save_strategy="no",
+    )  # fmt: skip
+    opt = torch.optim.AdamW(trainer_groups(model, 0.0), lr=args.lr)
+    trainer = Trainer(model=model, args=training, train_dataset=data, optimizers=(opt, None))
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return model
 
 
 def with_plain_loop(args: argparse.Namespace, data: RuleText) -> tuple[Any, list[float]]:
@@ -236,13 +255,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.equal(p, q) for p, q in zip(resumed.parameters(), model.parameters())
         )
         steps = min(args.steps, 8)
-        kept = dict(dtype=torch.float64, steps=steps)
-        micro, _ = with_trainer(args, data, Path(tmp) / "micro", **kept)  # type: ignore[arg-type]
-        whole, _ = with_trainer(args, data, Path(tmp) / "whole", accumulate=1, from_class=True, **kept)  # type: ignore[arg-type]
-        gap = max(float((p - q).abs().max()) for p, q in zip(micro.parameters(), whole.parameters()))
-        checks[f"(1) float64, {steps} steps: 2 accumulated micro-batches of 8 = batches of 16 (max gap {gap:.1e})"] = (
-            gap < 1e-9
-        )
+        every, _ = with_trainer(args, data, Path(tmp) / "every", from_class=True, steps=steps, dtype=torch.float64,
+                                density=1.0)  # fmt: skip
+        torch_run = with_torch_adamw(args, data, Path(tmp) / "torch", steps)
+        gap = max(float((p - q).abs().max()) for p, q in zip(every.parameters(), torch_run.parameters()))
+        name = f"(1) float64, every coordinate, {steps} steps of 2 micro-batches, clipped: the Trainer's own AdamW run"
+        checks[f"{name} (max gap {gap:.1e})"] = gap < 1e-9
         _, plain_losses = with_plain_loop(args, data)
         checks[f"(2) plain loop: loss falls ({plain_losses[0]:.3f} -> {min(plain_losses[-4:]):.3f})"] = (
             min(plain_losses[-4:]) < plain_losses[0] - 0.1
