@@ -110,8 +110,8 @@ def test_sparse_training_examples_run():
 
 
 def test_sparse_finetuning_recipe_runs():
-    """docs/sparse_finetuning.md's recipe: a dense new head, the body sparse (two coordinate sets in 40 steps), batch-norm
-    statistics frozen (its asserts), and the head trained."""
+    """docs/sparse_finetuning.md's recipe: a dense new head, the body sparse (two coordinate sets in 40 steps),
+    batch-norm statistics frozen (its asserts), and the head trained."""
     text = (ROOT / "docs" / "sparse_finetuning.md").read_text()
     (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     namespace: dict = {}
