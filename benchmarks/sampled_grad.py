@@ -15,9 +15,11 @@
 
 The coordinate sets: ``topk``, the exact top-k of a real gradient's layers
 (GPT-2 small built from a config, one batch: top-k coordinates cluster in a
-few large rows and columns), and ``random`` ones of the same sizes. Each case
+few large rows and columns; the three layers with the most, and the token
+embedding as the output layer, with its 50,257 rows), and ``random`` ones of
+the same sizes. Each case
 is timed interleaved (``--repeats`` rounds, the median), on ``--threads``
-torch threads. It prints a table and writes ``benchmarks/results/sampled_grad.md``.
+torch threads. It prints a table and writes ``benchmarks/results/sampled_grad_t{tokens}.md``.
 
     python benchmarks/sampled_grad.py [--tokens 128] [--threads 2] [--repeats 7]
 """
@@ -58,7 +60,9 @@ def gpt2_topk_sets(tokens: int) -> list[tuple[str, int, int, torch.Tensor]]:
         if g.dim() == 2 and inside.numel() >= 1000:
             out.append((name, g.shape[0], g.shape[1], inside))
         offset += g.numel()
-    return sorted(out, key=lambda t: -t[3].numel())[:4]
+    largest = sorted(out, key=lambda t: -t[3].numel())[:3]
+    tied = [t for t in out if t[0] == "transformer.wte.weight"]  # as the output layer's (50,257 rows)
+    return largest + [(f"{name} (lm_head)", rows, cols, pos) for name, rows, cols, pos in tied]
 
 
 def gather(dy: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -129,7 +133,7 @@ def main() -> None:
                      + " |")  # fmt: skip
         print(lines[-1], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sampled_grad.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"sampled_grad_t{args.tokens}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

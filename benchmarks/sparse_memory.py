@@ -271,17 +271,19 @@ def run_variant(variant: str, density: float, out: str, steps: int) -> dict:
     except OSError:
         reset = False
     step, info = VARIANTS[variant](model, ids, k)
-    times = []
+    times, cpus = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         sparse = step()
         times.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
     peak = status_kib("VmHWM") * 1024
     if sparse is not None:
         torch.save({"indices": sparse.indices, "values": sparse.values}, out)
     return {"variant": variant, "numel": n, "k": k, **info, "rss_model_bytes": rss_model,
             "peak_bytes": peak, "peak_above_model_bytes": peak - rss_model, "hwm_reset": reset, "step_s": times,
-            "step_s_median": statistics.median(times[1:]), "torch_threads": torch.get_num_threads()}  # fmt: skip
+            "step_s_median": statistics.median(times[1:]), "cpu_s": cpus, "cpu_s_median": statistics.median(cpus[1:]),
+            "torch_threads": torch.get_num_threads()}  # fmt: skip
 
 
 def child(variant: str, args: argparse.Namespace, tmp: str) -> dict:
@@ -329,10 +331,10 @@ def markdown(report: dict) -> str:
     ]
     for v in ran:
         r = report[v]
-        step = r["step_s_median"]
+        step = f"{r['cpu_s_median']:.2f} s ({r['step_s_median']:.2f})"
         lines.append(
             f"| {LABELS.get(v, v).format(**r)} | {r['rss_model_bytes'] / MIB:,.0f} MiB | "
-            f"{r['peak_bytes'] / MIB:,.0f} MiB | {r['peak_above_model_bytes'] / MIB:,.0f} MiB | {step:.2f} s | "
+            f"{r['peak_bytes'] / MIB:,.0f} MiB | {r['peak_above_model_bytes'] / MIB:,.0f} MiB | {step} | "
             f"{r.get('state_bytes_per_coordinate', '')} | {r['torch_threads']} |"
         )
     return "\n".join(lines + targets(report)) + "\n"
@@ -355,9 +357,9 @@ def targets(report: dict) -> list[str]:
                                                          / dense["peak_above_model_bytes"]), "<= 0.5"),
         ("whole-process peak / dense AdamW's", ratios(lambda r: r["peak_bytes"] / dense["peak_bytes"]), "<= 0.7"),
         ("state bytes per selected coordinate", ratios(lambda r: r["state_bytes_per_coordinate"]), "<= 16"),
-        ("step time / dense AdamW's", ratios(lambda r: r["step_s_median"] / dense["step_s_median"]), "<= 1"),
+        ("step time / dense AdamW's (CPU)", ratios(lambda r: r["cpu_s_median"] / dense["cpu_s_median"]), "<= 1"),
         ("whole-process peak / LoRA's (nearest k)", ratios(lambda r: r["peak_bytes"] / lora["peak_bytes"]), "<= 1.25"),
-        ("step time / LoRA's (nearest k)", ratios(lambda r: r["step_s_median"] / lora["step_s_median"]), "<= 1.6"),
+        ("step time / LoRA's (nearest k, CPU)", ratios(lambda r: r["cpu_s_median"] / lora["cpu_s_median"]), "<= 1.6"),
     ]  # fmt: skip
     head = ["", "| sparse-state step | refresh every step | every 20 steps | target |"]
     head.append("| --- | ---: | ---: | ---: |")
@@ -368,8 +370,9 @@ def merged(runs: list[dict]) -> dict:
     """One variant's rounds as one result: every timed step pooled (``step_s`` keeps each round's first
     step first), the median peak; each round's numbers kept under ``rounds``."""
     first = dict(runs[-1])
-    first["step_s"] = [runs[0]["step_s"][0]] + [t for r in runs for t in r["step_s"][1:]]
-    first["step_s_median"] = statistics.median(first["step_s"][1:])
+    for key in ("step_s", "cpu_s"):
+        first[key] = [runs[0][key][0]] + [t for r in runs for t in r[key][1:]]
+        first[f"{key}_median"] = statistics.median(first[key][1:])
     for key in ("peak_bytes", "peak_above_model_bytes", "rss_model_bytes"):
         first[key] = int(statistics.median(r[key] for r in runs))
     first["rounds"] = [{key: r[key] for key in ("peak_bytes", "peak_above_model_bytes", "step_s")} for r in runs]

@@ -50,7 +50,6 @@ tested in ``tests/adapter/``.)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -62,6 +61,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from checks import report  # noqa: E402  # examples/checks.py: the report the tests read
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
@@ -282,12 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     out = run(args)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}; k={out['k']} of n={out['n']}")
-    for name, ok in out["checks"].items():
-        print(f"[{'ok' if ok else 'FAIL'}] {name}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(out))
-    return 0 if all(out["checks"].values()) else 1
+    return report(out, args.json, f"transformers {transformers.__version__}, torch {torch.__version__}; "
+                                  f"k={out['k']} of n={out['n']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -33,17 +33,15 @@ ends with run 1's parameters and sparse state bit for bit; the model learns.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from checks import quiet_lightning, report  # examples/checks.py: the report the tests read
 from lightning.pytorch.callbacks import ModelCheckpoint
 from quickstart import digits  # scikit-learn's 8x8 digits, split 80/20
 from torch import nn
@@ -163,17 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.epochs < 2 or args.epochs % 2:
         parser.error("--epochs must be even and at least 2")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*LeafSpec.*is deprecated.*")  # Lightning 2.6 on torch 2.14
+    with quiet_lightning():
         out = run(args)
-    print(f"lightning {L.__version__}, torch {torch.__version__}")
-    for name, ok in out["checks"].items():
-        print(f"[{'ok' if ok else 'FAIL'}] {name}")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"checks": out["checks"], "norms": out["norms"]}))
-    return 0 if all(out["checks"].values()) else 1
+    return report(out, args.json, f"lightning {L.__version__}, torch {torch.__version__}")
 
 
 if __name__ == "__main__":

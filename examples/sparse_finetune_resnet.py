@@ -26,13 +26,13 @@ head alone.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from checks import report  # examples/checks.py: the report the tests read
 from sklearn.datasets import load_digits
 from torch import nn
 from train_resnet import make_model  # the demo's ResNet-18 (examples/ is on the path when run as a script)
@@ -135,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-steps", type=int, default=100)
     parser.add_argument("--json", type=Path, default=None, help="also write the checks here")
     args = parser.parse_args(argv)
-    out = run(args)
-    for name, ok in out["checks"].items():
-        print(f"[{'ok' if ok else 'FAIL'}] {name}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(out))
-    return 0 if all(out["checks"].values()) else 1
+    return report(run(args), args.json, f"torch {torch.__version__}")
 
 
 if __name__ == "__main__":

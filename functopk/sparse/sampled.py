@@ -224,8 +224,8 @@ def _window_pairs(
         starts = range(0, height, rows_at_once)
         spans = [(slice(i, i + 1), slice(r, r + rows_at_once)) for i in range(images) for r in starts]
 
-    def channels_first(t: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
-        return t.index_select(1, used).transpose(0, 1).reshape(used.numel(), -1)
+    def channels_first(t: torch.Tensor, used: torch.Tensor) -> torch.Tensor:  # one copy: the used channels, leading
+        return t.transpose(0, 1).index_select(0, used).reshape(used.numel(), -1)
 
     return [(channels_first(dy[i, :, r], plan.rows), channels_first(x[i, :, r], plan.cols).t()) for i, r in spans]
 
