@@ -323,7 +323,8 @@ def markdown(report: dict) -> str:
         f"{report['density']}), CPU, fp32, batch 1 x 128; each variant in a fresh process, step time the median "
         f"of the steps after the first, pooled over {len(first.get('rounds', [1]))} interleaved rounds (peaks: "
         "the median round). `dense` and `stream` stop at the exact top-k (no optimizer); their "
-        f"selections bit-identical: {report.get('exact', 'not compared')}.",
+        f"selections bit-identical: {report.get('exact', 'not compared')}. Step time: the process's CPU time (all its "
+        "threads; on a loaded machine it leaves out the time other processes held the cores), wall time in brackets.",
         "",
         "| variant | model resident | peak (whole process) | peak above the model | step time | state bytes per "
         "trained coordinate | torch threads |",
@@ -536,7 +537,7 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--cycle", type=int, help="measure a refresh cycle of this many steps (module docstring)")
     parser.add_argument("--batch", type=int, default=1, help="sequences of 128 tokens per batch (--cycle only)")
-    parser.add_argument("--markdown", action="store_true", help="with --cycle: rewrite the .md from the saved .json")
+    parser.add_argument("--markdown", action="store_true", help="rewrite the .md from the saved .json")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
@@ -548,9 +549,10 @@ def main() -> None:
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.density, args.out, args.steps)))
         return
-    if args.cycle and args.markdown:
-        name = RESULTS / f"sparse_memory_cycle_b{args.batch}"
-        name.with_suffix(".md").write_text(cycle_markdown(json.loads(name.with_suffix(".json").read_text())))
+    if args.markdown:
+        name = RESULTS / (f"sparse_memory_cycle_b{args.batch}" if args.cycle else "sparse_memory")
+        write = cycle_markdown if args.cycle else markdown
+        name.with_suffix(".md").write_text(write(json.loads(name.with_suffix(".json").read_text())))
         return
     if args.cycle:
         main_cycle(args)
