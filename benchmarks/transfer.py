@@ -26,11 +26,12 @@ The methods (``METHODS``, name -> setup function returning the step):
 * ``head_only``: the body frozen, only the new head trained (the floor: what
   the pretrained features give without adapting them);
 * ``full``: torch AdamW on every parameter;
-* ``sparse_{density}_M{M}``: ``ft.sparse.sparse_optimizer(ft.adamw(...),
-  density=...)`` on the body, the coordinate set reselected (exact global top-k
-  of ``|g|``) every ``M`` steps, applied in place with
-  ``ft.apply_sparse_updates_``; ``_acc``: reselected by ``|g|`` summed since the
-  last refresh (``score="accumulated"``, an n-sized sum in the state);
+* ``sparse_{density}_M{M}``: ``ft.sparse_optimizer_from_torch(torch.optim.AdamW,
+  body, density=..., refresh_every=M)`` on the body (docs/sparse_finetuning.md's
+  recipe), the coordinate set reselected (exact global top-k of ``|g|``) every
+  ``M`` steps, the convolutions' weight gradients computed at the set only
+  between refreshes; ``_acc``: reselected by ``|g|`` summed since the last
+  refresh (``score="accumulated"``, an n-sized sum kept by the optimizer);
 * ``lora_r{r}``: peft LoRA on every convolution of the body, at the rank whose
   trainable count is nearest 1% of ``n``; the head through ``modules_to_save``.
 
@@ -145,8 +146,7 @@ def pretrain(make_model: Callable[[int], nn.Module], data: Data, steps: int, bat
     return state
 
 
-# A method: setup(model, lr) -> (step, info); step(x, y) runs one fine-tuning step and returns what it
-# applied to the body (a SparseUpdates for the sparse methods, else None). info: trainable and state counts.
+# A method: setup(model, lr) -> (step, info); step(x, y) runs one fine-tuning step. info: trainable and state counts.
 Step = Callable[[torch.Tensor, torch.Tensor], Any]
 Method = Callable[[nn.Module, float], tuple[Step, dict]]
 
@@ -200,26 +200,25 @@ def head_only(model: nn.Module, lr: float) -> tuple[Step, dict]:
 
 def sparse(model: nn.Module, lr: float, density: float, refresh_every: int, score: str = "gradient"
            ) -> tuple[Step, dict]:  # fmt: skip
-    """The body through ``ft.sparse.sparse_optimizer(ft.adamw)``, the head through torch AdamW."""
+    """The recipe of docs/sparse_finetuning.md: the body through ``ft.sparse_optimizer_from_torch(AdamW)``, the
+    head through torch AdamW (between refreshes the body's weight gradients are computed at the set only)."""
     body = body_of(model)
     head = adamw([], lr, list(model.fc.parameters()))
-    opt = ft.sparse.sparse_optimizer(ft.adamw(lr, weight_decay=WEIGHT_DECAY), density=density, score=score)
-    box = {"state": opt.init({name: p.detach() for name, p in body.items()}), "t": 0}
+    opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, list(body.values()), density=density, score=score,
+                                         refresh_every=refresh_every, lr=lr, weight_decay=WEIGHT_DECAY)  # fmt: skip
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
         F.cross_entropy(model(x), y).backward()
-        grads = {name: p.grad for name, p in body.items()}
-        params = {name: p.detach() for name, p in body.items()}
-        updates, box["state"] = opt.update(grads, box["state"], params, refresh=box["t"] % refresh_every == 0)
-        with torch.no_grad():
-            ft.apply_sparse_updates_(body, updates)
+        opt.step()
         head.step()
-        model.zero_grad(set_to_none=True)
-        box["t"] += 1
-        return updates
+        opt.zero_grad()
+        head.zero_grad(set_to_none=True)
 
-    k = ft.sparse.k_from_density(density, sum(p.numel() for p in body.values()))
-    return step, {"trainable": k, "state_of": lambda: numel_of(box["state"])}
+    def state_of() -> tuple[int, int]:
+        state = opt.state_dict()["state"]
+        return numel_of([state["count"], state["indices"], state["inner"], state.get("score", [])])
+
+    return step, {"trainable": opt.k, "state_of": state_of}
 
 
 def conv_names(model: nn.Module) -> list[str]:

@@ -18,6 +18,7 @@ from functopk.adapter import (
     from_torch,
     optimizer_class_from_torch,
     optimizer_from_torch,
+    sparse_optimizer_class_from_torch,
     sparse_optimizer_from_torch,
 )
 from functopk.base import EmptyState, GradientTransformation, identity, stateless
@@ -159,6 +160,7 @@ __all__ = [
     "scale_by_trust_ratio",
     "sgd",
     "sparse",
+    "sparse_optimizer_class_from_torch",
     "sparse_optimizer_from_torch",
     "state_from_dict",
     "state_to_dict",

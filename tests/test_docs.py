@@ -80,14 +80,15 @@ def test_faq_examples_run():
 def test_sparse_training_examples_run():
     """docs/sparse_training.md's blocks run in order: k coordinates move per step, the accumulated step frees .grad,
     a skipped batch, a stream's lifetime, the sparse-state loop trains 20 coordinates with 16 bytes of state each,
-    the adapter's state dict continues in a new optimizer and a dense one trains after it."""
+    the adapter's state dict continues in a new optimizer and a dense one trains after it, grad_at trains between
+    refreshes, and the Trainer snippet defines its class and subclass."""
     import torch
 
     text = (ROOT / "docs" / "sparse_training.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 6
+    assert len(blocks) == 8
     namespace: dict = {}
-    for block in blocks:
+    for block in blocks[:6]:
         exec(compile(block, "docs/sparse_training.md", "exec"), namespace)
     assert namespace["moved"] == namespace["k"] == 20
     assert namespace["sparse"].indices.numel() == 20
@@ -98,6 +99,26 @@ def test_sparse_training_examples_run():
     assert sum(t.numel() * t.element_size() for t in tensors) == 16 * 20
     saved, again = namespace["saved"], namespace["again"].state_dict()
     assert int(again["state"]["count"]) == int(saved["state"]["count"]) == 3
+    exec(compile(blocks[6], "docs/sparse_training.md", "exec"), namespace)  # grad_at between refreshes
+    state, params = namespace["state"], namespace["params"]
+    assert int(state.count) == 6 and int(state.inner.count.min()) == 6 - 3  # joined at the refresh of step 3
+    before = dict(namespace["model"].named_parameters())  # the pure steps left the model's own tensors alone
+    moved = sum(int((params[name] != before[name]).sum()) for name in before)
+    assert 20 <= moved <= 40  # two coordinate sets of 20
+    exec(compile(blocks[7], "docs/sparse_training.md", "exec"), namespace)  # the Trainer's class and subclass
+    assert issubclass(namespace["SparseAdamW"], torch.optim.AdamW)
+    assert "_clip_grad_norm" in vars(namespace["SparseTrainer"])
+
+
+def test_sparse_finetuning_recipe_runs():
+    """docs/sparse_finetuning.md's recipe: a dense new head, the body sparse (two coordinate sets in 40 steps),
+    batch-norm statistics frozen (its asserts), and the head trained."""
+    text = (ROOT / "docs" / "sparse_finetuning.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    namespace: dict = {}
+    exec(compile(block, "docs/sparse_finetuning.md", "exec"), namespace)
+    assert 0 < namespace["changed"] <= 2 * namespace["sparse"].k
+    assert namespace["sparse"].k == round(0.01 * sum(p.numel() for p in namespace["body"].parameters()))
 
 
 def test_readme_example_moves_exactly_k_coordinates_every_step():

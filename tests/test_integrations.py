@@ -1,5 +1,6 @@
 """``ft.optimizer_from_torch`` in PyTorch Lightning, transformers' Trainer and Accelerate (examples/*_topk.py),
-and ``ft.sparse_optimizer_from_torch`` in transformers' Trainer (examples/gpt2_sparse_finetune.py).
+and ``ft.sparse_optimizer_from_torch`` in transformers' Trainer (examples/gpt2_sparse_finetune.py), in Lightning
+(examples/lightning_sparse_finetune.py) and in the fine-tuning recipe (examples/sparse_finetune_resnet.py).
 
 Each example runs once, in its own process (the frameworks keep global state:
 Accelerate's ``AcceleratorState``, Lightning's seeding, logging levels), and
@@ -161,13 +162,34 @@ def test_accelerate_lr_is_the_real_lr(accelerate_result):
 
 @pytest.mark.slow
 def test_gpt2_sparse_finetune_example_checks_pass(tmp_path_factory):
-    """Trainer(optimizers=(opt, None)): gradients freed, <= k coordinates per step, 16 bytes per coordinate,
-    the loss falls, resume_from_checkpoint between two refreshes is bitwise; the plain loop's loss falls."""
+    """Trainer(optimizers=(opt, None)) with gradient_accumulation_steps=2 and max_grad_norm through the optimizer's
+    clip_grad_norm_: gradients freed, <= k coordinates per step, 16 bytes per coordinate, the loss falls, the logged
+    grad_norm is the clipped norm (not 0), resume_from_checkpoint between two refreshes is bitwise, accumulated
+    micro-batches equal whole batches (optimizer_cls_and_kwargs with the class door); the plain loop's loss falls."""
     result = run_example("gpt2_sparse_finetune.py", tmp_path_factory, "--steps", "16")
     assert failed(result) == [], result["stdout"]
     assert result["returncode"] == 0
-    assert any("resumed" in name for name in result["checks"]) and len(result["checks"]) == 6
+    assert any("resumed" in name for name in result["checks"]) and len(result["checks"]) == 8
     assert len(result["losses"]) == len(result["plain_losses"]) == 16
+    assert len(result["grad_norms"]) == 16 and min(result["grad_norms"]) > 0
+
+
+@pytest.mark.slow
+def test_lightning_sparse_finetune_example_checks_pass(tmp_path_factory):
+    """accumulate_grad_batches=2 (grad_accumulation=True) and gradient_clip_val (configure_gradient_clipping calling
+    clip_grad_norm_): Lightning's run equals the plain loop's calls bit for bit, and ckpt_path resumes bitwise."""
+    result = run_example("lightning_sparse_finetune.py", tmp_path_factory)
+    assert failed(result) == [], result["stdout"]
+    assert result["returncode"] == 0 and len(result["checks"]) == 4
+    assert max(result["norms"]) > 0.5  # some steps were clipped
+
+
+@pytest.mark.slow
+def test_sparse_finetune_resnet_example_checks_pass(tmp_path_factory):
+    """The recipe: a new dense head, 1% of a pretrained ResNet-18's body, batch norm frozen; it beats the head alone."""
+    result = run_example("sparse_finetune_resnet.py", tmp_path_factory)
+    assert failed(result) == [], result["stdout"]
+    assert result["returncode"] == 0 and len(result["checks"]) == 5
 
 
 # -- what the frameworks' resume paths need from ParamGroupOptimizer -----------------------------------

@@ -15,14 +15,17 @@ Every step runs on the in-place engine of :mod:`functopk.inplace`. The modules b
 parameters whose state is cut into torch's per-parameter entries), :mod:`~functopk.adapter.sparsify`
 (the all-groups transformation), :mod:`~functopk.adapter.views` (sparse gradients and complex
 parameters as dense real tensors), :mod:`~functopk.adapter.checkpoint` (state dicts in torch's layout,
-checked whole before loading) and :mod:`~functopk.adapter.group_digest`. ``ft.TorchOptimizer.from_torch``,
-``ft.TorchOptimizer.from_torch_class`` and ``ft.sparse.sparse_optimizer_from_torch`` are deprecated names.
+checked whole before loading), :mod:`~functopk.adapter.group_digest` and
+:mod:`~functopk.adapter.sparse_classes` (:func:`~functopk.sparse_optimizer_from_torch` and its class,
+:func:`~functopk.sparse_optimizer_class_from_torch`, over :mod:`~functopk.adapter.sparse_state`).
+``ft.TorchOptimizer.from_torch``, ``ft.TorchOptimizer.from_torch_class`` and
+``ft.sparse.sparse_optimizer_from_torch`` are deprecated names.
 """
 
 from functopk.adapter.classes import optimizer_class_from_torch, optimizer_from_torch
 from functopk.adapter.groups import ParamGroupOptimizer
 from functopk.adapter.registry import from_torch
-from functopk.adapter.sparse_classes import sparse_optimizer_from_torch
+from functopk.adapter.sparse_classes import sparse_optimizer_class_from_torch, sparse_optimizer_from_torch
 from functopk.adapter.sparse_state import SparseStateOptimizer
 from functopk.adapter.torch_optimizer import TorchOptimizer
 
@@ -33,5 +36,6 @@ __all__ = [
     "from_torch",
     "optimizer_class_from_torch",
     "optimizer_from_torch",
+    "sparse_optimizer_class_from_torch",
     "sparse_optimizer_from_torch",
 ]

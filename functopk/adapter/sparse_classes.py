@@ -1,8 +1,11 @@
-"""``ft.sparse_optimizer_from_torch``: the door to :class:`~functopk.adapter.SparseStateOptimizer`.
+"""``ft.sparse_optimizer_from_torch``: the door to :class:`~functopk.adapter.SparseStateOptimizer`, and its class.
 
 Its optimizers' classes are named as, and subclass, the ``torch.optim`` class
 (``isinstance(opt, torch.optim.AdamW)`` holds for loggers and trainers),
 without running any of its code (:func:`functopk.adapter.classes.shadows`).
+:func:`sparse_optimizer_class_from_torch` gives the class itself, for code
+that takes an optimizer class (transformers' ``optimizer_cls_and_kwargs``),
+as :func:`~functopk.optimizer_class_from_torch` does for the dense door.
 """
 
 from __future__ import annotations
@@ -16,17 +19,35 @@ from functopk.adapter.classes import deprecated, shadows
 from functopk.adapter.registry import spec_for
 from functopk.adapter.sparse_state import SparseStateOptimizer
 
-__all__ = ["deprecated_alias", "sparse_optimizer_class", "sparse_optimizer_from_torch"]
+__all__ = ["deprecated_alias", "sparse_optimizer_class_from_torch", "sparse_optimizer_from_torch"]
 
 
 _CLASSES: dict[type[torch.optim.Optimizer], type[SparseStateOptimizer]] = {}
 
 
-def sparse_optimizer_class(optimizer_class: type[torch.optim.Optimizer]) -> type[SparseStateOptimizer]:
-    """The class of :func:`sparse_optimizer_from_torch`'s optimizers: named as, and subclassing, ``optimizer_class``.
+def sparse_optimizer_class_from_torch(optimizer_class: type[torch.optim.Optimizer]) -> type[SparseStateOptimizer]:
+    """The class of :func:`sparse_optimizer_from_torch`'s optimizers, for code that wants an optimizer *class*.
 
-    ``C(params, k=..., refresh_every=..., **defaults)`` makes one. None of the torch class's code runs
-    (:func:`functopk.adapter.classes.shadows`).
+    ``C(params, k=..., refresh_every=..., **defaults)`` is
+    ``sparse_optimizer_from_torch(optimizer_class, params, k=..., ...)``: the
+    same keyword arguments. transformers' ``Trainer(optimizer_cls_and_kwargs=(C,
+    {"k": ..., "lr": ...}))`` calls ``C(param_groups, **kwargs)`` with its own
+    weight-decay and no-decay groups. The class is named as ``optimizer_class``
+    and subclasses it (``isinstance`` holds), without running any of its code
+    (:func:`functopk.adapter.classes.shadows`); the same class for the same
+    ``optimizer_class``.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
+        ValueError: it has no functopk form.
+
+    Example:
+        >>> import torch, functopk as ft
+        >>> SparseAdamW = ft.sparse_optimizer_class_from_torch(torch.optim.AdamW)
+        >>> opt = SparseAdamW(torch.nn.Linear(4, 2).parameters(), k=3, refresh_every=10, lr=1e-3)
+        >>> type(opt).__name__, isinstance(opt, torch.optim.AdamW), opt.k
+        ('AdamW', True, 3)
+        >>> opt.remove()
     """
     spec_for(optimizer_class)
     if optimizer_class in _CLASSES:
@@ -55,33 +76,26 @@ def sparse_optimizer_from_torch(
     density: Any = None,
     refresh_every: int = 1,
     score: str = "gradient",
+    grad_accumulation: bool = False,
+    sampled: bool = True,
     **defaults: Any,
 ) -> SparseStateOptimizer:
     """``optimizer_class(params, **defaults)`` training only ``k`` coordinates of ``params``, with state of size ``k``.
 
-    The adapter form of :func:`functopk.sparse.sparse_optimizer`, for loops,
-    LR schedulers and trainers written for ``torch.optim``. Every ``refresh_every``
-    steps (``M``; steps ``0, M, 2M, ...``) the coordinate set becomes the exact
-    global top-``k`` of ``|g|`` over all parameters of all groups (or of ``|g|`` summed since
-    the last refresh: ``score="accumulated"``); on the steps
-    between, the gradient is gathered at that set. Only those ``k``
-    coordinates are updated, with ``optimizer_class``'s maths
-    (:func:`functopk.from_torch`) and each coordinate's own param group's
-    hyperparameters; coordinates that stay in the set keep their state, new
-    ones start from fresh state with their own step count (Adam's bias
-    correction is that of their first step), dropped ones keep their values.
-
-    Memory: the gradients are folded during backward and freed
-    (:class:`~functopk.sparse.StreamingTopK`): after ``loss.backward()`` every
-    ``p.grad`` is ``None``, and the state is ``k`` indices plus one value per
-    coordinate and buffer (16 bytes per coordinate for AdamW in float32).
-
-    Lifetime: the stream's hooks live as long as the optimizer. ``opt.remove()``
-    (or ``with sparse_optimizer_from_torch(...) as opt:``) removes them, and so
-    does deleting it; a second one on the same parameters raises ``ValueError``
-    until then. ``opt.zero_grad()`` after a backward skips that batch.
-
-    What differs from ``torch.optim`` is listed in :class:`SparseStateOptimizer`.
+    The adapter form of :func:`functopk.sparse.sparse_optimizer`. On steps
+    ``0, M, 2M, ...`` (``M = refresh_every``) the coordinate set becomes the
+    exact global top-``k`` of ``|g|`` over all groups; on the steps between, the
+    gradient is gathered at that set, and the weight gradients of
+    ``nn.Linear``, transformers' ``Conv1D``, ``nn.Embedding`` and ``nn.Conv2d``
+    layers are computed there only (``sampled=True``: no dense weight gradient).
+    The ``k`` coordinates step with ``optimizer_class``'s maths and their own
+    group's hyperparameters; new ones start from fresh state with their own
+    step count, dropped ones keep their values. The flat indices (in
+    ``state_dict()``) run over the parameters in ``param_groups`` order. The
+    gradients are freed during backward (every ``p.grad`` is ``None`` after it);
+    the state is 16 bytes per coordinate for AdamW in float32. The hooks live
+    as long as the optimizer: ``opt.remove()`` or ``with`` removes them. What
+    differs from ``torch.optim`` is listed in :class:`SparseStateOptimizer`.
 
     Args:
         optimizer_class: A coordinate-wise ``torch.optim`` class: ``SGD``, ``Adam``, ``AdamW``,
@@ -93,7 +107,14 @@ def sparse_optimizer_from_torch(
         refresh_every: ``M``: choose the coordinate set again every ``M`` steps (1: every step).
         score: What a refresh ranks: ``"gradient"`` (``|g|`` of the refresh step) or
             ``"accumulated"`` (``|g|`` summed over the steps since the last refresh, this one
-            included: one more ``n``-sized tensor, kept by the stream and saved in the state dict).
+            included: one more ``n``-sized tensor, kept by the stream and saved in the state dict;
+            it needs every dense gradient, so no layer is sampled).
+        grad_accumulation: Several backward passes per step add up, as ``.grad`` does (the HF
+            Trainer's ``gradient_accumulation_steps``, Lightning's ``accumulate_grad_batches``): a
+            refresh step keeps the dense ``.grad`` until ``step()``, the steps between add each
+            backward's gradient at the set.
+        sampled: Between refreshes, compute the supported layers' weight gradients at the set
+            only; ``False``: the dense backward's numbers, bit for bit.
         **defaults: ``optimizer_class``'s keyword arguments (torch's defaults and checks).
 
     Raises:
@@ -119,8 +140,11 @@ def sparse_optimizer_from_torch(
         >>> sorted(opt.state_dict()["state"]["inner"]), opt.state_dict()["state"]["indices"].shape
         (['exp_avg', 'exp_avg_sq', 'step'], torch.Size([3]))
     """
-    cls: Any = sparse_optimizer_class(optimizer_class)
-    return cls(params, k=k, density=density, refresh_every=refresh_every, score=score, **defaults)
+    cls: Any = sparse_optimizer_class_from_torch(optimizer_class)
+    return cls(
+        params, k=k, density=density, refresh_every=refresh_every, score=score,
+        grad_accumulation=grad_accumulation, sampled=sampled, **defaults,
+    )  # fmt: skip
 
 
 def deprecated_alias(*args: Any, **kwargs: Any) -> SparseStateOptimizer:

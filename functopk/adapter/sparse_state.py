@@ -40,9 +40,11 @@ from typing import Any
 import torch
 
 from functopk._checks import (
+    check_bool,
     check_choice,
     check_int,
     check_k_or_density,
+    check_number,
     one_device,
 )
 from functopk.adapter import checkpoint, per_param
@@ -64,10 +66,14 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
 
     * a step with no backward since the last one does nothing (as torch
       without gradients); a second backward before ``step()`` raises
-      ``RuntimeError`` out of ``backward``: for gradient accumulation run
-      every micro-batch but the last under ``with opt.paused():``;
-      ``zero_grad()`` discards a backward already folded, as torch discards
-      ``.grad`` (skip a batch with ``backward(); zero_grad()``);
+      ``RuntimeError`` out of ``backward`` unless the optimizer was made with
+      ``grad_accumulation=True`` (or the earlier micro-batches run under
+      ``with opt.paused():``); ``zero_grad()`` discards a backward already
+      folded, as torch discards ``.grad`` (skip a batch with ``backward(); zero_grad()``);
+    * between refreshes the weight gradients of ``nn.Linear``, ``Conv1D``,
+      ``nn.Embedding`` and ``nn.Conv2d`` layers are computed at the coordinate
+      set only (``sampled=True``): the same numbers within rounding, no dense
+      weight gradient;
     * its gradient hooks live as long as the optimizer: :meth:`remove` (or
       ``with ... as opt:``) removes them, and so does deleting the optimizer;
       one per parameter: a second one on the same parameters raises ``ValueError``
@@ -75,8 +81,10 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
     * a parameter without a gradient in a step between refreshes counts as a
       zero gradient at its coordinates of the set (they still step, with their
       momentum and weight decay), where ``torch.optim`` skips the parameter;
-    * gradient clipping and ``GradScaler.unscale_`` see no gradients (they are
-      freed): with the HF Trainer set ``max_grad_norm=0``;
+    * ``torch.nn.utils.clip_grad_norm_`` and ``GradScaler.unscale_`` see no
+      gradients (they are freed): clip with :meth:`clip_grad_norm_`, which
+      clips the ``k`` values the step uses (``docs/sparse_training.md`` shows
+      how to point the HF Trainer and Lightning at it);
     * ``state_dict()["state"]`` is the sparse state (``count``, ``indices``,
       ``inner``), not one entry per parameter; the optimizer does not pickle;
       ``add_param_group`` after construction raises ``NotImplementedError``.
@@ -91,6 +99,8 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
         density: Any = None,
         refresh_every: int = 1,
         score: str = "gradient",
+        grad_accumulation: bool = False,
+        sampled: bool = True,
         **defaults: Any,
     ) -> None:
         spec_for(optimizer_class)  # TypeError / ValueError for a class functopk does not cover
@@ -103,6 +113,12 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
         k, density = check_k_or_density(k, density, allow_tensor=False)
         self.refresh_every = check_int(refresh_every, "refresh_every", minimum=1)
         self.score = check_choice(score, "score", SCORES)
+        self._streaming = {
+            "score": self.score,
+            "grad_accumulation": check_bool(grad_accumulation, "grad_accumulation"),
+            "sampled": check_bool(sampled, "sampled"),
+        }
+        self._clipped: SparseUpdates | None = None  # clip_grad_norm_() ended the backward: the step's gradient
         self._stream: StreamingTopK | None = None  # set once the groups are: add_param_group refuses after that
         self._removed = False  # remove() was called: the stream's hooks are gone
         self._init_groups(optimizer_class, params, defaults)
@@ -115,7 +131,7 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
         self._sparse = self._init_state(self.param_groups)
         # last (hooks on the parameters): float leaves, listed once, autograd leaves, no other live stream on them;
         # with score="accumulated" it keeps the n-sized sum
-        self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
+        self._stream = StreamingTopK(self._params, k=self.k, **self._streaming)
 
     # ------------------------------------------------------------------ the groups' transformations
 
@@ -201,7 +217,15 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
 
     def _gradients(self, stream: StreamingTopK) -> SparseUpdates | None:
         """The step's gradient at ``k`` coordinates over all parameters; ``None`` when no backward ran."""
-        if not stream.started and all(p.grad is None for p in self._params):
+        if self._clipped is not None:
+            grads, self._clipped = self._clipped, None
+            if stream.started:
+                raise RuntimeError(
+                    f"{type(self).__name__}.step(): a backward ran after clip_grad_norm_(), which had ended the "
+                    "step's backward; clip once, after the last backward of the step"
+                )
+            return grads
+        if not stream.started:
             return None
         sparse = stream.result()
         present = [x is not None for x in stream.selected_from]
@@ -259,6 +283,43 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
         self._arm()
         return loss
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the step's gradient as ``torch.nn.utils.clip_grad_norm_`` would: the ``k`` values the step uses.
+
+        Call it after the step's last backward and before :meth:`step`: it ends
+        the backward (the selection is made, or the set's values gathered),
+        scales the ``k`` values by ``max_norm / (norm + 1e-6)`` where that is
+        below 1, and returns their norm before clipping (a 0-d tensor, as torch).
+        The norm is that of the gradient restricted to the coordinates the step
+        trains, not of the dense gradient (which is never formed). ``0`` when no
+        backward ran. ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        sees no gradient (they are freed) and does nothing: point the trainer at
+        this method instead (``docs/sparse_training.md``).
+
+        Args:
+            max_norm: The largest norm kept.
+            norm_type: The norm's order, as for ``torch.linalg.vector_norm``.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> w = torch.zeros(3, requires_grad=True)
+            >>> opt = ft.sparse_optimizer_from_torch(torch.optim.SGD, [w], k=2, lr=1.0)
+            >>> (w * torch.tensor([3.0, 0.0, 4.0])).sum().backward()
+            >>> opt.clip_grad_norm_(1.0)
+            tensor(5.)
+            >>> opt.step(); w
+            tensor([-0.6000,  0.0000, -0.8000], requires_grad=True)
+        """
+        max_norm = check_number(max_norm, "max_norm", minimum=0.0)
+        grads = self._gradients(self._live_stream("clip_grad_norm_"))
+        if grads is None:
+            return torch.zeros((), device=self._device)
+        norm = torch.linalg.vector_norm(grads.values, norm_type)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self._clipped = grads._replace(values=grads.values * coef.to(grads.values.dtype))
+        return norm
+
     def _arm(self) -> None:
         """Between refreshes, make the next backward gather the gradient at the coordinate set."""
         assert self._stream is not None
@@ -284,6 +345,7 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
         """
         if not self._removed and self._stream is not None:
             self._stream.discard()
+        self._clipped = None
         super().zero_grad(set_to_none)
 
     def remove(self) -> None:
@@ -397,7 +459,7 @@ class SparseStateOptimizer(TorchClassGroups, torch.optim.Optimizer):
         super().load_state_dict({**state_dict, "param_groups": groups, "state": {}})
         self._sparse = loaded
         stream.remove()  # a fresh stream: one armed to gather for the old schedule would be wrong now
-        self._stream = StreamingTopK(self._params, k=self.k, score=self.score)
+        self._stream = StreamingTopK(self._params, k=self.k, **self._streaming)
         for live, saved in zip(self._stream.scores or [], scores):
             live.copy_(saved)
         self._steps = int(loaded.count)  # once, on load: the refresh schedule goes on from the saved step

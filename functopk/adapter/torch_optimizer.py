@@ -10,12 +10,10 @@ whole model::
 
     opt = ft.TorchOptimizer(model.parameters(), ft.chain(ft.topk(1000), ft.sgd(0.1)))
 
-Its state lives where the adapter keeps every state: one entry per parameter in
-``opt.state`` (:mod:`functopk.adapter.per_param`), stepped by the in-place engine
-(:mod:`functopk.inplace`); :attr:`TorchOptimizer.transform_state` puts it back
-together as the transformation's state, and its checkpoints hold that state
-(:func:`functopk.state_to_dict`), guarded by a digest of the param groups
-(:mod:`functopk.adapter.group_digest`).
+Its state lives in one entry per parameter in ``opt.state`` (:mod:`functopk.adapter.per_param`),
+stepped by the in-place engine (:mod:`functopk.inplace`); :attr:`TorchOptimizer.transform_state`
+puts it back together as the transformation's state, and its checkpoints hold that state
+(:func:`functopk.state_to_dict`), guarded by a digest of the param groups (:mod:`~functopk.adapter.group_digest`).
 """
 
 from __future__ import annotations
@@ -43,6 +41,8 @@ __all__ = ["TorchOptimizer", "param_names"]
 Factory = Callable[[Any], GradientTransformation]
 _STATE_KEY = "functopk"
 _ENTRY_KEYS = frozenset({"transform", "params_with_state", "digest"})
+
+_eager_step = EagerUnderCompile(ParamGroupOptimizer.step)  # (armed by the optimizers)
 
 
 def param_names(groups: list[dict[str, Any]]) -> list[str] | None:
@@ -331,7 +331,7 @@ class TorchOptimizer(ParamGroupOptimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        return _eager_step(self, closure)
+        return _eager_step(self, closure)  # (the in-place engine is eager: a compiled caller runs it as it is)
 
     def _check_step(self) -> None:
         pass  # (no torch class: no flags of its to refuse)
@@ -498,7 +498,3 @@ class TorchOptimizer(ParamGroupOptimizer):
 def _saved_names(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``groups`` with the names a checkpoint's groups carry (a load replaces them, as in ``torch.optim``)."""
     return [{**g, "param_names": s["param_names"]} if "param_names" in s else g for g, s in zip(groups, saved)]
-
-
-# the in-place engine is eager: a compiled caller runs the step as it is
-_eager_step = EagerUnderCompile(ParamGroupOptimizer.step)

@@ -12,7 +12,12 @@
   or ``ExactOp`` of :mod:`~functopk.sparse.ops`);
 * :mod:`~functopk.sparse.streaming`: :class:`StreamingTopK`, the same exact
   selection made while backward runs, each gradient freed once folded, through
-  the weakly held hooks of :mod:`~functopk.sparse.hooks`;
+  the weakly held hooks of :mod:`~functopk.sparse.hooks`; between selections it
+  gathers at a fixed set (:mod:`~functopk.sparse.gathering`), with the weight
+  gradients of the supported layers computed there only
+  (:mod:`~functopk.sparse.layers`, kernels in :mod:`~functopk.sparse.sampled`);
+* :mod:`~functopk.sparse.grad_at`: :func:`grad_at`, the same for ``torch.func``-style
+  loss functions: the gradient at fixed coordinates as a :class:`SparseUpdates`;
 * :mod:`~functopk.sparse.optimizer`: :func:`sparse_optimizer`, a coordinate-wise
   optimizer on ``k`` coordinates with state of size ``k``
   (:class:`SparseOptState`, :mod:`~functopk.sparse.opt_state`);
@@ -29,6 +34,7 @@ The transformation form, :func:`functopk.topk`, lives in :mod:`functopk.compress
 from functopk.sparse.api import gaussian_threshold, topk_indices, topk_mask, topk_sparsify
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.dispatch import SlowPathWarning
+from functopk.sparse.grad_at import grad_at
 from functopk.sparse.k import k_from_density, resolve_k
 from functopk.sparse.opt_state import SparseOptState
 from functopk.sparse.optimizer import SparseOptimizer, sparse_optimizer
@@ -45,6 +51,7 @@ __all__ = [
     "apply_sparse_updates",
     "apply_sparse_updates_",
     "gaussian_threshold",
+    "grad_at",
     "k_from_density",
     "resolve_k",
     "sparse_optimizer",

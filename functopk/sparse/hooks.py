@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GradientHooks", "owner_of"]
+__all__ = ["GradientHooks", "hook_weakly", "owner_of"]
 
 # parameter -> its owner (weakly): the one-owner rule; an entry whose owner is gone is free
 _OWNERS: Any = WeakIdKeyDictionary()
@@ -62,6 +62,25 @@ class _Hook:
         owner = self.owner()
         if owner is not None:  # gone (collected, not yet finalized): leave .grad as autograd wrote it
             self.on_gradient(owner, self.index, param)
+
+
+def hook_weakly(owner: Any, on_gradient: OnGradient, tensor: torch.Tensor, index: int) -> Any:
+    """One post-accumulate-grad hook on ``tensor`` calling ``on_gradient(owner, index, tensor)`` while ``owner`` lives.
+
+    For an owner's own autograd leaves (a sampled layer's coordinate leaf): no
+    one-owner check, and the hook goes with the tensor. Returns its handle.
+
+    Example:
+        >>> import torch
+        >>> class Printer:
+        ...     def show(self, i, leaf):
+        ...         print(i, leaf.grad)
+        >>> printer, leaf = Printer(), torch.zeros(2, requires_grad=True)
+        >>> _ = hook_weakly(printer, Printer.show, leaf, 7)
+        >>> (3 * leaf).sum().backward()
+        7 tensor([3., 3.])
+    """
+    return tensor.register_post_accumulate_grad_hook(_Hook(weakref.ref(owner), on_gradient, index))
 
 
 def _check_leaves(leaves: list[torch.Tensor], paths: list[str]) -> None:

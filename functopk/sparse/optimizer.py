@@ -269,8 +269,9 @@ def sparse_optimizer(
 ) -> SparseOptimizer:
     """A coordinate-wise optimizer run on ``k`` coordinates of the whole tree, with state of size ``k``.
 
-    Trains a coordinate set ``S`` of ``k`` flat indices: each step runs
-    ``inner`` on the gradient (and the parameters) gathered at ``S`` and returns
+    Trains a coordinate set ``S`` of ``k`` flat indices (in optree's flat order of
+    the parameters: a dict's keys sorted, not ``named_parameters()`` order):
+    each step runs ``inner`` on the gradient (and the parameters) gathered at ``S`` and returns
     the updates there as a :class:`~functopk.SparseUpdates`. ``update(...,
     refresh=True)`` first chooses ``S`` again: the exact global top-``k`` of
     ``|g|`` (``score="gradient"``, ties to the lower flat index, as

@@ -17,8 +17,10 @@ in which autograd finishes the parameters does not matter: ties at the
 ``k``-th magnitude go to the lower flat index (:class:`RunningTopK`). A
 parameter is selected from by the existing exact kernels.
 
-The hooks are :class:`~functopk.sparse.hooks.GradientHooks`: they hold the
-stream weakly, and allow one stream per parameter.
+The hooks are :class:`~functopk.sparse.hooks.GradientHooks` (weak, one stream
+per parameter). Between selections the stream claims its supported layers'
+weights (:mod:`functopk.sparse.layers`, :mod:`functopk.sparse.gathering`):
+their gradient at the set arrives through a coordinate leaf's hook.
 """
 
 from __future__ import annotations
@@ -26,100 +28,74 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from functopk._checks import check_choice, check_k_or_density, check_leaves, describe, one_device, path_str
+from functopk._checks import check_bool, check_choice, check_k_or_density, check_leaves, one_device, path_str
+from functopk.sparse import layers
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.gathering import GatherPlan, checked_indices, stale
 from functopk.sparse.hooks import GradientHooks
 from functopk.sparse.k import k_on_host, resolve_k
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES, common_dtype
+from functopk.sparse.layers import Claim
 from functopk.sparse.running import RunningTopK
-from functopk.sparse.updates import SparseUpdates, check_ascending_indices, shift_indices
-from functopk.tree.layout import FlatLayout
+from functopk.sparse.updates import SparseUpdates, shift_indices
 from functopk.tree.maths import PyTree
 
 __all__ = ["StreamingTopK"]
 
 
+def _nothing() -> None:
+    """The release of a stream that does not claim layers."""
+
+
 class StreamingTopK:
     """The exact global top-k of a tree's gradients, selected during backward; each gradient freed once folded.
 
-    Registers a :meth:`torch.Tensor.register_post_accumulate_grad_hook` on
-    every parameter of ``params`` that requires grad. When autograd has
-    accumulated a parameter's gradient, the hook folds it into a running
-    top-``k`` over the whole tree and sets ``p.grad = None``. :meth:`result`
-    then returns, bit for bit, what ``ft.topk_indices(grads, k)`` (or
-    ``density=``) returns on the dense gradients ``grads =
-    ft.tree.map(lambda p: p.grad, params)``: the flat order of ``params``
-    (not the order in which autograd finishes them), ties to the lower flat
-    index, NaN ranked as ``+inf`` with ``±inf``, values in the promoted dtype,
-    exactly ``k`` coordinates. One exception to "bit for bit": the candidates are
-    held in the promoted dtype of all of ``params``, so when a parameter of a wider
-    dtype than every gradient that arrived has no gradient, a NaN value passes
-    through that wider dtype and its payload bits may differ from a direct
-    conversion (it is NaN either way, at the same index; finite and infinite
-    values are exact). Peak gradient memory is the largest parameter's
-    gradient plus ``O(k)``, instead of every gradient at once.
+    A post-accumulate-grad hook on every parameter of ``params`` that requires
+    grad folds its gradient into a running top-``k`` over the whole tree and
+    sets ``p.grad = None``. :meth:`result` then returns, bit for bit, what
+    ``ft.topk_indices(grads, k)`` returns on the dense gradients: the flat order
+    of ``params`` (optree's: a dict's keys sorted, not ``named_parameters()``
+    order), ties to the lower flat index, NaN ranked as ``+inf``, exactly ``k``
+    coordinates (a NaN passed through a wider dtype may change payload bits).
+    Peak gradient memory is the largest parameter's gradient plus ``O(k)``.
+    A step: ``loss.backward()``, ``sparse = stream.result()``,
+    ``ft.apply_sparse_updates_(stream.selected_from, sparse, -lr)``.
 
-    A training step::
-
-        loss.backward()                                   # gradients folded and freed
-        sparse = stream.result()
-        ft.apply_sparse_updates_(stream.selected_from, sparse, -lr)   # params, None where no gradient
-
-    Rules:
-
-    * **Parameters without a gradient** (unused in the loss, ``requires_grad=False``,
-      ``None`` nodes) are skipped, as ``topk_indices`` skips ``None`` leaves:
-      the flat indices count only the parameters that had a gradient, and
-      ``k`` (or ``density``) is resolved against their size, in :meth:`result`;
-      :attr:`selected_from` is the tree it applies to.
-    * :meth:`result` **ends the step**: it also folds (and frees) any ``.grad``
-      of the tree still set (left by backward passes under :meth:`paused`, or
-      set by hand), returns the selection and empties the stream.
-      :meth:`discard` ends it without a selection (skipping a batch).
-    * **Gradient accumulation**: run the micro-batches but the last under
-      ``with stream.paused():`` (the hooks do nothing there, so ``.grad``
-      accumulates as usual), then the last backward outside it: its hooks
-      fold the accumulated gradients. Only the last micro-batch saves memory.
-    * **A second backward before** :meth:`result` would fold a parameter twice:
-      its hook raises ``RuntimeError`` (out of ``backward``) and the step is
-      discarded. ``torch.autograd.grad`` accumulates nothing and triggers no hook.
-    * **Lifetime**: one stream per parameter (a second one raises ``ValueError``
-      naming it). :meth:`remove`, or the end of a ``with StreamingTopK(...)``
-      block, removes the hooks; they hold the stream weakly, so a stream that is
-      deleted stops at once and removes them too.
-    * **GradScaler**: a power-of-two scale selects the same coordinates and
-      scales the values: apply them with ``-lr / scaler.get_scale()``. The
-      step's gradients are all finite exactly when ``sparse.values`` are (NaN
-      and ``±inf`` rank first); ``scaler.unscale_`` cannot see freed gradients.
-    * **Not done**: error feedback (its residual is ``n``-sized, the memory this
-      saves); DDP (the hooks see each rank's local gradient, then DDP writes the
-      averaged ones back and :meth:`result` raises ``RuntimeError``; use
-      ``ft.distributed.topk_hook``). ``docs/sparse_training.md`` says more.
-    * A tensor ``k`` or ``density`` is read on the host when a step's first
-      gradient arrives and again in :meth:`result`.
+    Parameters without a gradient are skipped (:attr:`selected_from`).
+    :meth:`result` ends the step; a second backward before it raises
+    ``RuntimeError``, unless ``grad_accumulation=True`` or the earlier ones ran
+    under :meth:`paused`. After :meth:`gather` the step gathers at a fixed set,
+    the weight gradients of ``nn.Linear``, ``Conv1D``, ``nn.Embedding`` and
+    ``nn.Conv2d`` layers computed there only (``sampled=True``; equal within
+    rounding). One stream per parameter; its hooks hold it weakly; :meth:`remove`
+    or ``with`` removes them. ``docs/sparse_training.md`` says more (DDP and
+    error feedback are not done).
 
     Args:
         params: A pytree of float tensors on one device (``dict(model.named_parameters())``),
             each a leaf of the autograd graph, each listed once.
-        k: How many coordinates to keep (an int or a 0-d tensor; give exactly one of ``k`` and ``density``).
+        k: How many coordinates to keep (an int or a 0-d tensor, read on the host when a step
+            starts; give exactly one of ``k`` and ``density``).
         density: The fraction of coordinates to keep, in ``(0, 1]`` (a number or a 0-d float tensor).
         score: ``"gradient"``: a step selects the top ``k`` of its gradient. ``"accumulated"``:
             of ``|g|`` summed over the steps since the last selecting step, this one
-            included (steps after :meth:`gather` add to the sum), as
-            :func:`~functopk.sparse.sparse_optimizer`'s ``score="accumulated"`` refresh
-            ranks them; the values returned are still the gradient's. The sum is one
-            tensor per parameter (``n`` numbers); a parameter without a gradient in
-            the selecting step is not ranked, and every sum restarts at zero after it.
+            included (steps after :meth:`gather` add to the sum, so they need every
+            dense gradient: no sampled layers), as ``sparse_optimizer``'s
+            ``score="accumulated"`` ranks them; the values returned are still the
+            gradient's. The sum is one tensor per parameter (``n`` numbers).
+        grad_accumulation: Several backward passes per step add up (see above).
+        sampled: Between selections, compute the supported layers' weight gradients at the set only.
         config: The exact kernel's tuning constants (tests, benchmarks); ``None``: the defaults.
 
     Raises:
         TypeError: ``params`` is not a tree of supported float tensors (an iterator
-            such as ``model.parameters()`` included), or ``k``/``density``/``config`` has the wrong type.
+            such as ``model.parameters()`` included), or an argument has the wrong type.
         ValueError: Not exactly one of ``k`` and ``density``, ``k`` above the number of
             coordinates, leaves on several devices or on the meta device, a tensor listed twice, one
             that is not a leaf, or one that another live stream has hooked.
@@ -146,10 +122,14 @@ class StreamingTopK:
         *,
         density: Any = None,
         score: str = "gradient",
+        grad_accumulation: bool = False,
+        sampled: bool = True,
         config: KernelConfig | None = None,
     ) -> None:
         self._k, self._density = check_k_or_density(k, density)
         self._accumulate = check_choice(score, "score", ("gradient", "accumulated")) == "accumulated"
+        self._summing = check_bool(grad_accumulation, "grad_accumulation")
+        self._sampled = check_bool(sampled, "sampled") and not self._accumulate  # the sums need dense gradients
         if config is not None and not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
         self._config = DEFAULT_CONFIG if config is None else config
@@ -161,6 +141,7 @@ class StreamingTopK:
             )
         paths = [path_str(path) for path in treedef.paths()]
         self._leaves, self._paths, self._treedef = leaves, paths, treedef
+        self._position = {id(x): i for i, x in enumerate(leaves)}
         self._selected_from: PyTree = None
         self._sizes = [x.numel() for x in leaves]
         self._offsets = [sum(self._sizes[:i]) for i in range(len(leaves))]  # in the flat order of params
@@ -168,21 +149,22 @@ class StreamingTopK:
         resolve_k(self._k, self._density, self._numel, name="params")  # k above n, or no coordinates at all
         self._dtype = common_dtype(leaves)
         self._paused = False
-        self._gathering: tuple[torch.Tensor, list[tuple[int, int, int]]] | None = None
+        self._plan: GatherPlan | None = None  # the set gather() names, kept while it stays the same
+        self._gathering = False  # this step gathers at the plan's set (armed by gather(), ended by result())
         # score="accumulated": sum |g| per coordinate since the last selecting step (n-sized, one per leaf)
-        self._scores = (
-            [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in leaves] if self._accumulate else None
-        )
+        self._scores = [x.new_zeros(x.shape) for x in leaves] if self._accumulate else None  # contiguous
         self._clear()
         self._removed = False
         # last, once everything is checked: weak hooks, one stream per parameter (ValueError naming it)
-        self._hooks = GradientHooks(self, StreamingTopK._on_gradient, leaves, paths)
+        self._hooks = GradientHooks(self, StreamingTopK._arrive, leaves, paths)
+        self._release = weakref.finalize(self, layers.enable() if self._sampled else _nothing)
 
     def _clear(self) -> None:
         """An empty step: no candidates, nothing folded."""
         self._run: RunningTopK | None = None
         self._values: torch.Tensor | None = None  # a gathering step's values, in the order of its indices
-        self._folded: dict[int, torch.dtype] = {}  # leaf position -> its gradient's dtype
+        # slot -> its gradient's dtype; slot i: leaf i's own gradient, slot -1 - i: its sampled layers' (a claim's)
+        self._folded: dict[int, torch.dtype] = {}
         self._scored = False  # a gathering step has added |g| into the accumulated sums (they cannot be taken back)
 
     def _is_open(self) -> bool:
@@ -191,50 +173,60 @@ class StreamingTopK:
     def _start(self) -> None:
         """Open a step: the running ``k`` is the one for all of ``params``, at least the final one."""
         self._clear()
-        if self._gathering is not None:
-            self._values = torch.zeros(self._gathering[0].shape, dtype=self._dtype, device=self._gathering[0].device)
+        if self._gathering:
+            assert self._plan is not None
+            self._values = torch.zeros(self._plan.indices.shape, dtype=self._dtype, device=self._plan.indices.device)
             return
         k = k_on_host(resolve_k(self._k, self._density, self._numel, name="params"), self._numel)
         payload = self._dtype if self._accumulate else None  # rank by the score, carry the gradient
         self._run = RunningTopK(k, self._dtype, self._numel, self._config, self._leaves[0].device, payload)
 
-    def _on_gradient(self, i: int, param: torch.Tensor) -> None:
-        """Leaf ``i``'s hook: fold its gradient into the step and free it (its :class:`GradientHooks` call this)."""
-        if self._paused or param.grad is None:
+    def _on_coordinates(self, i: int, leaf: torch.Tensor) -> None:
+        """The hook of leaf ``i``'s coordinate leaf: the gradient of its sampled layers, at the set."""
+        if self._paused or leaf.grad is None:
             return
+        if not (self._gathering and self._plan is not None and self._plan.owns(i, leaf)):  # its set ended
+            leaf.grad = None
+            raise stale(self._paths[i])
+        self._arrive(-1 - i, leaf)
+
+    def _arrive(self, slot: int, tensor: torch.Tensor) -> None:
+        """A slot's gradient arrived (leaf ``slot``'s hook, or a claim's): fold it into the step and free it."""
+        if self._paused or tensor.grad is None or (self._summing and not self._gathering):
+            return  # paused, or a selecting step of grad_accumulation: .grad accumulates until result()
         if not self._is_open():
             self._start()
-        elif i in self._folded:
-            error = self._twice(i)
+        elif slot in self._folded and not self._summing:
+            error = self._twice(slot)
             self._clear()
             raise error
-        self._fold(i, param.grad)
-        param.grad = None
+        self._fold(slot, tensor.grad)
+        tensor.grad = None
 
-    def _twice(self, i: int) -> RuntimeError:
-        """The error of a gradient that arrives for a leaf already folded in this step."""
+    def _twice(self, slot: int) -> RuntimeError:
+        """The error of a gradient that arrives for a slot already folded in this step."""
         kept = " (its |g| stay in the accumulated sums: a gathering step adds them as they arrive)" * self._scored
         return RuntimeError(
-            f"StreamingTopK: a second gradient of {self._paths[i]} before result() (a second backward, or DDP "
-            "writing its averaged gradients back: DDP is not supported); it was already folded into this step's "
-            f"selection, which is now discarded{kept}: call result() after each backward, discard() (an optimizer's "
-            "zero_grad()) to skip a batch, or run the earlier micro-batches under `with stream.paused():`"
+            f"StreamingTopK: a second gradient of {self._paths[max(slot, -1 - slot)]} before result() (a second "
+            "backward, or DDP writing its averaged gradients back: DDP is not supported); it was already folded into "
+            f"this step's selection, which is now discarded{kept}: call result() after each backward, discard() (an "
+            "optimizer's zero_grad()) to skip a batch, make the stream with grad_accumulation=True for several "
+            "backward passes per step, or run the earlier micro-batches under `with stream.paused():`"
         )
 
-    def _fold(self, i: int, grad: torch.Tensor) -> None:
-        """Fold leaf ``i``'s gradient into the running top ``k`` (the step is open)."""
+    def _fold(self, slot: int, grad: torch.Tensor) -> None:
+        """Fold a slot's gradient into the step (open): the running top ``k``, or its values at the set."""
+        i = max(slot, -1 - slot)
         if grad.layout != torch.strided:
             raise TypeError(f"the gradient of {self._paths[i]} is {grad.layout}; StreamingTopK needs dense gradients")
-        self._folded[i] = grad.dtype
+        written = slot in self._folded or -1 - slot in self._folded  # this leaf's values already hold a gradient
+        self._folded[slot] = grad.dtype
         flat = grad.detach().reshape(-1)
-        if self._values is not None and self._gathering is not None:
+        if self._values is not None and self._plan is not None:
             if self._scores is not None:  # added now: keeping |g| until result() would take n more numbers
                 self._scores[i].view(-1).add_(flat.abs())
                 self._scored = True
-            idx, bounds = self._gathering
-            off, lo, hi = bounds[i]
-            if hi > lo:
-                self._values[lo:hi] = flat.index_select(0, idx[lo:hi] - off).to(self._dtype)
+            self._plan.write(self._values, i, flat, claimed=slot < 0, first=not written)
         elif grad.numel():
             assert self._run is not None
             if self._scores is None:
@@ -242,6 +234,11 @@ class StreamingTopK:
             else:  # ranked by the sum with this step's |g|, never written: the sums restart at zero in result()
                 score = flat.abs().add_(self._scores[i].view(-1))
                 self._run.add(score, self._offsets[i], payload=flat.to(self._dtype))
+
+    def _pending(self) -> list[tuple[int, torch.Tensor]]:
+        """``(slot, tensor)`` for every tensor whose ``.grad`` a step may fold: the leaves and the coordinate leaves."""
+        claimed = [] if self._plan is None else [(-1 - i, leaf) for i, leaf in self._plan.claim_leaves()]
+        return [*enumerate(self._leaves), *claimed]
 
     def result(self) -> SparseUpdates:
         """End the step: the selection as ``ft.topk_indices`` gives it on the step's dense gradients.
@@ -263,29 +260,29 @@ class StreamingTopK:
         """
         self._check_live("result")
         try:
-            for i, x in enumerate(self._leaves):
-                if i in self._folded and x.grad is not None:
-                    raise self._twice(i)
-                if x.grad is not None:
-                    if not self._is_open():
-                        self._start()
-                    self._fold(i, x.grad)
-                    x.grad = None
-            return self._finish() if self._gathering is None else self._gathered()
+            for slot, x in self._pending():
+                if x.grad is None or (slot < 0 and not self._gathering):
+                    continue
+                if slot in self._folded and not self._summing:
+                    raise self._twice(slot)
+                if not self._is_open():
+                    self._start()
+                self._fold(slot, x.grad)
+                x.grad = None
+            return self._gathered() if self._gathering else self._finish()
         finally:
             self._clear()
-            self._gathering = None
+            self._gathering = False
 
     def gather(self, indices: torch.Tensor) -> None:
         """Make the next step gather the gradient at ``indices`` instead of selecting its top ``k``.
 
-        For an optimizer that keeps its coordinate set for several steps
-        (:func:`~functopk.sparse.sparse_optimizer`): the next backward copies each
-        gradient's values at those flat indices (in the flat order of ``params``)
-        and frees it, and :meth:`result` returns them as a
-        :class:`~functopk.SparseUpdates` over all of ``params`` (zero where a
-        parameter had no gradient), then goes back to selecting. Reads a few
-        integers on the host (the indices' bounds per leaf).
+        For an optimizer that keeps its coordinate set for several steps: the
+        next backward gathers each gradient at these flat indices (the supported
+        layers compute theirs there only, ``sampled=True``), and :meth:`result`
+        returns them over all of ``params`` (zero where a parameter had no
+        gradient), then goes back to selecting. Reads the indices' bounds per
+        leaf on the host when the set changes.
 
         Args:
             indices: 1-d int64 (or int32) strictly ascending flat indices in ``[0, n)``, on the parameters' device.
@@ -307,27 +304,40 @@ class StreamingTopK:
         self._check_live("gather")
         if self._is_open():
             raise RuntimeError("StreamingTopK.gather() must come before the step's backward, not during it")
-        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"indices must be an int64 or int32 tensor, got {describe(indices)}")
-        if indices.dim() != 1 or indices.device != self._leaves[0].device:
-            raise ValueError(
-                f"indices must be 1-d on {self._leaves[0].device} (the parameters' device), got shape "
-                f"{tuple(indices.shape)} on {indices.device}"
-            )
-        idx = indices.long()
-        check_ascending_indices(idx, self._numel, "indices")
-        self._gathering = (idx, FlatLayout.from_tree(self._leaves).bounds(idx, name="indices"))
+        known = None if self._plan is None else self._plan.indices
+        idx = checked_indices(indices, self._leaves[0].device, self._numel, known)
+        if idx is not known:  # a new set
+            self._plan = GatherPlan(idx, self._leaves)
+        self._gathering = True
+
+    def sampling_claim(self, weight: torch.Tensor) -> Claim | None:
+        """What a supported layer using ``weight`` computes in this step: the claim at the gathered set, or ``None``.
+
+        Asked by :mod:`functopk.sparse.layers` when such a layer runs with grad enabled.
+
+        Example:
+            >>> import torch, functopk as ft
+            >>> w = torch.zeros(2, 3, requires_grad=True)
+            >>> stream = ft.sparse.StreamingTopK([w], k=1)
+            >>> stream.sampling_claim(w) is None               # a selecting step needs every coordinate
+            True
+            >>> stream.gather(torch.tensor([4]))
+            >>> stream.sampling_claim(w).positions
+            tensor([4])
+        """
+        i = self._position.get(id(weight))
+        if not (self._sampled and self._gathering and self._plan is not None and i is not None):
+            return None
+        return self._plan.claim(i, weight, self, StreamingTopK._on_coordinates)
 
     def _gathered(self) -> SparseUpdates:
         """A gathering step's result: the gradient at its indices, over all of ``params``."""
-        assert self._gathering is not None
         if self._values is None:  # no gradient arrived: zeros
             self._start()
-        assert self._values is not None
+        assert self._plan is not None and self._values is not None
         self._selected_from = self._treedef.unflatten(list(self._leaves))
-        arrived = [self._folded[i] for i in sorted(self._folded)] or [self._dtype]
-        dtype = functools.reduce(torch.promote_types, arrived)
-        return SparseUpdates(self._gathering[0], self._values.to(dtype), self._numel, tuple(self._sizes))
+        dtype = functools.reduce(torch.promote_types, [self._folded[i] for i in sorted(self._folded)] or [self._dtype])
+        return SparseUpdates(self._plan.indices, self._values.to(dtype), self._numel, tuple(self._sizes))
 
     def _finish(self) -> SparseUpdates:
         """The running candidates cut to the final ``k``, indexed over the leaves that had a gradient."""
@@ -373,9 +383,7 @@ class StreamingTopK:
     def selected_from(self) -> PyTree:
         """The tree the last :meth:`result` applies to: ``params``, ``None`` where a parameter had no gradient.
 
-        Its flat indices count only the parameters that had a gradient (as
-        ``ft.topk_indices`` counts the leaves of a gradient tree that are not
-        ``None``), so apply it to this tree, not to ``params`` itself.
+        Its flat indices count only the parameters that had a gradient: apply it to this tree.
 
         Example:
             >>> import torch, functopk as ft
@@ -383,11 +391,9 @@ class StreamingTopK:
             >>> stream = ft.sparse.StreamingTopK(params, k=1)
             >>> (params["used"] * torch.tensor([1.0, -2.0])).sum().backward()
             >>> sparse = stream.result()
-            >>> stream.selected_from["unused"] is None
-            True
             >>> _ = ft.apply_sparse_updates_(stream.selected_from, sparse, -1.0)
-            >>> params["used"]
-            tensor([0., 2.], requires_grad=True)
+            >>> stream.selected_from["unused"] is None, params["used"]
+            (True, tensor([0., 2.], requires_grad=True))
         """
         return self._selected_from
 
@@ -395,8 +401,7 @@ class StreamingTopK:
     def scores(self) -> list[torch.Tensor] | None:
         """With ``score="accumulated"``, the sums of ``|g|`` since the last selecting step; else ``None``.
 
-        One tensor per leaf of ``params`` (flat order), the stream's own: a
-        checkpoint saves them and a resume restores them in place (``copy_``).
+        One per leaf of ``params`` (flat order), the stream's own: a checkpoint saves them, a resume ``copy_``-s them.
 
         Example:
             >>> import torch, functopk as ft
@@ -412,7 +417,7 @@ class StreamingTopK:
 
     @property
     def started(self) -> bool:
-        """Whether this step's backward has folded a gradient: a step with gradients (``.grad`` is ``None`` anyway).
+        """Whether this step has a gradient: folded by a backward, or kept in ``.grad`` for :meth:`result`.
 
         Example:
             >>> import torch, functopk as ft
@@ -423,7 +428,7 @@ class StreamingTopK:
             >>> before, stream.started
             (False, True)
         """
-        return self._is_open()
+        return self._is_open() or any(x.grad is not None for _, x in self._pending())
 
     @property
     def nbytes(self) -> int:
@@ -439,12 +444,9 @@ class StreamingTopK:
     def discard(self) -> None:
         """End the step without a selection, as ``zero_grad()`` discards ``.grad``: to skip a batch.
 
-        Drops what the step's backward folded (without it, the next backward
-        would fold a second gradient and raise) and clears any ``.grad`` of
-        ``params`` (a paused backward's). A :meth:`gather` stays armed. With
-        ``score="accumulated"`` a selecting step leaves the sums as they were; a
-        gathering step added its ``|g|`` as they arrived (keeping them apart
-        would take ``n`` more numbers), so they stay, with a ``UserWarning``.
+        Drops what the step's backward folded and any ``.grad`` left (a paused
+        backward's); a :meth:`gather` stays armed. With ``score="accumulated"``
+        a gathering step's ``|g|`` were added as they arrived, and stay (a ``UserWarning``).
 
         Example:
             >>> import torch, functopk as ft
@@ -464,7 +466,7 @@ class StreamingTopK:
                 stacklevel=2,
             )
         self._clear()
-        for x in self._leaves:
+        for _, x in self._pending():
             x.grad = None
 
     def _check_live(self, method: str) -> None:
@@ -474,9 +476,8 @@ class StreamingTopK:
     def remove(self) -> None:
         """Remove the hooks now: later backward passes leave ``.grad`` as autograd writes it.
 
-        What the end of a ``with StreamingTopK(...)`` block does; a second call
-        does nothing. An unfinished step is discarded, the parameters are free
-        for another stream, and :meth:`result` and :meth:`gather` raise ``RuntimeError``.
+        What the end of a ``with`` block does; again: nothing. An unfinished step is discarded, the
+        parameters are free for another stream, and :meth:`result` and :meth:`gather` raise ``RuntimeError``.
 
         Example:
             >>> import torch, functopk as ft
@@ -487,8 +488,9 @@ class StreamingTopK:
             tensor([1., 1.])
         """
         self._hooks.remove()
+        self._release()  # the layers' global hooks, unless another user holds them
         self._clear()
-        self._gathering = None
+        self._plan, self._gathering = None, False
         self._removed = True
 
     def __enter__(self) -> StreamingTopK:

@@ -136,13 +136,15 @@ def test_the_stream_selection_gives_the_dense_result():
 
 
 def test_a_stream_gathering_at_the_set_between_refreshes_gives_the_dense_result():
+    """Bit for bit with the stream's dense weight gradients (sampled=False; tests/sparse/test_layers.py checks the
+    sampled ones against the dense gradient within rounding)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).double()
     live = dict(model.named_parameters())
     opt = sparse_optimizer(ft.adamw(0.1, weight_decay=0.1), k=5)
     params = {name: p.detach().clone() for name, p in live.items()}
     dense_state = stream_state = opt.init(params)
-    with ft.sparse.StreamingTopK(live, k=5) as stream:
+    with ft.sparse.StreamingTopK(live, k=5, sampled=False) as stream:
         for step in range(5):
             refresh = step % 2 == 0
             if not refresh:
