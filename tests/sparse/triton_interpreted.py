@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopk as ft
-from functopk.sparse.kernels import triton_select
+from functopk.sparse.kernels import triton_layout, triton_select
 from functopk.sparse.ops import TritonTopK
 from tests.helpers import (
     TOPK_STEPS,
@@ -202,6 +202,25 @@ def test_strided_leaves_are_read_where_they_lie_in_flat_order():
     assert dense_reads.ops == [], dense_reads.ops  # read in place: no copy of a dense strided leaf
     assert "aten.clone.default" in gap_reads.ops  # a leaf with gaps is copied (and the check sees copies)
     assert_selects_like_cpu(tree, 50, SMALL, "cpu")  # (the fallback's reads: test_each_path_is_reached_and_exact)
+
+
+@pytest.mark.parametrize("x", [
+    torch.zeros(64, 3, 7, 7).to(memory_format=torch.channels_last),
+    torch.zeros(8, 64, 3, 3).to(memory_format=torch.channels_last),
+    torch.zeros(2, 16, 3, 3, 3).to(memory_format=torch.channels_last_3d),
+    torch.zeros(3, 40, 5, 7).permute(2, 0, 3, 1),
+    torch.zeros(1_000_003, 3).t(),
+], ids=["conv7x7", "conv3x3", "conv3d", "four", "transpose"])
+def test_memory_offsets_of_production_sized_tiles(x):
+    """Tiles of 2048 flat indices (the default), starting anywhere: each lane's offset is torch's."""
+    from tests.sparse.triton_offsets import tile_offsets
+
+    want = torch.arange(x.numel()).as_strided(x.shape, x.stride()).reshape(-1)
+    row = triton_layout.plan([x]).table[: triton_layout.ROW]
+    for start in (0, 1, 2047, x.numel() // 2 + 5, x.numel() - 2048):
+        start = min(max(start, 0), x.numel() - 1)
+        got = tile_offsets(row, start, 2048)[: x.numel() - start]  # (lanes past the leaf: masked in the kernels)
+        assert torch.equal(got, want[start:start + 2048]), (start, got, want[start:start + 2048])
 
 
 def test_a_strided_view_inside_one_flat_buffer_is_read_in_its_own_order():
