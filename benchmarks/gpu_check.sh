@@ -22,7 +22,8 @@
 # 2. tests: the other CUDA tests (pytest -m "cuda and not slow": every device-parametrised test's CUDA
 #    case), over several pytest-xdist workers when the plugin is installed;
 # 3. topk: benchmarks/device_topk.py: ft.topk_indices (ATen and Triton) / topk_sparsify against torch.topk
-#    on the GPU (resnet50 tree and a 100M-coordinate tree, k = 1000 and 1%), and the bandwidth reached;
+#    on the GPU (the resnet50 tree flat, channels_last and 99.9% zeros, and a 100M-coordinate tree,
+#    k = 1000 and 1%), and the bandwidth reached;
 # 4. optim: benchmarks/optim.py --device cuda: optimizer steps against torch.optim (resnet50 tree);
 # 5. whole_step: benchmarks/whole_step.py: ResNet-50 training steps (batch 128, bf16), the top-k step
 #    against the dense one, eager (torch.optim loop) and captured in a CUDA graph (functional step);

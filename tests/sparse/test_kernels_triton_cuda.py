@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functopk as ft
-from functopk.sparse.kernels import triton_select
+from functopk.sparse.kernels import triton_layout, triton_select
 from tests.helpers import assert_compiles_like_eager, bits, no_sync, numel, to_device, trees_st
-from tests.sparse.triton_checks import ATEN, CONFIGS, assert_selects_like_cpu, path_of
+from tests.sparse.triton_checks import ATEN, CONFIGS, LeafReads, assert_selects_like_cpu, path_of
 
 pytestmark = [
     pytest.mark.cuda,
@@ -57,13 +57,37 @@ def _big_tree(zeros: float = 0.0) -> dict:
 def test_production_sized_trees_select_like_the_cpu_kernel(zeros):
     tree = _big_tree(zeros)
     n = numel(tree)
+    nonzero = sum(int(x.count_nonzero()) for x in tree.values())
     for k in (1000, n // 100):
         assert_selects_like_cpu(tree, k, TRITON, "cuda")
         stats = path_of(tree, k, TRITON, "cuda")
-        if not zeros:
-            assert stats.path == "candidates", stats
-        elif k > 1000:  # the k-th largest is 0: every coordinate is a candidate and the buffer overflows
-            assert stats.path == "fallback", stats
+        # the k-th largest is 0 beyond the non-zeros: the first zeros in flat order are kept, no fallback
+        assert stats.path == ("ties" if k > nonzero else "candidates"), stats
+
+
+def _resnet_like(dtype: torch.dtype = torch.float32) -> dict:
+    """Gradients of a few ResNet layers trained channels_last: 4-d conv weights in that layout, vectors, a matrix."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    shapes = {"conv1": (64, 3, 7, 7), "layer1": (64, 64, 3, 3), "layer2": (128, 64, 3, 3), "down": (256, 64, 1, 1),
+              "layer3": (256, 256, 3, 3), "bn": (256,), "fc": (1000, 512)}
+    tree = {key: torch.randn(shape, generator=g, device="cuda").to(dtype) for key, shape in shapes.items()}
+    return {key: x.to(memory_format=torch.channels_last) if x.dim() == 4 else x for key, x in tree.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_gradients_are_read_in_place(dtype):
+    tree = _resnet_like(dtype)
+    strided = [x for x in tree.values() if not x.is_contiguous()]
+    assert len(strided) == 4  # (a 1x1 conv is contiguous in either format)
+    ft.topk_indices(tree, 1000, config=TRITON)  # (the first call also compiles the kernels a capture may need)
+    with LeafReads(strided) as reads:
+        plan = triton_layout.plan(list(tree.values()))
+        ft.topk_indices(tree, 1000, config=TRITON)
+    assert reads.ops == [] and plan.source == "table" and plan.held == (), reads.ops
+    n = numel(tree)
+    for k in (1000, n // 100):
+        assert_selects_like_cpu(tree, k, TRITON, "cuda")
+        assert path_of(tree, k, TRITON, "cuda").path == "candidates"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -78,10 +102,11 @@ def test_thousands_of_programs_place_their_output_in_flat_order(name):
 def test_results_do_not_depend_on_the_order_programs_run_in():
     tree = _big_tree()
     tree = {key: torch.round(x * 4) / 4 for key, x in tree.items()}  # heavy ties across programs
-    for config in (TRITON, dataclasses.replace(TRITON, margin=-10.0)):
-        first = ft.topk_indices(tree, 50_000, config=config)
+    sparse = _big_tree(0.999)  # many zeros: the tied path (k beyond the non-zeros)
+    for t, config in ((tree, TRITON), (tree, dataclasses.replace(TRITON, margin=-10.0)), (sparse, TRITON)):
+        first = ft.topk_indices(t, 50_000, config=config)
         for _ in range(3):
-            again = ft.topk_indices(tree, 50_000, config=config)
+            again = ft.topk_indices(t, 50_000, config=config)
             assert torch.equal(again.indices, first.indices) and torch.equal(bits(again.values), bits(first.values))
 
 
@@ -99,7 +124,7 @@ def test_no_host_synchronisation():
     shared = torch.randn(1_000_000, device="cuda")
     flat_tree = {"a": shared[:400_000].view(400, 1000), "b": shared[400_000:]}
     k_dev = torch.tensor(777, device="cuda")
-    for t in (tree, flat_tree):
+    for t in (tree, flat_tree, _resnet_like(), _big_tree(0.9999)):  # (the last: the tied path)
         for k in (777, k_dev):
             ft.topk_sparsify(t, k, config=TRITON)  # warm up: compile, build the leaf table
         with no_sync():
@@ -118,31 +143,41 @@ def test_compiles_fullgraph_without_recompiling(fresh_dynamo):
     assert_compiles_like_eager(step, [(t, torch.tensor(5000, device="cuda")) for t in trees], bitwise=True)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_a_captured_cuda_graph_replays_the_selection(shared):
-    """Gradients in static buffers (separate tensors, or views of one): capture once, replay on new values."""
-    shapes = [(256, 64), (64,), (1000, 50), (10,)]
-    if shared:
+def _static_grads(kind: str) -> list[torch.Tensor]:
+    """Gradient buffers: separate tensors (a conv weight channels_last) or views of one buffer (``"shared"``)."""
+    shapes = [(256, 64), (64,), (64, 32, 3, 3), (1000, 50), (10,)]
+    if kind == "shared":
         buffer = torch.zeros(sum(torch.Size(s).numel() for s in shapes), device="cuda")
         grads = list(torch.split(buffer, [torch.Size(s).numel() for s in shapes]))
-        grads = [g.view(s) for g, s in zip(grads, shapes)]
-    else:
-        grads = [torch.zeros(s, device="cuda") for s in shapes]
+        return [g.view(s) for g, s in zip(grads, shapes)]
+    grads = [torch.zeros(s, device="cuda") for s in shapes]
+    return [g.to(memory_format=torch.channels_last) if g.dim() == 4 else g for g in grads]
+
+
+@pytest.mark.parametrize("kind", ["separate", "shared", "unseen"])
+def test_a_captured_cuda_graph_replays_the_selection(kind):
+    """Gradients in static buffers: capture once, replay on new values. The capture reads the leaf table the
+    warm-up cached, or the shared buffer; ``"unseen"``: the warm-up ran on other buffers, so the capture
+    copies its leaves into one buffer (no table can be copied in while capturing)."""
+    grads = _static_grads(kind)
+    warm = _static_grads(kind) if kind == "unseen" else grads
     k_dev = torch.tensor(2000, device="cuda")
 
-    def select():
-        return ft.topk_indices(grads, 1000, config=TRITON), ft.topk_sparsify(grads, k_dev, config=TRITON)
+    def select(leaves):
+        return ft.topk_indices(leaves, 1000, config=TRITON), ft.topk_sparsify(leaves, k_dev, config=TRITON)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph asks
-        for g in grads:
+        for g in warm:
             g.normal_()
-        select()
+        select(warm)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sparse, dense = select()
+        sparse, dense = select(grads)
+        source = triton_layout.plan(grads).source
+    assert source == {"separate": "table", "shared": "flat", "unseen": "copy"}[kind]
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         for g in grads:

@@ -12,6 +12,7 @@ import dataclasses
 
 import optree
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functopk as ft
 from functopk.sparse.kernels import triton_select
@@ -27,6 +28,26 @@ CONFIGS = {
     "overflow": dataclasses.replace(SMALL, margin=10.0, abandon_min=0, triton_room=0.01),  # buffer too small
 }
 """The configurations that reach the normal path and both fallbacks (on trees of more than 16 coordinates)."""
+
+
+class LeafReads(TorchDispatchMode):
+    """Inside, ``ops`` records every op other than a view that takes one of ``leaves`` (or a view of one).
+
+    The Triton kernel reads its leaves in its own launches, which do not dispatch: an op that shows here
+    is a copy (``aten.clone`` of a ``reshape``, ``aten.cat``, ``aten.copy_``) or other host-side work.
+    """
+
+    def __init__(self, leaves) -> None:
+        super().__init__()
+        self.storages = {x.untyped_storage().data_ptr() for x in leaves}
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if not func.is_view and any(x.untyped_storage().data_ptr() in self.storages for x in inputs):
+            self.ops.append(str(func))
+        return func(*args, **kwargs)
 
 
 def _leaf_bits(x: torch.Tensor) -> torch.Tensor:

@@ -15,15 +15,17 @@ buffer so that small trees reach every path. It has no bfloat16: that dtype is c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
+import optree
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functopk as ft
-from functopk.sparse.kernels import triton_select
+from functopk.sparse.kernels import triton_layout, triton_select
 from functopk.sparse.ops import TritonTopK
 from tests.helpers import (
     TOPK_STEPS,
@@ -36,7 +38,7 @@ from tests.helpers import (
     small_cnn,
     trees_st,
 )
-from tests.sparse.triton_checks import ATEN, CONFIGS, SMALL, assert_selects_like_cpu, path_of
+from tests.sparse.triton_checks import ATEN, CONFIGS, SMALL, LeafReads, assert_selects_like_cpu, path_of
 
 pytestmark = pytest.mark.skipif(not triton_select.interpreting(), reason="needs TRITON_INTERPRET=1")
 
@@ -56,12 +58,19 @@ def special_trees(draw):
     return tree
 
 
+def _relayout(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """``x`` (same shape and values) laid out in memory with its dimensions in ``order``, outermost first."""
+    return x.permute(order).contiguous().permute([order.index(i) for i in range(x.dim())])
+
+
 @settings(max_examples=10)
 @given(tree=trees_st(allow_nonfinite=True, dtypes=DTYPES, max_leaves=4) | special_trees(), data=st.data())
 def test_selects_like_the_cpu_kernel(tree, data):
     n = numel(tree)
     if n == 0:
         return
+    # leaves of two or more dimensions in any memory layout: read where they lie, in flat order
+    tree = optree.tree_map(lambda x: _relayout(x, data.draw(st.permutations(range(x.dim())), label="layout")), tree)
     config = CONFIGS[data.draw(st.sampled_from(sorted(CONFIGS)), label="config")]
     k = data.draw(st.integers(1, n), label="k")
     if data.draw(st.booleans(), label="tensor k"):
@@ -70,15 +79,17 @@ def test_selects_like_the_cpu_kernel(tree, data):
 
 
 def _tree() -> dict:
-    """227 coordinates in three dtypes (flat order a, b, c), with ties across leaves.
+    """239 coordinates in three dtypes (flat order a, b, c, d), with ties across leaves; d is a transpose.
 
-    The systematic sample of :data:`SMALL` reads every 14th coordinate (``227 // 16``): those hold the
-    largest magnitudes, so a threshold at the sample's top keeps 1 coordinate (too few for ``k > 1``).
+    The systematic sample of :data:`SMALL` reads every 14th coordinate (``239 // 16``) of the first 227:
+    those hold the largest magnitudes, so a threshold at the sample's top keeps 1 coordinate (too few
+    for ``k > 1``).
     """
-    flat = torch.randn(227, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    flat[20:24] = flat[130:134] = -1.5
-    flat[::14] = 100.0 + torch.arange(17, dtype=torch.float64)
-    return {"a": flat[:117].float().view(9, 13), "b": flat[117:177].half(), "c": flat[177:].clone()}
+    flat = torch.randn(239, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    flat[20:24] = flat[130:134] = flat[228:230] = -1.5
+    flat[:227:14] = 100.0 + torch.arange(17, dtype=torch.float64)
+    d = flat[227:].view(3, 4).t().contiguous().t()  # (3, 4) in column-major memory
+    return {"a": flat[:117].float().view(9, 13), "b": flat[117:177].half(), "c": flat[177:227].clone(), "d": d}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -169,3 +180,71 @@ def test_a_training_step_dispatches_nothing_a_cuda_graph_refuses_and_trains_as_o
         runs.append(carry)
     assert_tree_bitwise_equal(runs[0], runs[1])
 
+
+
+def _strided_tree() -> dict:
+    """Leaves in memory layouts other than row-major: channels_last, channels_last_3d, a permutation of four
+    unmergeable dimensions, a half transpose; a contiguous leaf and one with gaps (a slice with a step)."""
+    g = torch.Generator().manual_seed(5)
+    four = torch.randn(3, 4, 2, 2, generator=g).permute(2, 0, 3, 1)  # memory order (1, 3, 0, 2)
+    return {"conv": torch.randn(3, 5, 3, 3, generator=g).to(memory_format=torch.channels_last),
+            "conv3d": torch.randn(2, 3, 2, 1, 3, generator=g).to(memory_format=torch.channels_last_3d),
+            "four": four, "half": torch.randn(3, 5, generator=g).half().t(), "bias": torch.randn(6, generator=g),
+            "gaps": torch.randn(3, 8, generator=g)[:, ::2]}
+
+
+def test_strided_leaves_are_read_where_they_lie_in_flat_order():
+    tree = _strided_tree()
+    strided = [tree[key] for key in ("conv", "conv3d", "four", "half")]
+    assert not any(x.is_contiguous() for x in strided)
+    with LeafReads(strided) as dense_reads, LeafReads([tree["gaps"]]) as gap_reads:
+        ft.topk_indices(tree, 50, config=SMALL)
+    assert dense_reads.ops == [], dense_reads.ops  # read in place: no copy of a dense strided leaf
+    assert "aten.clone.default" in gap_reads.ops  # a leaf with gaps is copied (and the check sees copies)
+    assert_selects_like_cpu(tree, 50, SMALL, "cpu")  # (the fallback's reads: test_each_path_is_reached_and_exact)
+
+
+@pytest.mark.parametrize("x", [
+    torch.zeros(64, 3, 7, 7).to(memory_format=torch.channels_last),
+    torch.zeros(8, 64, 3, 3).to(memory_format=torch.channels_last),
+    torch.zeros(2, 16, 3, 3, 3).to(memory_format=torch.channels_last_3d),
+    torch.zeros(3, 40, 5, 7).permute(2, 0, 3, 1),
+    torch.zeros(1_000_003, 3).t(),
+], ids=["conv7x7", "conv3x3", "conv3d", "four", "transpose"])
+def test_memory_offsets_of_production_sized_tiles(x):
+    """Tiles of 2048 flat indices (the default), starting anywhere: each lane's offset is torch's."""
+    from tests.sparse.triton_offsets import tile_offsets
+
+    want = torch.arange(x.numel()).as_strided(x.shape, x.stride()).reshape(-1)
+    row = triton_layout.plan([x]).table[: triton_layout.ROW]
+    for start in (0, 1, 2047, x.numel() // 2 + 5, x.numel() - 2048):
+        start = min(max(start, 0), x.numel() - 1)
+        got = tile_offsets(row, start, 2048)[: x.numel() - start]  # (lanes past the leaf: masked in the kernels)
+        assert torch.equal(got, want[start:start + 2048]), (start, got, want[start:start + 2048])
+
+
+def test_a_strided_view_inside_one_flat_buffer_is_read_in_its_own_order():
+    """Back to back in memory, but the middle leaf's flat order is not its memory order: no flat read."""
+    flat = torch.randn(300, generator=torch.Generator().manual_seed(6))
+    tree = {"a": flat[:60], "b": flat[60:180].view(2, 4, 5, 3).permute(0, 3, 1, 2), "c": flat[180:]}
+    assert path_of(tree, 100, SMALL, "cpu").source == "table"
+    assert_selects_like_cpu(tree, 100, SMALL, "cpu")
+
+
+def test_mostly_zero_trees_keep_their_first_zeros_without_the_fallback():
+    """The k-th largest magnitude is 0 (k beyond the non-zeros) or another value many coordinates share: the
+    threshold is the k-th largest key, no radix pass runs, and the first ties in flat order are kept."""
+    g = torch.Generator().manual_seed(7)
+    sparse = torch.where(torch.rand(200, generator=g) < 0.05, torch.randn(200, generator=g), 0.0)
+    tree = {"zeros": torch.zeros(40, dtype=torch.float16), "sparse": sparse.view(8, 25).t(), "tail": torch.zeros(9)}
+    nonzero = int((sparse != 0).sum())
+    for k in (nonzero + 30, ("tensor", 249.0)):  # (249: all but the last zero)
+        assert_selects_like_cpu(tree, k, SMALL, "cpu")
+    stats = path_of(tree, nonzero + 30, SMALL, "cpu")
+    assert stats.path == "ties" and stats.candidates == nonzero and stats.ties == numel(tree) - nonzero, stats
+    # 30 of 2.0, 60 ties at 1.0: the sample's threshold (without the margin) is 1.0, the 40th largest
+    steps = {"w": torch.tensor([2.0, 1.0, -1.0, 0.0] * 30).view(10, 12)}
+    config = dataclasses.replace(SMALL, margin=0.0)
+    stats = path_of(steps, 40, config, "cpu")
+    assert stats.path == "ties" and (stats.candidates, stats.ties) == (30, 60), stats
+    assert_selects_like_cpu(steps, 40, config, "cpu")

@@ -7,25 +7,28 @@ and ``docs/topk.md``; here each kernel says what it reads and writes.
 
 Terms shared by the kernels:
 
-* key: the order-preserving integer of ``|x|`` in the common dtype: the bits
-  of ``|x|`` (sign cleared) as int32 (fp16, bf16 and fp32 trees, upcast to
-  fp32 exactly) or int64 (fp64 trees), NaN mapped to the key of ``+inf``. Keys
-  compare as the magnitudes do, and ties between equal keys go to the lower
-  flat index.
-* a program owns ``SUB`` tiles of ``TILE`` consecutive coordinates of one
+* key: the order-preserving integer of ``|x|`` in the common dtype
+  (:func:`~functopk.sparse.kernels.triton_reads.key_of`); ties between equal
+  keys go to the lower flat index.
+* a program owns ``SUB`` tiles of ``TILE`` consecutive flat indices of one
   leaf (per the leaf table; ``FLAT``: of the one flat buffer) when it reads
-  the leaves, or one tile of the candidates (in flat order) when it reads
-  those. The launches of steps 3 and 4 have the same programs, so what program
-  ``q`` counted in one is what the next finds at ``q``: a prefix sum over
-  ``q < p`` places program ``p``'s output in flat order, whatever order the
-  programs ran in.
-* ``state`` (int64): ``[0]`` the candidate threshold key, ``[1]`` the number of
-  candidates, then per radix pass ``j`` the slot ``j`` at ``[2 + 2 j]``:
+  the leaves (:func:`~functopk.sparse.kernels.triton_reads.leaf_tile`, in
+  flat order also for a strided leaf), or tiles of the candidates (in flat
+  order) when it reads those. The launches of steps 3 and 4 have the same
+  programs, so what program ``q`` counted in one is what the next finds at
+  ``q``: a prefix sum over ``q < p`` places program ``p``'s output in flat
+  order, whatever order the programs ran in.
+* ``state`` (int64): ``[0]`` the threshold key, ``[1]`` the number of
+  candidates (keys above the threshold), ``[2]`` the number of ties (keys at
+  it), then per radix pass ``j`` the slot ``j`` at ``[SLOT + 2 j]``:
   ``(prefix, need)``, the top ``8 j`` bits of the k-th largest key and its rank
   among the keys with those bits. Slot 0 is ``(0, k)``.
 * mode: "normal" when the candidates fit their buffer and are at least ``k``
-  (the radix passes and the emit read the candidates); otherwise "fallback"
-  (they read the leaves): the same result either way.
+  (the radix passes and the emit read the candidates); "tied" when they fit,
+  are fewer than ``k`` and the ties make up the rest (the threshold is the
+  k-th largest key: no radix pass; the emit takes the first ties in flat order
+  from the leaves, the candidates from their buffer); otherwise "fallback"
+  (the radix passes and the emit read the leaves): the same result every way.
 * every count is a sum (``atomic_add`` of counts, or a program's own slot); a
   position never depends on the order in which atomics landed.
 """
@@ -35,77 +38,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from functopk.sparse.kernels.triton_reads import leaf_tile, sample_keys
+
 __all__ = ["bracket_kernel", "compact_kernel", "digit_kernel", "emit_kernel", "order_kernel"]
 
 NB = tl.constexpr(256)  # bins per radix digit (8 bits)
-# dtype codes of the leaf table (every kernel reading a table compiles a branch per dtype its keys allow)
-F32 = tl.constexpr(1)
-F16 = tl.constexpr(2)
-BF16 = tl.constexpr(4)
-F64 = tl.constexpr(8)
+SLOT = tl.constexpr(4)  # state words before the radix slots (triton_select._STATE_HEAD)
 
 
 @triton.jit
-def _key(x, KEY64: tl.constexpr):
-    """Order-preserving integer key of ``|x|``; NaN ranks as ``+inf``."""
-    if KEY64:
-        bits = x.to(tl.float64).to(tl.int64, bitcast=True) & 0x7FFFFFFFFFFFFFFF
-        return tl.minimum(bits, 0x7FF0000000000000)
-    else:
-        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        return tl.minimum(bits, 0x7F800000)
-
-
-@triton.jit
-def _load_as(addr, offs, mask, DT: tl.constexpr, KEY64: tl.constexpr, VAL_T: tl.constexpr):
-    """Keys and values (in ``VAL_T``) of ``offs`` in the leaf of dtype ``DT`` at byte address ``addr``."""
-    x = tl.load(addr.to(tl.pointer_type(DT)) + offs, mask=mask, other=0.0)
-    return _key(x, KEY64), x.to(VAL_T)
-
-
-@triton.jit
-def _leaf_tile(src, table, n, n_leaves, p, s, FLAT: tl.constexpr, KEY64: tl.constexpr,
-               VAL_T: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
-    """Tile ``s`` of program ``p`` read from the leaves: (keys, flat indices, values, valid)."""
-    if FLAT:  # one buffer: program p owns [p * SUB * TILE, (p + 1) * SUB * TILE)
-        offs = (p * SUB + s).to(tl.int64) * TILE + tl.arange(0, TILE)
-        mask = offs < n
-        x = tl.load(src + offs, mask=mask, other=0.0)
-        return _key(x, KEY64), offs, x.to(VAL_T), mask
-    else:  # the table: per leaf (address, flat offset, numel, dtype code), then per program (leaf, start)
-        leaf = tl.load(table + 4 * n_leaves + 2 * p)
-        offs = tl.load(table + 4 * n_leaves + 2 * p + 1) + s * TILE + tl.arange(0, TILE)
-        addr = tl.load(table + 4 * leaf)
-        mask = offs < tl.load(table + 4 * leaf + 2)
-        code = tl.load(table + 4 * leaf + 3)
-        key_t: tl.constexpr = tl.int64 if KEY64 else tl.int32
-        key = tl.zeros([TILE], key_t)
-        val = tl.zeros([TILE], VAL_T)
-        if code == F32:
-            key, val = _load_as(addr, offs, mask, tl.float32, KEY64, VAL_T)
-        if code == F16:
-            key, val = _load_as(addr, offs, mask, tl.float16, KEY64, VAL_T)
-        if code == BF16:
-            key, val = _load_as(addr, offs, mask, tl.bfloat16, KEY64, VAL_T)
-        if KEY64:  # only fp64 trees have fp64 leaves
-            if code == F64:
-                key, val = _load_as(addr, offs, mask, tl.float64, KEY64, VAL_T)
-        return key, tl.load(table + 4 * leaf + 1) + offs, val, mask
-
-
-@triton.jit
-def _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT: tl.constexpr,
+def _tile(src, table, n, n_leaves, p, s, from_leaves, ordered, start, end, ckey, cidx, cval, FLAT: tl.constexpr,
           KEY64: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
-    """Tile ``s`` of program ``p``: of the leaves (fallback), or tile ``p`` of the ``m`` candidates in flat order.
-
-    (In normal mode each program owns one tile of candidates, so that they spread over many programs.)
-    """
-    if fallback:
-        key, idx, val, mask = _leaf_tile(src, table, n, n_leaves, p, s, FLAT, KEY64,
+    """Tile ``s`` of program ``p``: of the leaves (``from_leaves``), or of the candidates in flat order,
+    positions ``start + s * TILE`` onwards, below ``end``."""
+    if from_leaves:
+        key, idx, val, mask = leaf_tile(src, table, n, n_leaves, p, s, ordered, FLAT, KEY64,
                                          cval.dtype.element_ty, TILE, SUB)
     else:
-        offs = p.to(tl.int64) * TILE + tl.arange(0, TILE)
-        mask = offs < m
+        offs = start + s * TILE + tl.arange(0, TILE)
+        mask = offs < end
         key = tl.load(ckey + offs, mask=mask, other=0)
         idx = tl.load(cidx + offs, mask=mask, other=0)
         val = tl.load(cval + offs, mask=mask, other=0.0)
@@ -120,54 +71,19 @@ def _k(k_ptr, k_int, k_dev):
 
 @triton.jit
 def _mode(state, k_ptr, k_int, k_dev, cap):
-    """(k, candidate count, fallback?): fallback when the candidates overflowed their buffer or are fewer than k."""
+    """(k, candidates, fallback?, tied?): fallback when the candidates overflowed their buffer or fewer than
+    ``k`` coordinates reached the threshold; tied when fewer than ``k`` are above it and the ties make up
+    the rest (the threshold is then the k-th largest key)."""
     k = _k(k_ptr, k_int, k_dev)
     m = tl.load(state + 1)
-    return k, m, (m > cap) | (m < k)
+    fallback = (m > cap) | (m + tl.load(state + 2) < k)
+    return k, m, fallback, (m < k) & (fallback == 0)
 
 
 @triton.jit
-def _busy(p, s, fallback, m, n_programs, TILE: tl.constexpr):
-    """Whether tile ``s`` of program ``p`` holds anything in this mode (the launch covers both modes' programs)."""
-    return tl.where(fallback, p < n_programs, (s == 0) & (p.to(tl.int64) * TILE < m))
-
-
-@triton.jit
-def _sample_key(addr, local, valid, code, key, C: tl.constexpr, DT: tl.constexpr, KEY64: tl.constexpr):
-    """``key`` with the keys of the sampled coordinates of dtype code ``C`` filled in."""
-    this, _ = _load_as(addr, local, valid & (code == C), DT, KEY64, DT)
-    return tl.where(code == C, this, key)
-
-
-@triton.jit
-def _sample_keys(src, table, n_leaves, stride, count, FLAT: tl.constexpr, KEY64: tl.constexpr, SAMPLE: tl.constexpr):
-    """Keys of the systematic sample (flat indices ``0, stride, 2 stride, ...``; ``count`` of them), -1 past it."""
-    j = tl.arange(0, SAMPLE)
-    valid = j < count
-    pos = j.to(tl.int64) * stride
-    if FLAT:
-        key = _key(tl.load(src + pos, mask=valid, other=0.0), KEY64)
-    else:
-        # binary search: the last leaf whose flat offset is <= pos (an empty leaf shares its offset with the
-        # next one, so the search passes it)
-        lo = tl.zeros([SAMPLE], tl.int64)
-        size = n_leaves
-        while size > 1:
-            half = size // 2
-            ok = tl.load(table + 4 * (lo + half) + 1, mask=valid, other=0) <= pos
-            lo = tl.where(ok, lo + half, lo)
-            size = size - half
-        addr = tl.load(table + 4 * lo, mask=valid, other=0)
-        local = pos - tl.load(table + 4 * lo + 1, mask=valid, other=0)
-        code = tl.load(table + 4 * lo + 3, mask=valid, other=0)
-        key_t: tl.constexpr = tl.int64 if KEY64 else tl.int32
-        key = tl.zeros([SAMPLE], key_t)
-        key = _sample_key(addr, local, valid, code, key, F32, tl.float32, KEY64)
-        key = _sample_key(addr, local, valid, code, key, F16, tl.float16, KEY64)
-        key = _sample_key(addr, local, valid, code, key, BF16, tl.bfloat16, KEY64)
-        if KEY64:  # only fp64 trees have fp64 leaves
-            key = _sample_key(addr, local, valid, code, key, F64, tl.float64, KEY64)
-    return tl.where(valid, key, -1)
+def _busy(p, s, from_leaves, start, end, n_programs, TILE: tl.constexpr):
+    """Whether tile ``s`` of program ``p`` holds anything (the launches cover every mode's programs)."""
+    return tl.where(from_leaves, p < n_programs, start + s * TILE < end)
 
 
 @triton.jit
@@ -193,13 +109,14 @@ def bracket_kernel(src, table, state, hist, k_ptr, k_int, k_dev, n, n_leaves, ma
     Writes ``state[0]``: a key expected to have a little more than ``k`` coordinates at or above it (the
     sample's rank ``mean + margin * sd + 2`` from the top), 0 (every coordinate) when the sample cannot
     exclude anything, or the exact k-th largest key when the sample is the whole tree. Only the speed
-    depends on it: too few or too many candidates send the later kernels to the fallback.
+    depends on it: too few coordinates at or above it, or too many above it, send the later kernels to
+    the fallback.
     """
     k = _k(k_ptr, k_int, k_dev)
     tl.store(hist + tl.arange(0, L * NB), tl.zeros([L * NB], tl.int32))
     count = tl.minimum(n, SAMPLE)
     stride = tl.maximum(n // SAMPLE, 1)
-    keys = _sample_keys(src, table, n_leaves, stride, count, FLAT, KEY64, SAMPLE)
+    keys = sample_keys(src, table, n_leaves, stride, count, FLAT, KEY64, SAMPLE)
     p = k.to(tl.float64) / n
     mean = count * p
     rank = (mean + margin * tl.sqrt(mean * (1.0 - p)) + 2.0).to(tl.int64)  # truncation floors: positive
@@ -208,29 +125,32 @@ def bracket_kernel(src, table, state, hist, k_ptr, k_int, k_dev, n, n_leaves, ma
     tl.store(state, tl.where(rank > count, 0, t))
     tl.store(state + 1, 0)
     tl.store(state + 2, 0)
-    tl.store(state + 3, k)
+    tl.store(state + SLOT, 0)
+    tl.store(state + SLOT + 1, k)
 
 
 @triton.jit(do_not_specialize=["n", "n_leaves", "cap"])
-def compact_kernel(src, table, state, rec_base, rec_cnt, totals, skey, sidx, sval, n, n_leaves, cap,
-                   FLAT: tl.constexpr, KEY64: tl.constexpr, TILE: tl.constexpr,
-                   SUB: tl.constexpr):
-    """Step 2 (the one full read): every coordinate whose key is at least ``state[0]`` becomes a candidate.
+def compact_kernel(src, table, state, rec_base, rec_cnt, totals, tie_totals, skey, sidx, sval, n, n_leaves, cap,
+                   FLAT: tl.constexpr, KEY64: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
+    """Step 2 (the one full read): every coordinate whose key is above ``state[0]`` becomes a candidate.
 
     Per tile, the candidates are packed in flat order (a cumulative sum of the keep flags) into
     ``skey``, ``sidx`` and ``sval`` (key, flat index, value in the common dtype) at a base that one
     ``atomic_add`` on the candidate count ``state[1]`` reserves. Which tile gets which base depends on
     the order of the atomics, so each tile's base and count are recorded (``rec_base``, ``rec_cnt``)
     and each program's total (``totals``): :func:`order_kernel` then lays them out in flat order.
-    Candidates beyond ``cap`` are counted but not written (the later kernels then fall back).
+    Candidates beyond ``cap`` are counted but not written (the later kernels then fall back). The
+    coordinates at the threshold are counted, per program (``tie_totals``) and in all (``state[2]``).
     """
     p = tl.program_id(0)
     threshold = tl.load(state)
     total = 0
+    tied = p * 0  # (a tensor: counted in the loop)
     for s in range(SUB):
-        key, idx, val, mask = _leaf_tile(src, table, n, n_leaves, p, s, FLAT, KEY64,
+        key, idx, val, mask = leaf_tile(src, table, n, n_leaves, p, s, 1, FLAT, KEY64,
                                          sval.dtype.element_ty, TILE, SUB)
-        keep = mask & (key >= threshold)
+        keep = mask & (key > threshold)
+        tied += tl.sum((mask & (key == threshold)).to(tl.int32), 0)
         count = tl.sum(keep.to(tl.int32), 0)
         base = tl.atomic_add(state + 1, count.to(tl.int64), mask=count > 0, sem="relaxed")
         base = tl.where(count > 0, base, 0)
@@ -243,6 +163,8 @@ def compact_kernel(src, table, state, rec_base, rec_cnt, totals, skey, sidx, sva
         tl.store(rec_cnt + p * SUB + s, count)
         total += count
     tl.store(totals + p, total)
+    tl.store(tie_totals + p, tied)
+    tl.atomic_add(state + 2, tied.to(tl.int64), mask=tied > 0, sem="relaxed")
 
 
 @triton.jit
@@ -267,7 +189,7 @@ def order_kernel(state, rec_base, rec_cnt, totals, skey, sidx, sval, ckey, cidx,
     its tiles' candidates in tile order: the layout depends on the data only, never on the atomics.
     """
     p = tl.program_id(0)
-    k, m, fallback = _mode(state, k_ptr, k_int, k_dev, cap)
+    k, m, fallback, tied = _mode(state, k_ptr, k_int, k_dev, cap)
     if fallback == 0:
         out = _sum_before(totals, p, 512)
         for s in range(SUB):
@@ -301,8 +223,8 @@ def _find(state, hist, j):
 
     ``need`` is the rank of the k-th largest key among the keys whose digits 1 to ``j`` equal the prefix.
     """
-    prefix = tl.load(state + 2 * j)  # slot j - 1 (slot i lives at state[2 + 2 i])
-    d, need = _pick(tl.load(hist + (j - 1) * NB + tl.arange(0, NB)), tl.load(state + 2 * j + 1))
+    prefix = tl.load(state + SLOT + 2 * (j - 1))  # slot j - 1
+    d, need = _pick(tl.load(hist + (j - 1) * NB + tl.arange(0, NB)), tl.load(state + SLOT + 2 * j - 1))
     return prefix * NB + d, need
 
 
@@ -311,13 +233,13 @@ def _prefix_of(state, hist, j):
     """Slot ``j - 1`` for radix pass ``j`` (1-based): computed from pass ``j - 1``'s histogram, and stored by
     program 0 for the next pass (pass ``j - 1`` has finished: its histogram is complete)."""
     if j == 1:
-        prefix = tl.load(state + 2)
-        need = tl.load(state + 3)
+        prefix = tl.load(state + SLOT)
+        need = tl.load(state + SLOT + 1)
     else:
         prefix, need = _find(state, hist, j - 1)
         if tl.program_id(0) == 0:
-            tl.store(state + 2 + 2 * (j - 1), prefix)
-            tl.store(state + 3 + 2 * (j - 1), need)
+            tl.store(state + SLOT + 2 * (j - 1), prefix)
+            tl.store(state + SLOT + 2 * (j - 1) + 1, need)
     return prefix, need
 
 
@@ -328,24 +250,26 @@ def digit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_ro
     """Step 3, radix pass ``j`` (of ``L``, 8 bits each from the top): the histogram of digit ``j``.
 
     Over the keys whose digits 1 to ``j - 1`` equal the prefix of slot ``j - 1`` (the candidates in
-    normal mode, every coordinate in fallback), each program counts digit ``j`` (``tl.histogram``) and
+    normal mode, every coordinate in fallback, none when tied), each program counts digit ``j`` (``tl.histogram``) and
     adds its counts to ``hist`` row ``j - 1`` with ``atomic_add``. The last pass also writes, per
     program, its keys above the prefix (``above_rows``) and, for every last digit ``d``, its keys with
     the prefix and a last digit of at least ``d`` (``digit_rows``): what the emit kernel needs to place
     each program's output.
     """
     p = tl.program_id(0)
-    k, m, fallback = _mode(state, k_ptr, k_int, k_dev, cap)
+    k, m, fallback, tied = _mode(state, k_ptr, k_int, k_dev, cap)
     prefix, need = _prefix_of(state, hist, j)
+    start = p.to(tl.int64) * TILE  # normal mode: tile p of the candidates
+    end = tl.where(tied, start, tl.minimum(m, start + TILE))
     bits: tl.constexpr = 64 if KEY64 else 32
     shift = bits - 8 * j
     high = tl.minimum(shift + 8, bits - 1)  # the bits above digit j (pass 1: only the sign bit, always 0)
     local = tl.zeros([NB], tl.int32)
     above = 0
     for s in range(SUB):
-        if _busy(p, s, fallback, m, n_programs, TILE):
-            key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT, KEY64,
-                                        TILE, SUB)
+        if _busy(p, s, fallback, start, end, n_programs, TILE):  # (only the last pass needs the flat order)
+            key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, j == L, start, end, ckey, cidx,
+                                        cval, FLAT, KEY64, TILE, SUB)
             top = key >> high
             live = mask & (top == prefix)
             local += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), NB, mask=live)
@@ -375,27 +299,52 @@ def _before(above_rows, digit_rows, p, d, QB: tl.constexpr):
     return tl.sum(above, 0), tl.sum(ties, 0)
 
 
+@triton.jit
+def _emit_source(state, hist, above_rows, digit_rows, totals, tie_totals, p, k, m, fallback, tied, n_programs,
+                 L: tl.constexpr, TILE: tl.constexpr):
+    """What program ``p`` of the emit reads and keeps: ``(t, need, above_before, ties_before, from_leaves,
+    start, end)``: the k-th largest key, the ties at it to keep, the keys above it and the ties at it in
+    flat order before the program's, and its tiles (the leaves', or candidates ``start`` to ``end``)."""
+    if tied:  # the threshold is the k-th largest key: every candidate, and its first k - m ties
+        t = tl.load(state)
+        need = k - m
+        q = tl.minimum(p, n_programs)
+        above_before = _sum_before(totals, q, 512)
+        ties_before = _sum_before(tie_totals, q, 512)
+        from_leaves = (p < n_programs) & (ties_before < need)  # ties to keep: read them from the leaves
+        start = above_before  # else this program's candidates (order_kernel put them there)
+        end = above_before + tl.load(totals + p, mask=p < n_programs, other=0).to(tl.int64)
+    else:
+        t, need = _find(state, hist, L)
+        above_before, ties_before = _before(above_rows, digit_rows, p, (t & 0xFF).to(tl.int32), 512)
+        from_leaves = fallback
+        start = p.to(tl.int64) * TILE  # normal mode: tile p of the candidates
+        end = tl.minimum(m, start + TILE)
+    return t, need, above_before, ties_before, from_leaves, start, end
+
+
 @triton.jit(do_not_specialize=["k_int", "k_dev", "write", "n", "n_leaves", "n_programs", "cap"])
-def emit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_rows, k_ptr, k_int, k_dev, out_idx,
-                out_val, out_mask, out_dense, write, n, n_leaves, n_programs, cap, FLAT: tl.constexpr,
-                KEY64: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
+def emit_kernel(src, table, state, hist, ckey, cidx, cval, above_rows, digit_rows, k_ptr, k_int, k_dev, totals,
+                tie_totals, out_idx, out_val, out_mask, out_dense, write, n, n_leaves, n_programs, cap,
+                FLAT: tl.constexpr, KEY64: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr):
     """Step 4: with the k-th largest key ``t`` known, keep every key above it and the first ``need`` ties.
 
-    Each program learns how many keys above ``t`` and ties at ``t`` come before it in flat order from
-    the last radix pass's rows (a sum over the programs before it), then walks its tiles in flat order:
-    a tie is kept while fewer than ``need`` ties precede it, and every kept coordinate's rank is the
-    number of kept ones before it. Outputs, by ``write``: 0, the sorted flat indices and values (exactly
-    ``k``, each at its rank); 1, a flat mask; 2, the values scattered into a zeroed flat buffer.
+    Each program learns how many keys above ``t`` and ties at ``t`` come before it in flat order (a sum
+    over the programs before it: of the last radix pass's rows, or when tied of the compact counts),
+    then walks its tiles in flat order: a tie is kept while fewer than ``need`` ties precede it, and
+    every kept coordinate's rank is the number of kept ones before it. When tied, only the programs
+    whose leaves hold kept ties read their leaves; the others copy their candidates, all kept. Outputs,
+    by ``write``: 0, the sorted flat indices and values (exactly ``k``, each at its rank); 1, a flat
+    mask; 2, the values scattered into a zeroed flat buffer.
     """
     p = tl.program_id(0)
-    k, m, fallback = _mode(state, k_ptr, k_int, k_dev, cap)
-    t, need = _find(state, hist, L)
-    d = (t & 0xFF).to(tl.int32)
-    above_before, ties_before = _before(above_rows, digit_rows, p, d, 512)
+    k, m, fallback, tied = _mode(state, k_ptr, k_int, k_dev, cap)
+    t, need, above_before, ties_before, from_leaves, start, end = _emit_source(
+        state, hist, above_rows, digit_rows, totals, tie_totals, p, k, m, fallback, tied, n_programs, L, TILE)
     for s in range(SUB):
-        if _busy(p, s, fallback, m, n_programs, TILE):
-            key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, fallback, m, ckey, cidx, cval, FLAT, KEY64,
-                                        TILE, SUB)
+        if _busy(p, s, from_leaves, start, end, n_programs, TILE):
+            key, idx, val, mask = _tile(src, table, n, n_leaves, p, s, from_leaves, 1, start, end, ckey, cidx, cval,
+                                        FLAT, KEY64, TILE, SUB)
             above = (mask & (key > t)).to(tl.int32)
             tie = (mask & (key == t)).to(tl.int32)
             ties_ex = ties_before + (tl.cumsum(tie, 0) - tie).to(tl.int64)

@@ -1,4 +1,4 @@
-"""The exact global top-k in Triton: where the leaves are read from, the buffers, and the launches.
+"""The exact global top-k in Triton: the buffers, the launches, and when the kernel serves.
 
 Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (Triton's
 interpreter, for tests: it must be set before ``triton`` is first imported).
@@ -7,26 +7,25 @@ Same selection as every exact kernel of functopk (:mod:`functopk.sparse.kernels`
 index; bit for bit the CPU kernel's indices and values.
 
 Step 1, bracket (one program): a systematic sample of 4096 coordinates gives
-a key with a little more than ``k`` coordinates at or above it.
-Step 2, compact (the one read of every coordinate): those coordinates become
-candidates, written tile by tile in flat order.
+a threshold key with a little more than ``k`` coordinates at or above it.
+Step 2, compact (the one read of every coordinate): the coordinates above the
+threshold become candidates, written tile by tile in flat order; those at the
+threshold (ties) are only counted.
 Step 3, radix (``L`` passes of 8 bits: 4 for fp16/bf16/fp32 trees, 8 for fp64):
 the histograms of the candidates' keys find the k-th largest key exactly.
+When fewer than ``k`` candidates lie above the threshold but the ties make up
+the rest, the threshold is the k-th largest key and the passes do nothing.
 Step 4, emit: the keys above it and the first ties in flat order are written,
 each at its rank: sorted indices and values, or a mask, or a dense buffer.
 
 Nothing is read on the host and every buffer's size is fixed by ``n``, ``k``
 and the configuration, so a call can be captured in a CUDA graph and replayed,
-and the custom operator (:mod:`~functopk.sparse.kernels.triton_op`) compiles.
-When the sample misleads (fewer than ``k`` candidates, or more than the buffer
-holds), the radix passes and the emit read the leaves themselves instead of the
-candidates: the same result, at the cost of ``L + 1`` more reads.
-
-Where the leaves are read from: one flat buffer when they already lie back to
-back in one (a gradient buffer, a DDP bucket), else a table of leaf addresses
-built on the host and cached (a pinned, asynchronous copy: no synchronisation).
-While a CUDA graph is being captured no table can be copied, so the leaves are
-concatenated first (one more read and write).
+and the custom operator (:func:`functopk.sparse.ops.triton_topk`) compiles.
+When the sample misleads (fewer than ``k`` coordinates at or above the
+threshold, or more candidates than the buffer holds), the radix passes and the
+emit read the leaves themselves instead of the candidates: the same result, at
+the cost of ``L + 1`` more reads. Where the leaves are read from:
+:mod:`~functopk.sparse.kernels.triton_layout`.
 """
 
 from __future__ import annotations
@@ -34,44 +33,35 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from functopk._compat import assume_constant_result
 from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.kernels.triton_layout import Plan, concatenated, plan
 
 __all__ = [
-    "CODES",
     "MAX_NUMEL",
     "OUTPUTS",
-    "Plan",
     "TritonStats",
     "available",
     "capacity",
-    "capturing",
     "interpreting",
     "launches",
-    "plan",
     "run",
     "sample_size",
     "serves",
-    "tiling",
 ]
-
-CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 4, torch.float64: 8}
-"""Dtype codes of the leaf table (the same numbers as the kernels' ``F32``, ``F16``, ``BF16``, ``F64``)."""
 
 OUTPUTS = ("indices", "masks", "dense")
 """What :func:`run` can write (the emit kernel's ``write`` argument is the index)."""
 
 SAMPLE = 4096  # the most coordinates in the sample of step 1 (one program ranks them)
+_STATE_HEAD = 4  # int64 words of the state before its radix slots (the kernels' SLOT)
 MAX_NUMEL = 2**31 - 1
 """The largest tree the kernels take (their counts are int32); larger trees keep the ATen kernels."""
 
-_LAYOUTS: OrderedDict[tuple, tuple] = OrderedDict()  # leaves' key -> ("flat", None, 0) or ("table", table, programs)
-_MAX_LAYOUTS = 16
 _TRITON: list[bool] = []  # whether triton imports, once known
 _PRIMED: set[tuple] = set()  # launch signatures whose flat-buffer kernels are compiled (see _prime)
 
@@ -132,136 +122,6 @@ def serves(leaves: Sequence[torch.Tensor], n: int, backend: str) -> bool:
     return True
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one call reads its leaves: the launch grid and what the kernels are specialised on.
-
-    Attributes:
-        flat: The leaves as one 1-d buffer (``None``: read through ``table``).
-        table: int64, per leaf (address, flat offset, numel, dtype code), then per program (leaf, start).
-        leaves: Number of rows of the leaf table.
-        programs: Programs of every launch after step 1 (each owns ``tiles * tile`` coordinates of one leaf).
-        n: Coordinates in all.
-        dtype: The common dtype (values are returned in it).
-        tile: Coordinates per tile; ``tiles``: tiles per program.
-        source: ``"flat"`` (the leaves lie back to back in one buffer), ``"table"`` or ``"copy"`` (concatenated,
-            while a CUDA graph is captured).
-    """
-
-    flat: torch.Tensor | None
-    table: torch.Tensor | None
-    leaves: int
-    programs: int
-    n: int
-    dtype: torch.dtype
-    tile: int
-    tiles: int
-    source: str
-
-
-def tiling(config: KernelConfig) -> tuple[int, int]:
-    """(coordinates per tile, tiles per program) for ``config.triton_block`` coordinates per program.
-
-    Example:
-        >>> from functopk.sparse.config import KernelConfig
-        >>> tiling(KernelConfig()), tiling(KernelConfig(triton_block=64))
-        ((2048, 16), (16, 4))
-    """
-    block = config.triton_block
-    tile = min(2048, max(16, block // 4))
-    return tile, max(1, block // tile)
-
-
-def _back_to_back(ptrs: tuple[int, ...], sizes: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> bool:
-    """Whether the leaves lie back to back in memory, in flat order, with one dtype."""
-    if any(d != dtypes[0] for d in dtypes):
-        return False
-    size, offset = dtypes[0].itemsize, 0
-    for ptr, numel in zip(ptrs, sizes):
-        if numel and ptr != ptrs[0] + offset * size:
-            return False
-        offset += numel
-    return True
-
-
-def _flat_view(flats: Sequence[torch.Tensor], n: int) -> torch.Tensor | None:
-    """The leaves (back to back) as one 1-d view of the first one's storage, or ``None`` if it does not hold them."""
-    if len(flats) == 1:
-        return flats[0].detach().reshape(-1)
-    try:
-        return flats[0].detach().as_strided((n,), (1,))
-    except RuntimeError:  # back to back in memory, but not all in the first leaf's storage
-        return None
-
-
-def _table(flats: Sequence[torch.Tensor], block: int) -> tuple[torch.Tensor, int]:
-    """The leaf table (see :class:`Plan`) on the leaves' device, and the number of programs."""
-    rows: list[int] = []
-    programs: list[int] = []
-    offset = 0
-    for i, f in enumerate(flats):
-        rows += [f.data_ptr(), offset, f.numel(), CODES[f.dtype]]
-        for start in range(0, f.numel(), block):
-            programs += [i, start]
-        offset += f.numel()
-    host = torch.tensor(rows + programs, dtype=torch.int64)
-    if flats[0].device.type == "cuda":  # pinned and asynchronous: no synchronisation (ordered on the stream)
-        return host.pin_memory().to(flats[0].device, non_blocking=True), len(programs) // 2
-    return host, len(programs) // 2
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current CUDA stream is being captured into a graph (never on other devices).
-
-    Example:
-        >>> capturing(torch.device("cpu"))
-        False
-    """
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def plan(leaves: Sequence[torch.Tensor], config: KernelConfig = DEFAULT_CONFIG) -> Plan:
-    """How :func:`run` reads ``leaves`` (see the module docstring): a flat view, a cached table, or a copy.
-
-    Which of the first two, and the table, are cached by the leaves' addresses, sizes and dtypes (a few
-    passes of attribute reads over the leaves: the host work of a call on a tree of many leaves).
-
-    Example:
-        >>> leaves = [torch.ones(3), torch.ones(2, dtype=torch.float16)]
-        >>> p = plan(leaves)
-        >>> p.flat is None, p.leaves, p.programs, p.n, p.dtype
-        (True, 2, 2, 5, torch.float32)
-    """
-    flats = [x if x.is_contiguous() else x.detach().reshape(-1) for x in leaves]  # no view per contiguous leaf
-    sizes = tuple(map(torch.Tensor.numel, flats))
-    dtypes = tuple(x.dtype for x in flats)
-    dtype = dtypes[0]
-    for other in set(dtypes):
-        dtype = torch.promote_types(dtype, other)
-    n, (tile, tiles), device = sum(sizes), tiling(config), flats[0].device
-    block = tile * tiles
-    key = (device, block, tuple(map(torch.Tensor.data_ptr, flats)), sizes, dtypes)
-    layout = _LAYOUTS.get(key)
-    if layout is None:
-        if _back_to_back(key[2], sizes, dtypes) and _flat_view(flats, n) is not None:
-            layout = ("flat", None, 0)
-        elif not capturing(device):  # (a table copied while capturing is filled only when the graph replays)
-            layout = ("table", *_table(flats, block))
-        if layout is not None and not capturing(device):
-            _LAYOUTS[key] = layout
-            if len(_LAYOUTS) > _MAX_LAYOUTS:
-                _LAYOUTS.popitem(last=False)
-    else:
-        _LAYOUTS.move_to_end(key)
-    programs = max(1, -(-n // block))
-    if layout is not None and layout[0] == "flat":
-        return Plan(_flat_view(flats, n), None, 1, programs, n, dtype, tile, tiles, "flat")
-    if layout is None or capturing(device):  # no table can be copied in while capturing: concatenate
-        flat = torch.cat([f.detach().reshape(-1).to(dtype) for f in flats])
-        return Plan(flat, None, 1, programs, n, dtype, tile, tiles, "copy")
-    return Plan(None, layout[1], len(flats), max(1, layout[2]), n, dtype, tile, tiles, "table")
-
-
 def sample_size(config: KernelConfig = DEFAULT_CONFIG) -> int:
     """Coordinates in the sample of step 1: ``config.sample_size`` rounded down to a power of 2, at most 4096.
 
@@ -310,11 +170,12 @@ def _even(size: int, per: int) -> int:
 class _Buffers:
     """The scratch of one call: sizes fixed by the plan, ``k`` and the capacity, nothing data-dependent."""
 
-    state: torch.Tensor  # int64: candidate threshold, candidate count, then (prefix, need) per radix slot
+    state: torch.Tensor  # int64: threshold, candidates above it, ties at it, -, then (prefix, need) per radix slot
     hist: torch.Tensor  # int32 (passes, 256): the radix histograms
     rec_base: torch.Tensor  # int64 per tile: where its candidates start in the s* buffers
     rec_cnt: torch.Tensor  # int32 per tile: how many it has
     totals: torch.Tensor  # int32 per program: its candidates
+    tie_totals: torch.Tensor  # int32 per program: its coordinates at the threshold
     skey: torch.Tensor  # the candidates as compact_kernel wrote them (tile by tile, in the atomics' order)
     sidx: torch.Tensor
     sval: torch.Tensor
@@ -329,14 +190,14 @@ def _buffers(p: Plan, cap: int, passes: int, grid: int, device: torch.device) ->
     key_dtype = torch.int64 if p.dtype == torch.float64 else torch.int32
     tiles = p.programs * p.tiles
     c = _even(cap, 4)
-    sizes64 = [_even(2 + 2 * (passes + 1), 2), _even(tiles, 2), c, c]
-    sizes32 = [passes * 256, _even(tiles, 4), _even(p.programs, 4), _even(grid, 4), grid * 256]
+    sizes64 = [_even(_STATE_HEAD + 2 * (passes + 1), 2), _even(tiles, 2), c, c]
+    sizes32 = [passes * 256, _even(tiles, 4), _even(p.programs, 4), _even(p.programs, 4), _even(grid, 4), grid * 256]
     i64 = torch.empty(sum(sizes64), dtype=torch.int64, device=device).split(sizes64)
     i32 = torch.empty(sum(sizes32), dtype=torch.int32, device=device).split(sizes32)
     keys = torch.empty(2 * c, dtype=key_dtype, device=device).split(c)
     vals = torch.empty(2 * c, dtype=p.dtype, device=device).split(c)
-    return _Buffers(i64[0], i32[0], i64[1], i32[1], i32[2], keys[0], i64[2], vals[0], keys[1], i64[3], vals[1],
-                    i32[3], i32[4])
+    return _Buffers(i64[0], i32[0], i64[1], i32[1], i32[2], i32[3], keys[0], i64[2], vals[0], keys[1], i64[3],
+                    vals[1], i32[4], i32[5])
 
 
 @dataclasses.dataclass
@@ -344,15 +205,19 @@ class TritonStats:
     """What one :func:`run` did (filled in when passed: host reads, for tests and benchmarks).
 
     Attributes:
-        path: ``"candidates"`` (the radix passes read the candidates) or ``"fallback"`` (they read the
-            leaves: the sample gave fewer than ``k`` candidates, or more than the buffer holds).
-        candidates: Coordinates at or above the sampled threshold.
+        path: ``"candidates"`` (the radix passes read the candidates), ``"ties"`` (fewer than ``k``
+            candidates, the ties at the threshold make up the rest: no radix pass) or ``"fallback"``
+            (they read the leaves: fewer than ``k`` coordinates at or above the sampled threshold, or more
+            candidates than the buffer holds).
+        candidates: Coordinates above the sampled threshold.
+        ties: Coordinates at the sampled threshold.
         capacity: Candidates the buffer holds.
         source: ``"flat"`` (one buffer), ``"table"`` (a leaf table) or ``"copy"`` (concatenated first).
     """
 
     path: str = ""
     candidates: int = -1
+    ties: int = -1
     capacity: int = 0
     source: str = ""
 
@@ -388,8 +253,9 @@ def launches(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: Kern
     steps = [
         (kern.bracket_kernel, 1, (src, table, buf.state, buf.hist, *k_args, p.n, p.leaves, float(config.margin)),
          dict(L=passes, SAMPLE=sample_size(config), num_warps=8, **meta)),
-        (kern.compact_kernel, p.programs, (src, table, buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey,
-                                           buf.sidx, buf.sval, p.n, p.leaves, cap), dict(**meta, **tile)),
+        (kern.compact_kernel, p.programs, (src, table, buf.state, buf.rec_base, buf.rec_cnt, buf.totals,
+                                           buf.tie_totals, buf.skey, buf.sidx, buf.sval, p.n, p.leaves, cap),
+         dict(**meta, **tile)),
         (kern.order_kernel, p.programs, (buf.state, buf.rec_base, buf.rec_cnt, buf.totals, buf.skey, buf.sidx,
                                          buf.sval, buf.ckey, buf.cidx, buf.cval, *k_args, cap), tile),
     ]
@@ -401,8 +267,8 @@ def launches(p: Plan, k: int | torch.Tensor, output: str, cap: int, config: Kern
     # the outputs not written get stand-ins of the same dtypes: one compiled emit kernel serves all three
     stand_ins = (buf.cidx, buf.cval, buf.hist.view(torch.uint8), buf.cval)
     targets = tuple(stand_in if o is None else o for o, stand_in in zip(out, stand_ins))
-    steps.append((kern.emit_kernel, grid, (src, table, *scratch, *targets, OUTPUTS.index(output), p.n, p.leaves,
-                                           p.programs, cap), common))
+    steps.append((kern.emit_kernel, grid, (src, table, *scratch, buf.totals, buf.tie_totals, *targets,
+                                           OUTPUTS.index(output), p.n, p.leaves, p.programs, cap), common))
     return steps, out, buf
 
 
@@ -418,16 +284,18 @@ def _prime(leaves: Sequence[torch.Tensor], p: Plan, k: int | torch.Tensor, outpu
            config: KernelConfig) -> None:
     """Compile, once per signature, the kernels a CUDA graph capture of this call would run.
 
-    A capture concatenates the leaves and reads one flat buffer (:func:`plan`): other kernels than the
-    leaf table's. Triton compiles a kernel at its first launch, which must not happen while a graph is
-    being captured; the usual warm-up call before a capture reaches this point and runs them once on
-    the concatenated leaves (the result is dropped).
+    A capture of leaves without a cached table (leaves no call outside the capture read, as in
+    ``torch.compile(mode="reduce-overhead")``, whose graph allocates them) concatenates them and reads
+    one flat buffer (:func:`~functopk.sparse.kernels.triton_layout.plan`): other kernels than the leaf
+    table's. Triton compiles a kernel at its first launch, which must not happen while a graph is being
+    captured; the usual warm-up call before a capture reaches this point and runs them once on the
+    concatenated leaves (the result is dropped).
     """
     key = (p.table.device, p.dtype, p.tile, p.tiles, sample_size(config))  # type: ignore[union-attr]
     if key in _PRIMED:
         return
     _PRIMED.add(key)
-    flat = torch.cat([x.detach().reshape(-1).to(p.dtype) for x in leaves])
+    flat = concatenated(leaves, p.dtype, p.n)
     flat_plan = dataclasses.replace(p, flat=flat, table=None, leaves=1, programs=max(1, -(-p.n // (p.tile * p.tiles))),
                                     source="copy")
     _launch(flat_plan, k, output, cap, config)
@@ -460,10 +328,9 @@ def run(
     if p.source == "table" and p.table is not None and p.table.device.type == "cuda":
         _prime(leaves, p, k, output, cap, config)
     if stats is not None:
-        m = int(buf.state[1])
-        stats.candidates, stats.capacity = m, cap
-        stats.path = "fallback" if m > cap or m < int(k) else "candidates"
-        stats.source = p.source
+        m, ties, k = int(buf.state[1]), int(buf.state[2]), int(k)
+        stats.candidates, stats.ties, stats.capacity, stats.source = m, ties, cap, p.source
+        stats.path = "fallback" if m > cap or m + ties < k else "ties" if m < k else "candidates"
     if output == "indices":
         return [out[0], out[1]]
     if output == "masks":
