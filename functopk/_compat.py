@@ -60,10 +60,11 @@ FOREACH_TENSOR_SCALARS_TRACE = not torch_older_than("2.11")
 """Whether dynamo traces a foreach kernel given a 0-d tensor as its scalar (``torch._foreach_add(xs, t)``):
 2.10 makes it a host read it then loses (``PendingUnbackedSymbolNotFound``); the list form traces everywhere."""
 
-DTENSOR_FOREACH_TENSOR_SCALAR = not torch_older_than("2.10")
+DTENSOR_FOREACH_TENSOR_SCALAR = not torch_older_than("2.14")
 """Whether DTensor propagates a foreach kernel's 0-d tensor scalar over shards (``torch._foreach_add_(shards, t,
-alpha=1)``, the ``Tensor`` overload): torch 2.9.1 raises "Sharding propagation failed"; its ``Scalar`` overload
-works there (a host read of the scalar)."""
+alpha=1)``, the ``Tensor`` overload): torch 2.9.1 raises "Sharding propagation failed", 2.11.0 "does not have a
+sharding strategy registered", 2.14.1 runs it (2.12 and 2.13 untried: taken as the older). Before, the ``Scalar``
+overload runs (a host read of the scalar)."""
 
 
 def is_dtensor(x: Any) -> bool:

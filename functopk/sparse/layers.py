@@ -214,12 +214,14 @@ def find_claim(weight: torch.Tensor) -> Claim | None:
 
 
 def _before(module: nn.Module, args: tuple[Any, ...]) -> None:
+    if torch.compiler.is_compiling():  # first: compiled code reads nothing of this module (no guards on it)
+        return
     kind = kind_of(module)
     if kind is None or not args or not isinstance(args[0], torch.Tensor) or not torch.is_grad_enabled():
         return
     parameters: dict[str, Any] = module._parameters
     weight = parameters.get("weight")
-    if weight is None or not weight.requires_grad or torch.compiler.is_compiling():
+    if weight is None or not weight.requires_grad:
         return
     spec = kind.spec(module)
     claim = None if spec is None else find_claim(weight)
@@ -230,6 +232,8 @@ def _before(module: nn.Module, args: tuple[Any, ...]) -> None:
 
 
 def _after(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    if torch.compiler.is_compiling():
+        return None
     calls = _thread_list("calls")
     if not calls or calls[-1][0] is not module:
         return None

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 import functopk as ft
 from tests.helpers import bits
-from tests.sparse.helpers import WeightShaped, weights_of
+from tests.sparse.helpers import WeightShaped, tiny_gpt2, weights_of
 
+pytestmark = pytest.mark.integrations  # (GPT-2: transformers)
 
-def gpt2(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=29, n_positions=12,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0)  # fmt: skip
-    return transformers.GPT2LMHeadModel(config).double()  # Conv1D layers, a token embedding tied to lm_head
+gpt2 = tiny_gpt2
 
 
 def batches(count: int, size: int = 4) -> list[torch.Tensor]:

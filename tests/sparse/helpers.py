@@ -1,4 +1,4 @@
-"""What the tests of ``functopk/sparse`` share: a watch for dense weight gradients."""
+"""What the tests of ``functopk/sparse`` share: a watch for dense weight gradients and a tiny GPT-2."""
 
 from __future__ import annotations
 
@@ -32,3 +32,15 @@ class WeightShaped(TorchDispatchMode):
 
 def weights_of(model: nn.Module) -> list[torch.Tensor]:
     return [m.weight for m in model.modules() if layers.kind_of(m) is not None]
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    """A 2-layer GPT-2 in float64: ``Conv1D`` layers and a token embedding tied to ``lm_head`` (tests using it are
+    marked ``integrations``: transformers is imported here, not at CI's old end)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=29, n_positions=12,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                     eos_token_id=0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).double()

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 import functopk as ft
-from tests.sparse.helpers import WeightShaped, weights_of
-
-
-def gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=29, n_positions=12,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0)  # fmt: skip
-    return transformers.GPT2LMHeadModel(config).double()  # Conv1D layers, a token embedding tied to lm_head
+from tests.sparse.helpers import WeightShaped, tiny_gpt2, weights_of
 
 
 def cnn() -> nn.Module:
@@ -41,7 +32,13 @@ def cnn_loss(model):
     return loss_fn, torch.randn(2, 2, 6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
 
 
-@pytest.mark.parametrize("make, make_loss", [(gpt2, gpt2_loss), (cnn, cnn_loss)], ids=["gpt2", "cnn"])
+@pytest.mark.parametrize(
+    "make, make_loss",
+    [
+        pytest.param(tiny_gpt2, gpt2_loss, id="gpt2", marks=pytest.mark.integrations),
+        pytest.param(cnn, cnn_loss, id="cnn"),
+    ],
+)
 def test_equals_torch_func_grad_at_the_indices_without_a_dense_weight_gradient(make, make_loss):
     model = make()
     loss_fn, data = make_loss(model)
