@@ -81,7 +81,7 @@ def test_sparse_training_examples_run():
     """docs/sparse_training.md's blocks run in order: k coordinates move per step, the accumulated step frees .grad,
     a skipped batch, a stream's lifetime, the sparse-state loop trains 20 coordinates with 16 bytes of state each,
     the adapter's state dict continues in a new optimizer and a dense one trains after it, grad_at trains between
-    refreshes, and the Trainer snippet defines its class and subclass."""
+    refreshes (the Trainer snippet, the last block: the test below)."""
     import torch
 
     text = (ROOT / "docs" / "sparse_training.md").read_text()
@@ -105,7 +105,19 @@ def test_sparse_training_examples_run():
     before = dict(namespace["model"].named_parameters())  # the pure steps left the model's own tensors alone
     moved = sum(int((params[name] != before[name]).sum()) for name in before)
     assert 20 <= moved <= 40  # two coordinate sets of 20
-    exec(compile(blocks[7], "docs/sparse_training.md", "exec"), namespace)  # the Trainer's class and subclass
+
+
+@pytest.mark.integrations
+def test_sparse_training_trainer_snippet_defines_its_class_and_subclass():
+    """docs/sparse_training.md's last block (transformers' Trainer): the optimizer class and the Trainer subclass."""
+    import torch
+
+    import functopk as ft
+
+    text = (ROOT / "docs" / "sparse_training.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[7]
+    namespace: dict = {"torch": torch, "ft": ft}
+    exec(compile(block, "docs/sparse_training.md", "exec"), namespace)
     assert issubclass(namespace["SparseAdamW"], torch.optim.AdamW)
     assert "_clip_grad_norm" in vars(namespace["SparseTrainer"])
 
