@@ -12,8 +12,6 @@ from tests.sparse.helpers import WeightShaped, tiny_gpt2, weights_of
 
 pytestmark = pytest.mark.integrations  # (GPT-2: transformers)
 
-gpt2 = tiny_gpt2
-
 
 def batches(count: int, size: int = 4) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
@@ -29,7 +27,7 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def train(sampled: bool, steps: int = 8, refresh_every: int = 3) -> torch.Tensor:
-    model = gpt2()
+    model = tiny_gpt2()
     with ft.sparse_optimizer_from_torch(torch.optim.AdamW, model.parameters(), k=300, refresh_every=refresh_every,
                                         sampled=sampled, lr=0.01, weight_decay=0.1) as opt:  # fmt: skip
         for ids in batches(steps):
@@ -42,12 +40,12 @@ def train(sampled: bool, steps: int = 8, refresh_every: int = 3) -> torch.Tensor
 def test_a_run_with_sampled_weight_gradients_equals_the_dense_backward_run_within_rounding():
     """GPT-2 (Conv1D, a tied embedding), float64, refresh every 3 steps: the same run within rounding."""
     dense, sampled = train(sampled=False), train(sampled=True)
-    assert not torch.equal(dense, flat(gpt2()))
+    assert not torch.equal(dense, flat(tiny_gpt2()))
     torch.testing.assert_close(sampled, dense, rtol=1e-10, atol=1e-12)
 
 
 def test_no_dense_weight_gradient_between_refreshes_and_the_dense_one_at_a_refresh():
-    model = gpt2()
+    model = tiny_gpt2()
     opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, model.parameters(), k=300, refresh_every=3, lr=0.01)
     seen = []
     for ids in batches(4, size=5):  # 60 tokens: no activation is shaped like a weight
@@ -62,7 +60,7 @@ def test_no_dense_weight_gradient_between_refreshes_and_the_dense_one_at_a_refre
 
 
 def run_accumulating(how: str, micro: list[torch.Tensor], clip: float | None = None) -> tuple[torch.Tensor, list]:
-    model = gpt2()
+    model = tiny_gpt2()
     opt = ft.sparse_optimizer_from_torch(torch.optim.AdamW, model.parameters(), k=300, refresh_every=3, lr=0.01,
                                          grad_accumulation=how == "grad_accumulation")  # fmt: skip
     norms = []
@@ -83,7 +81,7 @@ def test_grad_accumulation_equals_paused_bit_for_bit_and_the_summed_loss_within_
     by_flag, _ = run_accumulating("grad_accumulation", micro)
     by_pause, _ = run_accumulating("paused", micro)
     assert torch.equal(bits(by_flag), bits(by_pause))
-    model = gpt2()
+    model = tiny_gpt2()
     with ft.sparse_optimizer_from_torch(torch.optim.AdamW, model.parameters(), k=300, refresh_every=3,
                                         lr=0.01) as opt:  # fmt: skip
         for first, last in zip(micro[0::2], micro[1::2]):
@@ -98,7 +96,7 @@ def test_clip_grad_norm_clips_the_k_values_as_torch_clips_a_tensor():
     functional form with torch.nn.utils.clip_grad_norm_ on the stream's values gives the same bits."""
     micro = batches(8, size=2)
     clipped, norms = run_accumulating("grad_accumulation", micro, clip=0.05)
-    model = gpt2()
+    model = tiny_gpt2()
     params = list(model.parameters())
     opt = ft.sparse.sparse_optimizer(ft.from_torch(torch.optim.AdamW, lr=0.01), k=300)
     state = opt.init(params)
@@ -151,7 +149,7 @@ def test_the_class_door_takes_param_groups_and_the_same_keywords():
         and issubclass(cls, torch.optim.AdamW)
         and issubclass(cls, ft.adapter.SparseStateOptimizer)
     )
-    model = gpt2()
+    model = tiny_gpt2()
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
