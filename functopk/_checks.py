@@ -443,36 +443,38 @@ def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[i
     the checks cost a few attribute reads a leaf.
     """
     inference_ok = torch.is_inference_mode_enabled()
-    ranges = []
+    by_device: dict[torch.device, list[tuple[int, int, int]]] = {}  # (start, end, leaf) of the bytes each spans
     for i, leaf in enumerate(leaves):
-        if leaf.is_inference() and not inference_ok:
+        if not inference_ok and leaf.is_inference():
             raise ValueError(
                 f"{name} leaf at {where(i)} is an inference tensor (made under torch.inference_mode) and cannot be "
                 "written in place; clone it outside inference mode first"
             )
-        contiguous = leaf.is_contiguous()
-        if not contiguous and overlaps_itself(leaf):
+        if leaf.is_contiguous():
+            size = leaf.nbytes
+        elif overlaps_itself(leaf):
             raise ValueError(
                 f"{name} leaf at {where(i)} has elements that share memory (shape {tuple(leaf.shape)}, strides "
                 f"{leaf.stride()}, e.g. made by expand), so an in-place add would write some of them several "
                 "times; give it its own storage (.clone()) first"
             )
-        n = leaf.numel()
-        if n:
-            start, device = leaf.data_ptr(), leaf.device
-            end = start + (n if contiguous else span(leaf)) * leaf.element_size()
-            ranges.append((device.type, device.index or 0, start, end, i))
-    ranges.sort()
-    open_ranges: list[tuple[Any, ...]] = []  # those whose memory reaches past the current start
-    for b in ranges:
-        open_ranges = [a for a in open_ranges if a[:2] == b[:2] and b[2] < a[3]]
-        for a in open_ranges:
-            if share_an_element(leaves[a[4]], leaves[b[4]]):
-                raise ValueError(
-                    f"{name} leaves at {where(a[4])} and {where(b[4])} share memory, so an in-place add would "
-                    "write some elements twice; each leaf needs its own memory (the same tensor twice?)"
-                )
-        open_ranges.append(b)
+        else:
+            size = span(leaf) * leaf.element_size()
+        if size:
+            start = leaf.data_ptr()
+            by_device.setdefault(leaf.device, []).append((start, start + size, i))
+    for ranges in by_device.values():
+        ranges.sort()
+        open_ranges: list[tuple[int, int, int]] = []  # those whose memory reaches past the current start
+        for b in ranges:
+            open_ranges = [a for a in open_ranges if b[0] < a[1]]
+            for a in open_ranges:
+                if share_an_element(leaves[a[2]], leaves[b[2]]):
+                    raise ValueError(
+                        f"{name} leaves at {where(a[2])} and {where(b[2])} share memory, so an in-place add would "
+                        "write some elements twice; each leaf needs its own memory (the same tensor twice?)"
+                    )
+            open_ranges.append(b)
 
 
 def check_like(

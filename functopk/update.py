@@ -61,9 +61,14 @@ def paired_leaves(
         raise ValueError(f"updates does not have the tree structure of params: {first_difference(p_def, u_def)}")
     pairs = []
     for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
-        if u is not None:
+        if u is None:
+            continue
+        if not (  # the checks of _check_pair, inline (a call per leaf costs as much); it names the failure
+            isinstance(u, torch.Tensor) and isinstance(p, torch.Tensor) and p.is_floating_point()
+            and u.is_floating_point() and p.shape == u.shape and p.device == u.device
+        ):  # fmt: skip
             _check_pair(p, u, lambda: path_str(p_def.paths()[i]))  # noqa: B023 - called at once or not at all
-            pairs.append((i, u if u.dtype == p.dtype else u.to(p.dtype)))
+        pairs.append((i, u if u.dtype == p.dtype else u.to(p.dtype)))
     if in_place:
         check_writable([p_leaves[i] for i, _ in pairs], "params", lambda j: path_str(p_def.paths()[pairs[j][0]]))
     return p_leaves, pairs, p_def
