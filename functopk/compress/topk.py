@@ -20,7 +20,7 @@ from functopk.base import EmptyState, GradientTransformation, recorded
 from functopk.build import leafwise
 from functopk.inplace import Planned, register_inplace
 from functopk.sparse import dispatch
-from functopk.sparse.config import KernelConfig
+from functopk.sparse.config import KernelConfig, config_or_default
 from functopk.sparse.k import KLike, k_at_step
 from functopk.sparse.kernels.base import SUPPORTED_DTYPES
 from functopk.sparse.selection import Indices
@@ -93,8 +93,7 @@ def topk(
     """
     k, density = check_k_or_density(k, density, allow_schedule=True)
     method = dispatch.check_method(method)
-    if config is not None and not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
+    config_or_default(config)  # (checked here; None stays None below)
     scheduled = callable(k) or callable(density)
 
     def k_of(leaves: list[torch.Tensor], step: torch.Tensor | None, name: str) -> KLike:

@@ -13,7 +13,7 @@ import dataclasses
 
 from functopk._checks import check_choice, check_int
 
-__all__ = ["BACKENDS", "DEFAULT_CONFIG", "KernelConfig"]
+__all__ = ["BACKENDS", "DEFAULT_CONFIG", "KernelConfig", "config_or_default"]
 
 BACKENDS = ("auto", "triton", "aten")
 """The values of :attr:`KernelConfig.backend`."""
@@ -97,3 +97,17 @@ class KernelConfig:
 
 DEFAULT_CONFIG = KernelConfig()
 """The production configuration (used when a function is given ``config=None``)."""
+
+
+def config_or_default(config: object) -> KernelConfig:
+    """``config``, or :data:`DEFAULT_CONFIG` for ``None``; ``TypeError`` for anything else.
+
+    Example:
+        >>> config_or_default(None) is DEFAULT_CONFIG
+        True
+    """
+    if config is None:
+        return DEFAULT_CONFIG
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
+    return config

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from functopk._checks import check_choice
-from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.config import KernelConfig, config_or_default
 from functopk.sparse.k import KLike, clamp_k, k_on_device, k_on_host
 from functopk.sparse.kernels import triton_select
 from functopk.sparse.kernels.approx import gaussian_threshold_flat, sample_threshold
@@ -145,9 +145,7 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
         >>> select([torch.tensor([1.0, -3.0, 2.0])], torch.tensor(2), "torch").mask
         tensor([False,  True,  True])
     """
-    config = DEFAULT_CONFIG if config is None else config
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
+    config = config_or_default(config)
     n = sum(x.numel() for x in leaves)
     if method == "exact" and not _differentiable(leaves) and triton_select.serves(leaves, n, config.backend):
         if isinstance(k, int):

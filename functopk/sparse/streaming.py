@@ -36,7 +36,7 @@ import torch
 
 from functopk._checks import check_bool, check_choice, check_k_or_density, check_leaves, one_device, path_str
 from functopk.sparse import layers
-from functopk.sparse.config import DEFAULT_CONFIG, KernelConfig
+from functopk.sparse.config import KernelConfig, config_or_default
 from functopk.sparse.gathering import GatherPlan, checked_indices, stale
 from functopk.sparse.hooks import GradientHooks
 from functopk.sparse.k import k_on_host, resolve_k
@@ -130,9 +130,7 @@ class StreamingTopK:
         self._accumulate = check_choice(score, "score", ("gradient", "accumulated")) == "accumulated"
         self._summing = check_bool(grad_accumulation, "grad_accumulation")
         self._sampled = check_bool(sampled, "sampled") and not self._accumulate  # the sums need dense gradients
-        if config is not None and not isinstance(config, KernelConfig):
-            raise TypeError(f"config must be a functopk.sparse.KernelConfig or None, got {type(config).__name__}")
-        self._config = DEFAULT_CONFIG if config is None else config
+        self._config = config_or_default(config)
         leaves, treedef = check_leaves(params, "params", dtypes=SUPPORTED_DTYPES)
         if one_device(leaves, "params").type == "meta":
             raise ValueError(

@@ -4,8 +4,8 @@ All three consumers (:func:`apply_sparse_updates`, :func:`apply_sparse_updates_`
 :meth:`SparseUpdates.to_dense`) check the same contract before writing
 anything: the tree has the leaf sizes the update was selected from, and the
 indices are 1-d int64, strictly ascending (so distinct) and in range. The last
-two read a few values on the host; under ``torch.compile`` they are skipped, so
-the compiled paths stay one graph without host syncs.
+two read a few values on the host; under ``torch.compile`` (and while a CUDA
+graph is captured) they are skipped, so those paths have no host syncs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import torch
 
 from functopk._checks import check_hyperparam, check_int, check_leaves, check_writable, describe, path_str
 from functopk.base import Params
+from functopk.sparse.config import KernelConfig, config_or_default
+from functopk.sparse.kernels import triton_scatter, triton_select
+from functopk.sparse.kernels.triton_layout import capturing
 from functopk.tree.layout import FlatLayout, offsets_of
 from functopk.tree.maths import PyTree
 
@@ -151,8 +154,9 @@ def _check_sizes(sizes: tuple[int, ...], leaves: list[torch.Tensor], treedef: op
 
 
 def check_ascending_indices(idx: torch.Tensor, numel: int, name: str = "sparse.indices") -> None:
-    """Strictly ascending (so distinct) and in ``[0, numel)``: a few values read on the host; skipped when compiling."""
-    if torch.compiler.is_compiling() or idx.numel() == 0:
+    """Strictly ascending (so distinct) and in ``[0, numel)``: a few values read on the host; skipped when compiling
+    and while a CUDA graph is captured."""
+    if torch.compiler.is_compiling() or idx.numel() == 0 or capturing(idx.device):  # (no host reads there)
         return
     ascending, lowest, highest = torch.stack([(idx[1:] > idx[:-1]).all().long(), idx[0], idx[-1]]).tolist()
     if not ascending:
@@ -439,7 +443,9 @@ def apply_sparse_updates(params: Params, sparse: SparseUpdates, scale: float | t
     return optree.tree_unflatten(treedef, _scatter(leaves, sparse.indices, vals, base=True))
 
 
-def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | torch.Tensor = 1.0) -> Params:
+def apply_sparse_updates_(
+    params: Params, sparse: SparseUpdates, scale: float | torch.Tensor = 1.0, *, config: KernelConfig | None = None
+) -> Params:
     """In place: add ``scale * sparse`` into the tensors of ``params`` and return ``params``.
 
     The eager fast path: ``O(k)`` work and no new parameter tensors, one
@@ -450,13 +456,17 @@ def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | 
     :func:`apply_sparse_updates` and that every leaf it writes can take an
     in-place add (not an inference tensor, no elements or leaves sharing
     memory, as :func:`functopk.apply_updates_`) before writing anything, and
-    is eager-only.
-    Non-contiguous leaves are updated through a temporary copy.
+    is eager-only. Non-contiguous leaves are updated through a temporary copy.
+    On CUDA tensors one kernel adds the whole update instead, strided leaves
+    where they lie, with no per-leaf host read (:mod:`~functopk.sparse.kernels.triton_scatter`;
+    every leaf is checked, as which ones receive an index is not read): the same bits.
 
     Args:
         params: A tree with the leaves of the tree ``sparse`` was selected from.
         sparse: The sparse update.
         scale: A number or a 0-d float tensor multiplying the values (``-lr`` for SGD).
+        config: ``KernelConfig(backend=...)``: ``"auto"`` (the one kernel on CUDA where Triton imports),
+            ``"triton"`` (always: CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"aten"`` (never).
 
     Example:
         >>> import torch, functopk as ft
@@ -466,8 +476,14 @@ def apply_sparse_updates_(params: Params, sparse: SparseUpdates, scale: float | 
         tensor([ 1., -1.,  1.])
     """
     vals = _scaled(sparse, scale) if isinstance(sparse, SparseUpdates) else None
+    config = config_or_default(config)
     leaves, treedef = check_update_of(sparse, params, "params")
     idx = sparse.indices
+    if leaves and triton_select.serves(leaves, sparse.numel, config.backend):
+        check_writable(leaves, "params", lambda j: path_str(treedef.paths()[j]))
+        with torch.no_grad():
+            if triton_scatter.add_(leaves, idx, vals, config):
+                return params
     bounds = FlatLayout.from_tree(leaves).bounds(idx, name="sparse.indices")
     touched = [i for i, (_, lo, hi) in enumerate(bounds) if hi > lo]
     # every leaf that will be written must take an in-place add: checked before the first write

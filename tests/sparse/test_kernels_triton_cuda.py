@@ -209,3 +209,30 @@ def test_auto_backend_runs_triton_on_cuda_and_aten_matches():
     assert not isinstance(dispatch.select(leaves, 10, "exact", ATEN), TritonTopK)
     a, b = ft.topk_indices(tree, 4321), ft.topk_indices(tree, 4321, config=ATEN)
     assert torch.equal(a.indices, b.indices) and torch.equal(bits(a.values), bits(b.values))
+
+
+def test_the_sparse_apply_adds_like_the_cpu_path_in_one_launch_and_is_captured():
+    """bf16 and fp16 leaves, a channels_last weight: the CPU ATen path's bits; one kernel; and a CUDA graph of the
+    apply (its index checks are skipped while capturing) replays it on new values."""
+    tree = _big_tree() | {"conv": torch.randn(64, 32, 3, 3, device="cuda").to(memory_format=torch.channels_last)}
+    n = numel(tree)
+    sparse = ft.topk_indices(tree, 5000, config=TRITON)
+    want = ft.apply_sparse_updates_(to_device(tree, "cpu"), to_device(sparse, "cpu"), -0.5, config=ATEN)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ft.apply_sparse_updates_(tree, sparse, -0.5)  # (auto: the kernel)
+        torch.cuda.synchronize()
+    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("scatter_add_kernel" in name for name in launched) == 1, launched
+    for key in tree:
+        assert tree[key].stride() == want[key].stride() and torch.equal(bits(tree[key].cpu()), bits(want[key]))
+    values = torch.zeros(5000, device="cuda")
+    static = sparse._replace(values=values)
+    ft.apply_sparse_updates_(tree, static)  # warm-up: the table is cached before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ft.apply_sparse_updates_(tree, static)
+    before = to_device(tree, "cpu")
+    values.copy_(torch.randn(5000, device="cuda"))
+    graph.replay()
+    again = ft.apply_sparse_updates_(before, to_device(static, "cpu"), config=ATEN)
+    assert all(torch.equal(bits(tree[key].cpu()), bits(again[key])) for key in tree), n

@@ -22,7 +22,7 @@ import torch
 
 import functopk as ft
 from functopk._compat import too_old_for
-from functopk.sparse.kernels import triton_layout, triton_select
+from functopk.sparse.kernels import triton_layout, triton_scatter, triton_select
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(not triton_select.available(), reason="triton is not installed")
@@ -36,14 +36,15 @@ def test_interpreted_kernels_all_run_and_pass():
     old = too_old_for("torch.compile of functopk code") is not None
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-         "tests/sparse/triton_interpreted.py", *(["-m", "not compile"] if old else [])],
+         "tests/sparse/triton_interpreted.py", "tests/sparse/triton_scatter_interpreted.py",
+         *(["-m", "not compile"] if old else [])],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     expected = r"\d+ passed, 1 deselected in .*" if old else r"\d+ passed in .*"
     assert re.fullmatch(expected, summary), summary  # nothing skipped or xfailed
-    assert int(summary.split()[0]) >= (20 if old else 21), summary
+    assert int(summary.split()[0]) >= (24 if old else 25), summary
 
 
 def test_serves_cuda_leaves_by_default_and_cpu_leaves_only_when_forced():
@@ -121,3 +122,17 @@ def test_every_kernel_compiles_for_an_sm90_gpu():
                 seen.add(kernel.fn.__name__)
                 assert _compile_for_sm90(kernel, args, meta).asm["cubin"]
         assert len(seen) == 5
+    table = triton_layout.plan(cases[0][0])
+    for dtypes in ({torch.float32}, {torch.float32, torch.float16, torch.bfloat16, torch.float64}):
+        kernel, _, args, meta = triton_scatter.launch(table, torch.zeros(9, dtype=torch.int64), torch.zeros(9), dtypes)
+        assert _compile_for_sm90(kernel, args, meta).asm["cubin"]
+
+
+@needs_triton
+def test_the_sparse_apply_refuses_a_forced_triton_on_cpu_tensors_without_the_interpreter():
+    sparse = ft.topk_indices({"w": torch.ones(4)}, 2)
+    with pytest.raises(TypeError, match="config must be a functopk.sparse.KernelConfig or None, got str"):
+        ft.apply_sparse_updates_({"w": torch.ones(4)}, sparse, config="triton")
+    if not triton_select.interpreting():
+        with pytest.raises(ValueError, match="backend='triton' runs on CUDA tensors, or on CPU tensors under"):
+            ft.apply_sparse_updates_({"w": torch.ones(4)}, sparse, config=ft.sparse.KernelConfig(backend="triton"))
