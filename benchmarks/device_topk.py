@@ -21,6 +21,10 @@ Targets (H200): indices (triton) at most 0.10 ms (k = 1000) and 0.15 ms (1%) on 
 faster than cat+topk+scatter, at most 0.3 ms on the 100M tree; sparsify at most indices plus one
 write pass. Runs on the CPU too (a smoke run; the Triton rows need a GPU there).
 
+A second table times ``ft.apply_sparse_updates_`` of that selection into the tree, in place: the ATen path
+(the indices split by leaf with a host read, one ``index_add_`` per leaf that receives any) against the
+Triton kernel (one launch for the whole tree).
+
 Usage:
     python benchmarks/device_topk.py --device cuda --out benchmarks/results/gpu/topk.md
     python benchmarks/device_topk.py --device cpu --small --rounds 2     # smoke run
@@ -99,6 +103,16 @@ def check(leaves: list[torch.Tensor], flat_mags: torch.Tensor, k: int, triton: b
         assert torch.equal(fast.indices, expected.indices) and torch.equal(fast.values, expected.values)
 
 
+def apply_times(leaves: list[torch.Tensor], k: int, triton: bool, rounds: int, calls: int, device: str) -> list:
+    """Seconds per ``apply_sparse_updates_`` of the top ``k`` of ``leaves`` into them: ATen, Triton (NaN without)."""
+    sparse = ft.topk_indices(leaves, k, config=ATEN)
+    fns = {"aten": lambda: ft.apply_sparse_updates_(leaves, sparse, -1e-3, config=ATEN)}
+    if triton:
+        fns["triton"] = lambda: ft.apply_sparse_updates_(leaves, sparse, -1e-3, config=TRITON)
+    med = medians(fns, rounds, calls, device)
+    return [med["aten"], med.get("triton", float("nan"))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -121,6 +135,8 @@ def main() -> None:
         "| sparsify (ms) | cat+topk+scatter / triton | bandwidth reached (TB/s) | of copy bandwidth |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    applies = ["", "| tree | k | apply_sparse_updates_, aten (ms) | apply_sparse_updates_, triton (ms) |",
+               "| --- | --- | ---: | ---: |"]
     for tree_name, leaves in trees(args.device, args.small).items():
         n = sum(x.numel() for x in leaves)
         nbytes = sum(x.numel() * x.element_size() for x in leaves)
@@ -137,7 +153,9 @@ def main() -> None:
                 f"{med['usual'] / fast:.1f}x | {nbytes / fast / 1e12:.2f} | {nbytes / fast / bandwidth:.0%} |"
             )
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
+            applies.append(f"| {tree_name} | {label} | " + " | ".join(
+                f"{1e3 * t:.3f}" for t in apply_times(leaves, k, triton, args.rounds, args.calls, args.device)) + " |")
+    text = "\n".join(lines + applies) + "\n"
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
