@@ -22,7 +22,12 @@ import functopk as ft
 from functopk.sparse.kernels import triton_layout, triton_scatter, triton_select
 from tests.helpers import bits_any_nan, numel, trees_st
 
-pytestmark = pytest.mark.skipif(not triton_select.interpreting(), reason="needs TRITON_INTERPRET=1")
+pytestmark = [
+    pytest.mark.skipif(not triton_select.interpreting(), reason="needs TRITON_INTERPRET=1"),
+    # a value beyond float16's range becomes inf in a float16 leaf, as in torch; Triton 3.6's interpreter casts
+    # with numpy, which warns about it
+    pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
+]
 
 TRITON = ft.sparse.KernelConfig(backend="triton")
 add_ = triton_scatter.add_
@@ -98,6 +103,10 @@ def test_every_coordinate_of_a_mixed_tree_and_the_empty_update():
     assert triton_layout.plan(optree.tree_leaves(tree)).source == "table"
     values = torch.linspace(-3.0, 3.0, n)
     assert_adds_like_brute_force(tree, ft.SparseUpdates(torch.arange(n), values, n))
+    # the half leaf (flat 120 to 152, after conv's 120): beyond float16's range, and just inside it
+    huge = ft.SparseUpdates(torch.tensor([120, 121, 130]), torch.tensor([1e6, -7e4, 6e4], dtype=torch.float64), n)
+    assert_adds_like_brute_force(tree, huge, scale=1.0)
+    assert tree["half"][0] == math.inf and tree["half"][1] == -math.inf
     before = optree.tree_map(torch.clone, tree)
     empty = ft.SparseUpdates(torch.zeros(0, dtype=torch.int64), torch.zeros(0), n)
     ft.apply_sparse_updates_(tree, empty, config=TRITON)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from functopk.sparse.kernels import triton_layout
 
-__all__ = ["carry", "key_of", "leaf_tile", "load_as", "memory_offsets", "sample_keys"]
+__all__ = ["carry", "key_of", "leaf_of", "leaf_tile", "load_as", "memory_offsets", "sample_keys"]
 
 # dtype codes of the leaf table (every kernel reading a table compiles a branch per dtype its keys allow)
 F32 = tl.constexpr(1)
@@ -130,6 +130,21 @@ def leaf_tile(src, table, n, n_leaves, p, s, ordered, FLAT: tl.constexpr, KEY64:
 
 
 @triton.jit
+def leaf_of(table, n_leaves, pos, valid, N: tl.constexpr):
+    """The table row of the leaf holding each flat index ``pos`` (``N`` lanes): a binary search for the last
+    leaf whose flat offset is at most ``pos`` (an empty leaf shares its offset with the next one, so the
+    search passes it)."""
+    lo = tl.zeros([N], tl.int64)
+    size = n_leaves
+    while size > 1:
+        half = size // 2
+        ok = tl.load(table + ROW * (lo + half) + 1, mask=valid, other=0) <= pos
+        lo = tl.where(ok, lo + half, lo)
+        size = size - half
+    return lo
+
+
+@triton.jit
 def _sample_key(addr, local, valid, code, key, C: tl.constexpr, DT: tl.constexpr, KEY64: tl.constexpr):
     """``key`` with the keys of the sampled coordinates of dtype code ``C`` filled in."""
     this, _ = load_as(addr, local, valid & (code == C), DT, KEY64, DT)
@@ -145,15 +160,7 @@ def sample_keys(src, table, n_leaves, stride, count, FLAT: tl.constexpr, KEY64: 
     if FLAT:
         key = key_of(tl.load(src + pos, mask=valid, other=0.0), KEY64)
     else:
-        # binary search: the last leaf whose flat offset is <= pos (an empty leaf shares its offset with the
-        # next one, so the search passes it)
-        lo = tl.zeros([SAMPLE], tl.int64)
-        size = n_leaves
-        while size > 1:
-            half = size // 2
-            ok = tl.load(table + ROW * (lo + half) + 1, mask=valid, other=0) <= pos
-            lo = tl.where(ok, lo + half, lo)
-            size = size - half
+        lo = leaf_of(table, n_leaves, pos, valid, SAMPLE)
         addr = tl.load(table + ROW * lo, mask=valid, other=0)
         local = pos - tl.load(table + ROW * lo + 1, mask=valid, other=0)  # where it lies (strided: any order)
         code = tl.load(table + ROW * lo + 3, mask=valid, other=0)

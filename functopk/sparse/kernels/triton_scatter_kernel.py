@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from functopk.sparse.kernels.triton_reads import BF16, F16, F32, F64, ROW
+from functopk.sparse.kernels.triton_reads import BF16, F16, F32, F64, ROW, leaf_of
 
 __all__ = ["scatter_add_kernel"]
 
@@ -26,23 +26,14 @@ def _add_as(addr, offs, v, mask, DT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n_leaves", "count"])
-def scatter_add_kernel(
-    table,
-    n_leaves,
-    indices,
-    values,
-    count,
-    BLOCK: tl.constexpr,
-    HAS_F16: tl.constexpr,
-    HAS_BF16: tl.constexpr,
-    HAS_F64: tl.constexpr,
-):
+def scatter_add_kernel(table, n_leaves, indices, values, count, BLOCK: tl.constexpr, HAS_F16: tl.constexpr,
+                       HAS_BF16: tl.constexpr, HAS_F64: tl.constexpr):
     """Add ``values[j]`` into the tree's coordinate at flat index ``indices[j]``, for ``j < count``.
 
-    Each lane finds its index's leaf by a binary search over the table's flat offsets (the last leaf
-    starting at or before it: an empty leaf shares its offset with the next one, so the search passes
-    it), splits the offset within the leaf into the four logical indices of the row's sizes (a
-    contiguous leaf's row has one dimension, of stride 1) and adds at the memory offset they give.
+    Each lane finds its index's leaf by a binary search over the table's flat offsets
+    (:func:`~.triton_reads.leaf_of`), splits the offset within the leaf into the four logical
+    indices of the row's sizes (a contiguous leaf's row has one dimension, of stride 1) and adds at
+    the memory offset they give.
     The indices are distinct, so every element is written by one lane: no atomics, and the result
     does not depend on the order the programs run in. ``HAS_*``: whether the tree has leaves of that
     dtype (a branch is compiled only for those; float32's always is).
@@ -51,14 +42,7 @@ def scatter_add_kernel(
     valid = j < count
     pos = tl.load(indices + j, mask=valid, other=0)
     v = tl.load(values + j, mask=valid, other=0.0)
-    lo = tl.zeros([BLOCK], tl.int64)
-    size = n_leaves
-    while size > 1:
-        half = size // 2
-        ok = tl.load(table + ROW * (lo + half) + 1, mask=valid, other=0) <= pos
-        lo = tl.where(ok, lo + half, lo)
-        size = size - half
-    row = table + ROW * lo
+    row = table + ROW * leaf_of(table, n_leaves, pos, valid, BLOCK)
     local = pos - tl.load(row + 1, mask=valid, other=0)
     d1 = tl.load(row + 5, mask=valid, other=1)
     d2 = tl.load(row + 6, mask=valid, other=1)
