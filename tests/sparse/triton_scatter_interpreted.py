@@ -103,10 +103,12 @@ def test_every_coordinate_of_a_mixed_tree_and_the_empty_update():
     assert triton_layout.plan(optree.tree_leaves(tree)).source == "table"
     values = torch.linspace(-3.0, 3.0, n)
     assert_adds_like_brute_force(tree, ft.SparseUpdates(torch.arange(n), values, n))
-    # the half leaf (flat 120 to 152, after conv's 120): beyond float16's range, and just inside it
-    huge = ft.SparseUpdates(torch.tensor([120, 121, 130]), torch.tensor([1e6, -7e4, 6e4], dtype=torch.float64), n)
-    assert_adds_like_brute_force(tree, huge, scale=1.0)
-    assert tree["half"][0] == math.inf and tree["half"][1] == -math.inf
+    # the half leaf (flat 120 to 152, after conv's 120): beyond float16's range, just inside it, and a double
+    # that rounds to half differently directly (up) and through float32, as torch converts it (to 1.0)
+    values = torch.tensor([1e6, -7e4, 6e4, 1 + 2**-11 + 2**-40], dtype=torch.float64)
+    half = tree["half"][12].clone()
+    assert_adds_like_brute_force(tree, ft.SparseUpdates(torch.tensor([120, 121, 130, 132]), values, n), scale=1.0)
+    assert tree["half"][0] == math.inf and tree["half"][1] == -math.inf and tree["half"][12] == half + 1.0
     before = optree.tree_map(torch.clone, tree)
     empty = ft.SparseUpdates(torch.zeros(0, dtype=torch.int64), torch.zeros(0), n)
     ft.apply_sparse_updates_(tree, empty, config=TRITON)

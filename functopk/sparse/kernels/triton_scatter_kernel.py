@@ -19,10 +19,15 @@ __all__ = ["scatter_add_kernel"]
 @triton.jit
 def _add_as(addr, offs, v, mask, DT: tl.constexpr):
     """``x += v`` at element offsets ``offs`` of the leaf of dtype ``DT`` at byte address ``addr`` (``v`` cast
-    to ``DT`` first, as ``index_add_`` casts its source)."""
+    to ``DT`` first, as ``index_add_`` casts its source: through float32, as torch turns a double into a
+    half or a bfloat16, rounding twice)."""
     ptr = addr.to(tl.pointer_type(DT)) + offs
     x = tl.load(ptr, mask=mask, other=0.0)
-    tl.store(ptr, x + v.to(DT), mask=mask)
+    if DT == tl.float64:
+        w = v.to(tl.float64)
+    else:
+        w = v.to(tl.float32).to(DT)
+    tl.store(ptr, x + w, mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_leaves", "count"])
