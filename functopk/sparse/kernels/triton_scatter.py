@@ -13,8 +13,9 @@ fall in each leaf and launches two kernels per leaf that receives any. Here:
   (built once per set of leaves and cached; strided leaves such as
   ``channels_last`` weights are written where they lie);
 * leaves with gaps or overlaps (which the kernels could read only through a
-  copy), a dtype the table has no code for, and a CUDA graph capture before
-  any table was built: not served (``False``), the ATen path runs.
+  copy), a dtype the table has no code for, tensor subclasses (a ``DTensor``
+  shard) and a CUDA graph capture before any table was built: not served
+  (``False``), the ATen path runs.
 
 The numbers are the ATen path's bit for bit: each value is cast to its leaf's
 dtype and added once (the indices are distinct).
@@ -33,6 +34,8 @@ __all__ = ["BLOCK", "add_", "launch"]
 
 BLOCK = 256
 """Indices per program."""
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def launch(p: Plan, indices: torch.Tensor, values: torch.Tensor, dtypes: set[torch.dtype]) -> tuple:
@@ -53,7 +56,7 @@ def add_(
     ``indices``: distinct int64 flat indices in range (checked by the caller); ``values``: one per index,
     of any float dtype. Returns whether it ran (``False``: nothing was written).
     """
-    if any(x.dtype not in CODES for x in leaves):  # (no table code for it)
+    if any(x.dtype not in CODES or type(x) not in _PLAIN for x in leaves):  # (no table code; a DTensor shard)
         return False
     p = plan(leaves, config)
     if p.source == "flat" and p.flat is not None:
