@@ -134,7 +134,7 @@ def run(opts: list[str], leaves: int, numel: int, rounds: int) -> list[dict]:
             params, grads = tree(leaves, numel, 0), tree(leaves, numel, 1)
             variants = [cls(opt, params, grads) for cls in VARIANTS]
             times = interleaved({v.name: v.step for v in variants}, rounds)
-            base = times[TorchOptim(opt, params, grads).name]
+            base = times[variants[0].name]  # (TorchOptim: the first of VARIANTS)
             for v in variants:
                 few, many = ops_per_step(type(v), opt, 8), ops_per_step(type(v), opt, leaves)
                 rows.append(dict(opt=name, variant=v.name, us=times[v.name] * 1e6, ratio=times[v.name] / base,
