@@ -1,7 +1,7 @@
 """Which elements of strided tensors share memory, read from their strides alone (never their values).
 
-:func:`functopk._checks.check_writable` refuses an in-place write where one
-element would be written twice: a tensor whose elements alias each other
+:func:`check_writable` refuses an in-place write where one element would be
+written twice: a tensor whose elements alias each other
 (:func:`overlaps_itself`, an ``expand``-ed view) or two tensors that share an
 element (:func:`share_an_element`; interleaved views of one buffer that share
 none, ``base[::2]`` and ``base[1::2]``, pass).
@@ -10,10 +10,11 @@ none, ``base[::2]`` and ``base[1::2]``, pass).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["overlaps_itself", "share_an_element", "span"]
+__all__ = ["check_writable", "overlaps_itself", "share_an_element", "span"]
 
 
 def span(t: torch.Tensor) -> int:
@@ -106,3 +107,54 @@ def share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
             return True
         stack.extend((k + 1, rest - c * s) for c in range(first, last + 1))
     return False
+
+
+def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[int], str]) -> None:
+    """``ValueError`` naming the first leaf that an in-place write would corrupt or that refuses one.
+
+    Rejects inference tensors (outside ``torch.inference_mode``), leaves whose
+    elements share memory (``torch.zeros(3).expand(2, 3)``: one add would land
+    several times) and leaves that share an element with another (the same
+    tensor twice; interleaved views of one buffer that share none, such as
+    ``base[::2]`` and ``base[1::2]``, pass). Reads strides only, never values.
+    ``where(i)`` formats leaf ``i``'s path; it is called only for a message, so
+    the checks cost a few attribute reads a leaf.
+    """
+    inference_ok = torch.is_inference_mode_enabled()
+    by_device: dict[torch.device, list[tuple[int, int, int]]] = {}  # (start, end, leaf) of the bytes each spans
+    for i, leaf in enumerate(leaves):
+        if not inference_ok and leaf.is_inference():
+            raise ValueError(
+                f"{name} leaf at {where(i)} is an inference tensor (made under torch.inference_mode) and cannot be "
+                "written in place; clone it outside inference mode first"
+            )
+        if leaf.is_contiguous():
+            size = leaf.nbytes
+        elif overlaps_itself(leaf):
+            raise ValueError(
+                f"{name} leaf at {where(i)} has elements that share memory (shape {tuple(leaf.shape)}, strides "
+                f"{leaf.stride()}, e.g. made by expand), so an in-place add would write some of them several "
+                "times; give it its own storage (.clone()) first"
+            )
+        else:
+            size = span(leaf) * leaf.element_size()
+        if size:
+            start = leaf.data_ptr()
+            by_device.setdefault(leaf.device, []).append((start, start + size, i))
+    for ranges in by_device.values():
+        ranges.sort()
+        open_ranges: list[tuple[int, int, int]] = []  # those whose memory reaches past the current start
+        reach = 0  # the furthest end so far: a range starting there meets none before it (the common case)
+        for b in ranges:
+            if b[0] >= reach:
+                open_ranges, reach = [b], b[1]
+                continue
+            open_ranges = [a for a in open_ranges if b[0] < a[1]]
+            reach = max(reach, b[1])
+            for a in open_ranges:
+                if share_an_element(leaves[a[2]], leaves[b[2]]):
+                    raise ValueError(
+                        f"{name} leaves at {where(a[2])} and {where(b[2])} share memory, so an in-place add would "
+                        "write some elements twice; each leaf needs its own memory (the same tensor twice?)"
+                    )
+            open_ranges.append(b)

@@ -35,11 +35,10 @@ kernel per operation. :func:`update_` then copies the head's new states (and
 the tail's new step counts) into the old tensors; the ``torch.optim`` adapter
 keeps them as its new state instead.
 
-A part after a top-k is told its input is mostly zero (the writer's
-``mostly_zero``), which Adam uses to skip ``sqrt``'s slow path for zeros (the
-same bits); a constant exact top-k in the tail writes its selection into a flat
-buffer it keeps between steps, re-zeroed at the last step's indices, instead of
-a new dense tree.
+A part after a top-k is told its input is mostly zero (``mostly_zero``: Adam
+skips ``sqrt``'s slow path for zeros, same bits); a constant exact top-k in the
+tail writes its selection into a flat buffer kept between steps, re-zeroed at
+the last step's indices, not into a new dense tree.
 
 Aliasing rules:
 
@@ -55,10 +54,8 @@ Aliasing rules:
 * All or nothing: every check (and the pure part of the computation) runs
   before the first write, so a call that raises leaves ``params`` and
   ``opt_state`` as they were.
-* Eager only. It writes tensors in place under ``torch.no_grad``; inside
-  ``torch.func`` transforms (``grad``, ``vmap``, ``functional_call`` with
-  gradients) and ``torch.compile`` use the pure update, which is what they are
-  built for (inductor reuses buffers itself).
+* Eager only (in place under ``torch.no_grad``): inside ``torch.func`` and
+  ``torch.compile`` use the pure update (inductor reuses buffers itself).
 """
 
 from __future__ import annotations
@@ -70,7 +67,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from functopk._checks import check_writable, path_str
+from functopk._checks import path_str
+from functopk._overlap import check_writable
 from functopk.base import EmptyState, GradientTransformation, OptState, Params, Updates, check_transformation
 from functopk.tree import chunked
 from functopk.tree.writer import EXACT_DTYPES, IN_PLACE, IN_PLACE_SPARSE, Writer, in_place, like
@@ -169,8 +167,6 @@ def formula_stage(
     def stage(grads: list[torch.Tensor], old: Any, params: list[torch.Tensor], treedef: Any) -> Planned | None:
         if not formula.in_place or type(old) is not state_type:
             return None
-        if not all(p.dtype in EXACT_DTYPES for p in params):  # (float16, bfloat16: mul_ rounds unlike mul)
-            return None
         state: Any = old
         fields: list[list[torch.Tensor] | None] = []
         for name in tree_fields:
@@ -179,6 +175,8 @@ def formula_stage(
             if tree is not None and leaves is None:
                 return None
             fields.append(leaves)
+        if all(f is None for f in fields) and not all(p.dtype in EXACT_DTYPES for p in params):
+            return None  # (float16, bfloat16: mul_ rounds unlike mul; a field that fits has exact dtypes)
         if validate is not None:
             validate(grads, treedef, "updates")
         p = params if needs_params else None
@@ -259,6 +257,7 @@ class Step(NamedTuple):
         updates: The tail's input (the head's output leaves), or, without a tail, the pure updates' leaves.
         params: The parameters' leaves.
         adds: The indices of the parameters with an update.
+        grads, treedef: The gradients' leaves, flattened up to the parameters' structure ``treedef``.
     """
 
     tx: GradientTransformation
@@ -269,6 +268,8 @@ class Step(NamedTuple):
     updates: list[Any]
     params: list[Any]
     adds: list[int]
+    grads: list[Any]
+    treedef: optree.PyTreeSpec
 
     @property
     def new_state(self) -> OptState:
@@ -299,8 +300,9 @@ def plan_step(
 
     ``in_place=False`` plans it all pure (its new state is then fresh, to be kept or copied in);
     ``checked``: the caller made ``params`` and ``grads``, trees of one structure (``None`` at the same
-    places, a parameter taking no part), a tensor at every other leaf of each, shaped alike (the
-    adapters), so the checks of :func:`functopk.apply_updates` are not repeated.
+    places, a parameter taking no part), a dense tensor at every other leaf of each, each gradient shaped
+    like its parameter and on its device (the adapters: ``p.grad``), so the checks of
+    :func:`functopk.apply_updates` are not repeated.
 
     Raises:
         TypeError, ValueError: as ``tx.update`` and :func:`functopk.apply_updates` do.
@@ -312,7 +314,10 @@ def plan_step(
         p_leaves, pairs, treedef = paired_leaves(params, grads, in_place=False)  # (writability: check_disjoint)
     g_leaves: list[Any] = treedef.flatten_up_to(grads)
     fits = in_place and bool(p_leaves) and len(pairs) == len(p_leaves)
-    fits = fits and all(like(g, p, exact=False) for g, p in zip(g_leaves, p_leaves))  # (formulas: float32/64)
+    if fits and checked:  # (a gradient's dtype may differ: torch checks ``p.grad = g``, not ``p.grad.data = g``)
+        fits = all(g.dtype == p.dtype for g, p in zip(g_leaves, p_leaves))
+    elif fits:  # (paired_leaves checked shapes and devices; a gradient kept in ``pairs`` has its parameter's dtype)
+        fits = all(u is g and g.layout == torch.strided for (_, u), g in zip(pairs, g_leaves))
     whole = [_Part(tx, opt_state, "")]
     head, tail, plans = split(tx, opt_state, g_leaves, p_leaves, treedef) if fits else (whole, [], [])
     updates: Any = grads
@@ -329,9 +334,11 @@ def plan_step(
     new_states += [planned.new_state for planned in plans]
     if plans:
         assert u_leaves is not None
-        return Step(tx, opt_state, head + tail, new_states, plans, u_leaves, p_leaves, list(range(len(p_leaves))))
+        return Step(tx, opt_state, head + tail, new_states, plans, u_leaves, p_leaves, [*range(len(p_leaves))],
+                    g_leaves, treedef)  # fmt: skip
     leaves, pairs, full = paired_leaves(params, updates, in_place=False)  # checked before anything is written
-    return Step(tx, opt_state, head, new_states, [], full.flatten_up_to(updates), leaves, [i for i, _ in pairs])
+    ups, adds = full.flatten_up_to(updates), [i for i, _ in pairs]
+    return Step(tx, opt_state, head, new_states, [], ups, leaves, adds, g_leaves, treedef)
 
 
 def run_step(step: Step, *, add: bool, writer: Writer = IN_PLACE) -> list[Any] | None:
@@ -412,8 +419,7 @@ def update_(
     check_transformation(tx, "tx")
     step = plan_step(tx, grads, opt_state, params)
     copies = [c for part, new in zip(step.parts, step.new_states) for c in _copies(part.state, new, part.path)]
-    treedef = optree.tree_structure(params, none_is_leaf=True)
-    check_disjoint(step, [o for o, _, _ in copies], treedef.flatten_up_to(grads), treedef, [c[2] for c in copies])
+    check_disjoint(step, [o for o, _, _ in copies], step.grads, step.treedef, [c[2] for c in copies])
     run_step(step, add=True)
     with torch.no_grad():
         for old, new, _ in copies:
@@ -431,7 +437,13 @@ def _leaves_like(updates: Any, treedef: optree.PyTreeSpec, params: list[torch.Te
 
 def _copies(old: OptState, new: OptState, path: str) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
     """``(old tensor, new value, path)`` for each state leaf that changed; ``ValueError`` where one cannot be
-    written in place (another structure, a tensor of another shape, dtype or device, a changed non-tensor)."""
+    written in place (another structure, a tensor of another shape, dtype or device, a changed non-tensor).
+    Tuples (named or not) are compared field by field, so the fields an in-place step kept (its tree
+    fields, the state's own tensors) are never flattened: a step costs the changed fields only."""
+    if new is old:
+        return []
+    if type(new) is type(old) and (type(old) is tuple or optree.is_namedtuple_instance(old)) and len(new) == len(old):
+        return [c for i, (o, n) in enumerate(zip(old, new)) for c in _copies(o, n, f"{path}[{i!r}]")]
     paths, old_leaves, old_def = optree.tree_flatten_with_path(old, none_is_leaf=True)
     new_leaves, new_def = optree.tree_flatten(new, none_is_leaf=True)
     if old_def != new_def:
@@ -443,7 +455,7 @@ def _copies(old: OptState, new: OptState, path: str) -> list[tuple[torch.Tensor,
     for sub, o, n in zip(paths, old_leaves, new_leaves):
         if n is o:
             continue
-        where = "opt_state" + path + path_str(sub)
+        where = "opt_state" + path + (path_str(sub) if sub else "")
         if not isinstance(o, torch.Tensor):
             if isinstance(n, torch.Tensor) or n != o:
                 raise ValueError(f"update_: the state leaf at {where} ({o!r}) is no tensor and changed; use tx.update")

@@ -14,8 +14,9 @@ from typing import Any
 import optree
 import torch
 
-from functopk._checks import check_tree, check_writable, describe, first_difference, path_str
+from functopk._checks import check_tree, describe, first_difference, path_str
 from functopk._compat import same_structure
+from functopk._overlap import check_writable
 from functopk.base import Params, Updates
 
 __all__ = ["apply_updates", "apply_updates_"]

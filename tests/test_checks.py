@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from functopk import _checks as C
+from functopk._overlap import check_writable
 
 
 def test_numbers_bools_ints():
@@ -195,13 +196,42 @@ def test_check_writable_refuses_exactly_the_views_that_share_an_element():
         a, b = view(), view()
         shares = bool(_element_offsets(a) & _element_offsets(b))
         try:
-            C.check_writable([a, b], "params", lambda i: f"[{i}]")
+            check_writable([a, b], "params", lambda i: f"[{i}]")
         except ValueError as err:
             assert shares or "elements that share memory" in str(err), (a.stride(), b.stride())
             refused += shares
             continue
         assert not shares, (a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(), b.storage_offset())
     assert refused > 100
-    C.check_writable([base[::2], base[1::2]], "params", str)  # disjoint: passes
+    check_writable([base[::2], base[1::2]], "params", str)  # disjoint: passes
     with pytest.raises(ValueError, match=r"leaves at \[0\] and \[1\] share memory"):
-        C.check_writable([base[::2], base[2::2]], "params", lambda i: f"[{i}]")
+        check_writable([base[::2], base[2::2]], "params", lambda i: f"[{i}]")
+
+
+def test_check_writable_finds_a_shared_element_among_many_ranges():
+    """Several views at once (a range that reaches past others it does not touch, then one it does): refused
+    exactly when some pair shares an element (brute force), whatever the order of the leaves."""
+    import random
+
+    rng = random.Random(1)
+    base = torch.zeros(400)
+    refused = 0
+    for _ in range(600):
+        views = []
+        for _ in range(rng.randint(3, 6)):
+            step, n = rng.choice([1, 2, 3, 8]), rng.randint(1, 12)
+            views.append(base[rng.randint(0, 399 - step * (n - 1)) :: step][:n])
+        offsets = [_element_offsets(v) for v in views]
+        shares = any(offsets[i] & offsets[j] for i in range(len(views)) for j in range(i))
+        try:
+            check_writable(views, "params", str)
+        except ValueError:
+            assert shares
+            refused += 1
+            continue
+        assert not shares, [(v.storage_offset(), v.stride(), v.numel()) for v in views]
+    assert 100 < refused < 550
+    long, inside, touching = base[0:100:3], base[10:20:3], base[40:50]  # ``inside`` shares none with ``long``
+    check_writable([long, inside], "params", str)
+    with pytest.raises(ValueError, match=r"leaves at 0 and 2 share memory"):
+        check_writable([long, inside, touching], "params", str)

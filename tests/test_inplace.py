@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import optree
 import pytest
 import torch
@@ -176,6 +178,46 @@ def test_a_state_that_cannot_be_written_in_place_raises_and_writes_nothing():
     assert state[0] == {"steps": 0}
     assert_tree_bitwise_equal(params, p0)
     assert_tree_bitwise_equal(state[1], s0)
+
+
+class _Pair(NamedTuple):
+    x: torch.Tensor
+    tree: dict
+
+
+def _replacing(new_state):
+    """A transformation whose update returns ``new_state(old state)``, a :class:`_Pair`."""
+
+    def init(params):
+        return _Pair(torch.zeros(2), {"a": torch.zeros(3)})
+
+    def update(updates, state, params=None):
+        return updates, new_state(state)
+
+    return ft.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize(
+    "new_state, match",
+    [
+        (lambda s: s._replace(tree={"a": s.tree["a"], "b": torch.zeros(1)}), r"new state at \[0\]\[1\] has another"),
+        (lambda s: s._replace(x=torch.zeros(3)), r"leaf at opt_state\[0\]\[0\] \(\(3,\) torch.float32 on cpu\)"),
+        (lambda s: s._replace(tree={"a": s.tree["a"].double()}), r"opt_state\[0\]\[1\]\['a'\] \(\(3,\) torch.float64"),
+        (lambda s: s._replace(x=s.x + 1, tree=[s.tree["a"]]), r"new state at \[0\]\[1\] has another"),
+    ],
+    ids=["structure", "shape", "dtype", "structure-after-a-change"],
+)
+def test_a_new_state_that_does_not_fit_the_old_raises_naming_it_and_writes_nothing(new_state, match):
+    tx = ft.chain(_replacing(new_state), ft.sgd(0.1, momentum=0.9))
+    params = tree(0)
+    state = tx.init(params)
+    p0, s0 = clone_tree(params), clone_tree(state)
+    with pytest.raises(ValueError, match=match):
+        ft.update_(tx, tree(1), state, params)
+    assert_tree_bitwise_equal(params, p0)
+    assert_tree_bitwise_equal(state, s0)
+    fits = ft.chain(_replacing(lambda s: s._replace(x=s.x + 1)), ft.sgd(0.1, momentum=0.9))  # the state fits
+    assert ft.update_(fits, tree(1), state, params)[1][0].x.tolist() == [1.0, 1.0]
 
 
 SGD_OPTIONS = [

@@ -161,7 +161,9 @@ class Part:
 def cohorts(entries: list[dict[str, Any]], layout: per_param.EntryLayout) -> list[list[int]]:
     """Positions grouped by the identity of their shared leaves (the parameters that can step together)."""
     shared = [n for n, part in zip(layout.names, layout.is_part) if not part]
+    if not shared:  # (SGD's momentum: nothing shared, one cohort)
+        return [list(range(len(entries)))] if entries else []
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, e in enumerate(entries):
-        groups.setdefault(tuple(id(e[n]) for n in shared), []).append(i)
+        groups.setdefault(tuple([id(e[n]) for n in shared]), []).append(i)
     return list(groups.values())

@@ -3,9 +3,8 @@
 All three consumers (:func:`apply_sparse_updates`, :func:`apply_sparse_updates_`,
 :meth:`SparseUpdates.to_dense`) check the same contract before writing
 anything: the tree has the leaf sizes the update was selected from, and the
-indices are 1-d int64, strictly ascending (so distinct) and in range. The last
-two read a few values on the host; under ``torch.compile`` (and while a CUDA
-graph is captured) they are skipped, so those paths have no host syncs.
+indices are 1-d int64, strictly ascending (so distinct) and in range. The last two
+read a few values on the host: skipped while compiled or captured (no host syncs).
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from functopk._checks import check_hyperparam, check_int, check_leaves, check_writable, describe, path_str
+from functopk._checks import check_hyperparam, check_int, check_leaves, describe, path_str
+from functopk._overlap import check_writable
 from functopk.base import Params
 from functopk.sparse.config import KernelConfig, config_or_default
 from functopk.sparse.kernels import triton_scatter, triton_select
