@@ -26,6 +26,14 @@ def test_a_step_dispatches_as_many_operators_for_many_leaves_as_for_few(case, va
     assert any(name.startswith("_foreach_") for name in few)  # (the count sees the step's kernels)
 
 
+@pytest.mark.parametrize("variant", host_overhead.VARIANTS[1:3], ids=lambda v: v.name)
+def test_sgd_momentums_in_place_steps_allocate_the_update_only(variant):
+    """The adapter's and ``update_``'s SGD momentum write the trace into its own tensors (no fresh tree, no
+    copy): what a step allocates is the update ``-lr * trace`` alone, one tensor per leaf."""
+    count = host_overhead.ops_per_step(variant, host_overhead.OPTIMIZERS["sgd-momentum"], 40)
+    assert count.fresh == 40 and "_foreach_copy_" not in count.ops, (count.fresh, count.ops)
+
+
 def test_the_benchmark_runs_and_reports_every_variant():
     rows = host_overhead.run(["sgd-momentum"], leaves=5, numel=4, rounds=2)
     assert [r["variant"] for r in rows] == [

@@ -62,6 +62,17 @@ def pure_steps(tx, params, grads):
     return params, state
 
 
+def assert_update_matches_pure(tx, grads, dtype=torch.float32):
+    """``ft.update_`` over ``grads`` from ``tree(0, dtype)`` ends where the pure steps do, bit for bit."""
+    expected_params, expected_state = pure_steps(tx, tree(0, dtype), grads)
+    params = tree(0, dtype)
+    state = tx.init(params)
+    for g in grads:
+        ft.update_(tx, g, state, params)
+    assert_tree_bitwise_equal(params, expected_params)
+    assert_tree_bitwise_equal(state, expected_state)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_update_matches_pure_bitwise_and_writes_in_place(device, name):
     make, in_place = CASES[name]
@@ -86,16 +97,19 @@ def test_update_matches_pure_bitwise_and_writes_in_place(device, name):
     assert_tree_bitwise_equal(grads, given)  # never written
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_accelerator_path_matches_pure_bitwise_too(name, monkeypatch):
+    """The kernels functopk picks eagerly off the CPU (a foreach kernel per operation, a momentum written in
+    place), forced on CPU tensors: the in-place step still gives the pure step's bits."""
+    monkeypatch.setattr(ft.tree.foreach, "eager_accelerator", lambda x: True)
+    monkeypatch.setattr(chunked, "applies", lambda params: False)
+    grads = [tree(s) for s in (1, 2, 3)]
+    grads[1]["conv"][0, 0, 0] = float("nan")
+    assert_update_matches_pure(CASES[name][0](), grads)
+
+
 def test_narrow_dtypes_fall_back_to_the_pure_step():
-    tx = ft.adam(1e-2)
-    grads = [tree(s, torch.bfloat16) for s in (1, 2)]
-    expected_params, expected_state = pure_steps(tx, tree(0, torch.bfloat16), grads)
-    params = tree(0, torch.bfloat16)
-    state = tx.init(params)
-    for g in grads:
-        ft.update_(tx, g, state, params)
-    assert_tree_bitwise_equal(params, expected_params)
-    assert_tree_bitwise_equal(state, expected_state)
+    assert_update_matches_pure(ft.adam(1e-2), [tree(s, torch.bfloat16) for s in (1, 2)], torch.bfloat16)
 
 
 def test_module_parameters_that_require_grad():
@@ -232,15 +246,7 @@ def test_sgd_fuses_its_learning_rate_into_the_parameters_add_bit_for_bit(options
     calls = []
     add_ = chunked.add_
     monkeypatch.setattr(chunked, "add_", lambda *a, **k: calls.append(1) or add_(*a, **k))
-    tx = ft.sgd(0.1, **options)
-    grads = [tree(s) for s in (1, 2, 3)]
-    expected_params, expected_state = pure_steps(tx, tree(0), grads)
-    params = tree(0)
-    state = tx.init(params)
-    for g in grads:
-        ft.update_(tx, g, state, params)
-    assert_tree_bitwise_equal(params, expected_params)
-    assert_tree_bitwise_equal(state, expected_state)
+    assert_update_matches_pure(ft.sgd(0.1, **options), [tree(s) for s in (1, 2, 3)])
     assert len(calls) == 3  # the last scale, fused into the add at every step
 
 

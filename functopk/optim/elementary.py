@@ -165,8 +165,13 @@ def trace(
     ``trace = updates`` undamped: the state starts at zero and the dampening
     factor is 1 while ``count == 0`` (a 0-d tensor comparison, no host sync).
 
-    Cost per step: one foreach kernel without dampening (``updates + decay *
-    trace``, fused), three with it, plus one for Nesterov.
+    Cost per step: on the CPU and compiled, one kernel without dampening
+    (``updates + decay * trace``, a fused multiply-add); eagerly on an
+    accelerator two foreach kernels, ``decay * trace`` then ``+ updates``
+    (``torch.optim.SGD``'s kernels and bits), so that :func:`functopk.update_`
+    and the ``torch.optim`` adapters write the trace in place with no new
+    memory (the fused kernel has no in-place form: it would cost a fresh tree
+    and a copy). Three kernels with dampening, one more for Nesterov.
 
     Args:
         decay: The momentum coefficient, ``>= 0`` (a number or a 0-d tensor).
@@ -201,10 +206,10 @@ def trace(
             factor = foreach.for_leaves(torch.where(first, one, 1.0 - dampening), like)
 
         def body(w: Writer, g: Leaves, fields: tuple[Any, ...], p: Leaves | None) -> tuple[Leaves, tuple[Any, ...]]:
-            if factor is None:
+            if factor is None and not (g and foreach.eager_accelerator(g[0])):
                 buf = w.scaled_plus(fields[0], decay, g)  # g + decay * buf: one kernel
-            else:
-                buf = foreach.add_(w.mul(fields[0], decay), w.new.mul(g, factor))
+            else:  # eagerly on an accelerator: two kernels, each of which can write into the trace
+                buf = foreach.add_(w.mul(fields[0], decay), g if factor is None else w.new.mul(g, factor))
             return (w.new.add_scaled(g, decay, buf) if nesterov else buf), (buf,)
 
         return body, {"count": state.count + 1}

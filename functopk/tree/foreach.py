@@ -151,7 +151,7 @@ def div_into(xs: Leaves, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     if not xs:
         return buffers
-    if _eager_accelerator(buffers[0]):
+    if eager_accelerator(buffers[0]):
         return list(torch._foreach_div(list(xs), buffers))
     if torch.compiler.is_compiling():
         torch.ops.aten._foreach_div.List_out(list(xs), buffers, out=buffers)
@@ -161,7 +161,7 @@ def div_into(xs: Leaves, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     return buffers
 
 
-def _eager_accelerator(x: torch.Tensor) -> bool:
+def eager_accelerator(x: torch.Tensor) -> bool:
     """Whether ``x`` is off the CPU and the code runs eagerly: where one kernel per leaf costs a launch each."""
     return x.device.type != "cpu" and not torch.compiler.is_compiling()
 
@@ -370,7 +370,7 @@ def add_scaled_into(xs: Leaves, scalar: float, buffers: list[torch.Tensor]) -> l
     per-leaf kernel costs a launch, :func:`add_scaled`'s own foreach kernel and one
     ``_foreach_copy_`` into the buffers (the same numbers by construction).
     """
-    if buffers and _eager_accelerator(buffers[0]):
+    if buffers and eager_accelerator(buffers[0]):
         torch._foreach_copy_(buffers, torch._foreach_add(list(xs), buffers, alpha=scalar))
         return buffers
     for x, b in zip(xs, buffers):

@@ -47,6 +47,15 @@ def assert_step_close(ours, theirs, before, where, rtol=RTOL):
     )
 
 
+def step_inputs(ref, opt, i, device):
+    """Batch ``i``'s gradients on ``ref`` (``opt``'s zeroed first): its parameters and gradients, cloned by name."""
+    x, y = (t.to(device) for t in batch(seed=i))
+    opt.zero_grad()
+    F.cross_entropy(ref(x), y).backward()
+    named = dict(ref.named_parameters())
+    return {n: p.detach().clone() for n, p in named.items()}, {n: p.grad.clone() for n, p in named.items()}
+
+
 def run_parity(make_opt, tx, *, scheduler=None, change=None, steps=STEPS, model=None, device="cpu"):
     """Step torch.optim and ``tx`` side by side; compare the new parameters after every step.
 
@@ -69,11 +78,7 @@ def run_parity(make_opt, tx, *, scheduler=None, change=None, steps=STEPS, model=
     state = tx.init({n: p.detach().clone() for n, p in named.items()})
     start = {n: p.detach().clone() for n, p in named.items()}
     for i in range(steps):
-        x, y = (t.to(device) for t in batch(seed=i))
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        params = {n: p.detach().clone() for n, p in named.items()}
-        grads = {n: p.grad.clone() for n, p in named.items()}
+        params, grads = step_inputs(ref, opt, i, device)
         updates, state = tx.update(grads, state, params)
         ours = ft.apply_updates(params, updates)
         opt.step()
@@ -119,6 +124,39 @@ def test_sgd(device, kwargs):
     run_parity(
         lambda m: torch.optim.SGD(m.parameters(), lr=lr, foreach=True, **kwargs), ft.sgd(lr, **kwargs), device=device
     )
+
+
+BUFFER_CASES = {  # (a momentum of 0.5 would round alike either way: its products are exact)
+    "momentum": SGD_CASES["momentum"],
+    "nesterov_wd": SGD_CASES["nesterov_wd"],
+    "maximize_wd": {"momentum": 0.6, "weight_decay": 0.05, "maximize": True},
+}
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "for-loop"])
+@pytest.mark.parametrize("kwargs", BUFFER_CASES.values(), ids=BUFFER_CASES.keys())
+def test_sgd_momentum_buffer_has_torch_optims_bits_eagerly_on_an_accelerator(device, kwargs, foreach, monkeypatch):
+    """Fed the same parameters and gradients, the trace is ``torch.optim.SGD``'s momentum buffer bit for bit,
+    pure and in place, on an accelerator's eager path (forced on the CPU): both compute ``decay * buf`` and
+    then add the gradient (two roundings; the CPU's path fuses them into one)."""
+    if device == "cpu":
+        monkeypatch.setattr(ft.tree.foreach, "eager_accelerator", lambda x: True)
+        monkeypatch.setattr(ft.tree.chunked, "applies", lambda params: False)
+    ref = small_cnn().to(device)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, foreach=foreach, **kwargs)
+    named = dict(ref.named_parameters())
+    tx = ft.sgd(0.05, **kwargs)
+    pure = tx.init({n: p.detach().clone() for n, p in named.items()})
+    twin = tx.init({n: p.detach().clone() for n, p in named.items()})
+    for i in range(6):
+        params, grads = step_inputs(ref, opt, i, device)
+        _, pure = tx.update(grads, pure, params)
+        ft.update_(tx, grads, twin, params)
+        opt.step()
+        for state in (pure, twin):
+            (trace,) = [s for s in state if isinstance(s, ft.optim.TraceState)]
+            for n, p in named.items():
+                assert torch.equal(trace.trace[n], opt.state[p]["momentum_buffer"]), (i, n)
 
 
 def test_sgd_injected_with_schedule_and_change(device):

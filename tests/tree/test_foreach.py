@@ -161,7 +161,7 @@ def test_the_accelerator_forms_of_the_into_kernels_give_the_same_numbers(monkeyp
     xs, ys = on("cpu")
     per_leaf_div = foreach.div_into(xs, [y.clone() for y in ys])
     per_leaf_add = foreach.add_scaled_into(xs, 0.5, [y.clone() for y in ys])
-    monkeypatch.setattr(foreach, "_eager_accelerator", lambda x: True)
+    monkeypatch.setattr(foreach, "eager_accelerator", lambda x: True)
     same(foreach.div_into(xs, [y.clone() for y in ys]), per_leaf_div)
     bufs = [y.clone() for y in ys]
     assert foreach.add_scaled_into(xs, 0.5, bufs) is bufs  # written into the buffers (the state) all the same
