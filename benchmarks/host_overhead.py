@@ -25,7 +25,10 @@ Variants per optimizer, timed round-robin (one step each per round), medians:
 (``ft.optimizer_from_torch``), ``ft.update_`` and the pure step
 (``tx.update`` + ``ft.apply_updates``). The table also gives each one's extra
 host time per leaf over the baseline and the aten operators it dispatches per
-step at two leaf counts (the same count at both: nothing per leaf).
+step at two leaf counts (the same count at both: nothing per leaf). Each
+step's operators, recorded with their arguments, are also replayed alone: the
+kernels' cost on this CPU (not a GPU's: here a ``mul`` by a number costs
+three ``add``s), and the step less that, its Python, which a GPU step pays too.
 
 Usage:
     python benchmarks/host_overhead.py                       # 161 leaves, 300 rounds

@@ -40,6 +40,7 @@ def test_the_benchmark_runs_and_reports_every_variant():
         "torch.optim foreach", "functopk torch.optim adapter", "functopk eager update_ (donated)",
         "functopk eager pure",
     ]
-    assert rows[0]["ratio"] == 1.0 and all(r["us"] > 0 for r in rows)
+    assert rows[0]["ratio"] == 1.0 and rows[0]["python_ratio"] == 1.0 and all(r["us"] > 0 for r in rows)
+    assert all(0 < r["kernels"] and r["python"] == pytest.approx(r["us"] - r["kernels"]) for r in rows)
     text = host_overhead.report(rows, 5, 4, 2, ("0", "0"))
     assert text.count("| sgd-momentum |") == 4
