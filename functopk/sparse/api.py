@@ -61,7 +61,7 @@ from typing import Any
 import optree
 import torch
 
-from functopk._checks import check_k, check_k_or_density, check_leaves, one_device
+from functopk._checks import check_int, check_k, check_k_or_density, check_leaves, one_device
 from functopk.sparse import dispatch
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.k import KLike, k_on_device, resolve_k
@@ -147,7 +147,9 @@ def topk_mask(tree: PyTree, k: KLike, *, method: str = "exact", config: KernelCo
     return optree.tree_unflatten(treedef, dispatch.select(leaves, k, method, config).masks(leaves))
 
 
-def topk_indices(tree: PyTree, k: KLike, *, method: str = "exact", config: KernelConfig | None = None) -> SparseUpdates:
+def topk_indices(
+    tree: PyTree, k: KLike, *, method: str = "exact", config: KernelConfig | None = None, max_k: int | None = None
+) -> SparseUpdates:
     """The top ``k`` coordinates as a :class:`~functopk.SparseUpdates`: ascending flat indices and values.
 
     The sparse twin of :func:`topk_sparsify` (same rules, methods and
@@ -158,13 +160,48 @@ def topk_indices(tree: PyTree, k: KLike, *, method: str = "exact", config: Kerne
     compiles with ``fullgraph=True``; the approximate methods return a
     data-dependent number of coordinates.
 
+    A 0-d tensor ``k`` gives ``k`` coordinates, a number the host learns by
+    reading ``k`` (a synchronisation on a GPU, refused while a CUDA graph is
+    captured). ``max_k`` (an int, exact methods) fixes the output's shape to
+    ``(max_k,)`` without that read: the top ``max_k`` coordinates, with the
+    values of all but the ``k`` largest (ranked by the same rules) set to 0,
+    so that applying it, or :meth:`~functopk.SparseUpdates.to_dense`, gives the
+    top ``k`` exactly. A tensor ``k`` above ``max_k`` (or NaN) keeps ``max_k``
+    coordinates: choose ``max_k`` as the bound of your ``k`` schedule.
+
+    Raises:
+        TypeError, ValueError: as :func:`topk_sparsify`; ``max_k`` not an int, outside
+            ``[1, n]``, below an int ``k``, or given with an approximate method.
+
     Example:
         >>> import torch, functopk as ft
         >>> ft.topk_indices({"w": torch.tensor([[1.0, -4.0], [0.5, 2.0]])}, 2)
         SparseUpdates(indices=tensor([1, 3]), values=tensor([-4.,  2.]), numel=4)
+        >>> ft.topk_indices({"w": torch.tensor([[1.0, -4.0], [0.5, 2.0]])}, torch.tensor(1), max_k=3)
+        SparseUpdates(indices=tensor([0, 1, 3]), values=tensor([ 0., -4.,  0.]), numel=4)
     """
     leaves, _, k, method = _prepare(tree, k, method)
-    return dispatch.select(leaves, k, method, config).sparse(leaves)
+    if max_k is None:
+        return dispatch.select(leaves, k, method, config).sparse(leaves)
+    n = sum(x.numel() for x in leaves)
+    max_k = check_int(max_k, "max_k", minimum=1)
+    if max_k > n or (not isinstance(k, torch.Tensor) and k > max_k) or method not in ("exact", "torch"):
+        raise ValueError(
+            f"max_k={max_k} must lie in [k, n] for an int k (k={k}, n={n}) and in [1, n] for a tensor k, with "
+            f"method 'exact' or 'torch' (got {method!r}: the approximate methods keep a data-dependent count)"
+        )
+    return _first(dispatch.select(leaves, max_k, method, config).sparse(leaves), k_on_device(k, n))
+
+
+def _first(sparse: SparseUpdates, k: int | torch.Tensor) -> SparseUpdates:
+    """``sparse`` with every value but its ``k`` of largest magnitude set to 0 (NaN ranks as ``inf``, ties to
+    the lower index: the selection's rules, so these ``k`` are the tree's top ``k``). No host read."""
+    v = sparse.values
+    key = torch.where(torch.isnan(v), torch.inf, v.abs())
+    order = torch.sort(key, descending=True, stable=True).indices  # (stable: equal keys keep index order)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    kept = torch.where(rank < k, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    return SparseUpdates(sparse.indices, kept, sparse.numel, sparse.sizes)
 
 
 def gaussian_threshold(

@@ -98,6 +98,60 @@ def test_exact_methods_match_bruteforce(device, method, config, tree, data):
     assert_tree_bitwise_equal(dtree, before)  # pure
 
 
+@pytest.mark.parametrize("method", ["torch", "exact"])
+@settings(max_examples=30)
+@given(tree=trees_st(allow_nonfinite=True), data=st.data())
+def test_max_k_gives_the_top_max_k_indices_with_the_top_k_values(device, method, tree, data):
+    """With ``max_k``, for an int or a tensor ``k``: the brute force's top ``max_k`` indices, the values of all
+    but its top ``k`` zeroed, so that the update densifies to the top ``k``; a tensor ``k`` above keeps ``max_k``."""
+    n = numel(tree)
+    if n == 0:
+        return
+    max_k = data.draw(st.integers(1, n), label="max_k")
+    k = data.draw(st.integers(1, max_k), label="k")
+    dtree = to_device(tree, device)
+    idx, vals = reference_indices(tree, max_k)
+    top, _ = reference_indices(tree, k)
+    want = torch.where(torch.isin(idx, top), vals, torch.zeros((), dtype=vals.dtype))
+    for given_k in (k, torch.tensor(k, device=device), torch.tensor(float(k) + 0.3, device=device)):
+        sparse = ft.topk_indices(dtree, given_k, method=method, max_k=max_k)
+        assert sparse.indices.shape == (max_k,) and torch.equal(sparse.indices.cpu(), idx)
+        assert torch.equal(bits_any_nan(sparse.values.cpu()), bits_any_nan(want))
+        dense, ref = optree.tree_leaves(cpu(sparse.to_dense(dtree))), optree.tree_leaves(reference_sparsify(tree, k))
+        assert all(torch.equal(bits_any_nan(a), bits_any_nan(b)) for a, b in zip(dense, ref))  # (NaN payloads:
+        # the values pass through the common dtype)
+    for above in (n + 5, math.nan):  # clamped to max_k: all kept
+        sparse = ft.topk_indices(dtree, torch.tensor(above, device=device), method=method, max_k=max_k)
+        assert torch.equal(bits_any_nan(sparse.values.cpu()), bits_any_nan(vals))
+
+
+@pytest.mark.parametrize(
+    "k, max_k, method, exc, match",
+    [
+        (2, 2.0, "exact", TypeError, "max_k must be an int"),
+        (2, 0, "exact", ValueError, "max_k"),
+        (2, 9, "exact", ValueError, r"max_k=9 must lie in \[k, n\]"),
+        (3, 2, "torch", ValueError, r"max_k=2 must lie in \[k, n\] for an int k \(k=3"),
+        (torch.tensor(2), 3, "approx", ValueError, "approximate methods keep a data-dependent count"),
+    ],
+)
+def test_bad_max_k(k, max_k, method, exc, match):
+    with pytest.raises(exc, match=match):
+        ft.topk_indices({"w": torch.arange(8.0)}, k, method=method, max_k=max_k)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_tensor_k_with_max_k_compiles_to_a_static_shape_without_recompiling():
+    calls = [(TREE, torch.tensor(k)) for k in [3, 7, 1]]
+    fn = lambda t, k: tuple(ft.topk_indices(t, k, method="torch", max_k=8)[:2])  # noqa: E731
+    for (_, k), (indices, values) in zip(calls, assert_compiles_like_eager(fn, calls, bitwise=True)):
+        dense = ft.SparseUpdates(indices, values, numel(TREE)).to_dense(TREE)
+        assert indices.shape == (8,) and int((values != 0).sum()) == int(k)  # (TREE has no zeros)
+        assert_tree_bitwise_equal(dense, reference_sparsify(TREE, int(k)))
+
+
 @pytest.mark.parametrize("method", ["approx", "gaussian"])
 @settings(max_examples=30)
 @given(tree=trees_st(allow_nonfinite=True), data=st.data())

@@ -41,9 +41,11 @@ def test_static_size_indices_and_a_whole_update_do_not_synchronise():
     state = tx.init(tree)
     with no_sync():
         sparse = ft.topk_indices(tree, 500)  # an int k: static size (torch.nonzero_static)
+        bounded = ft.topk_indices(tree, torch.tensor(400, device="cuda"), max_k=500)  # a tensor k: max_k's size
         updates, state = tx.update(tree, state, tree)
         ft.apply_updates(tree, updates)
-    assert sparse.indices.shape == (500,)
+    assert sparse.indices.shape == (500,) and torch.equal(bounded.indices, sparse.indices)
+    assert_tree_bitwise_equal(to_device(bounded.to_dense(tree), "cpu"), reference_sparsify(cpu, 400))
     assert_tree_bitwise_equal(to_device(ft.topk_sparsify(tree, 500), "cpu"), reference_sparsify(cpu, 500))
 
 
