@@ -66,7 +66,7 @@ from functopk.sparse import dispatch
 from functopk.sparse.config import KernelConfig
 from functopk.sparse.k import KLike, k_on_device, resolve_k
 from functopk.sparse.kernels.approx import gaussian_threshold_flat
-from functopk.sparse.kernels.base import SUPPORTED_DTYPES, common_dtype
+from functopk.sparse.kernels.base import SUPPORTED_DTYPES, common_dtype, magnitudes_
 from functopk.sparse.updates import SparseUpdates
 from functopk.tree.maths import PyTree
 
@@ -185,7 +185,7 @@ def topk_indices(
         return dispatch.select(leaves, k, method, config).sparse(leaves)
     n = sum(x.numel() for x in leaves)
     max_k = check_int(max_k, "max_k", minimum=1)
-    if max_k > n or (not isinstance(k, torch.Tensor) and k > max_k) or method not in ("exact", "torch"):
+    if max_k > n or (not isinstance(k, torch.Tensor) and k > max_k) or method not in dispatch.EXACT_METHODS:
         raise ValueError(
             f"max_k={max_k} must lie in [k, n] for an int k (k={k}, n={n}) and in [1, n] for a tensor k, with "
             f"method 'exact' or 'torch' (got {method!r}: the approximate methods keep a data-dependent count)"
@@ -197,7 +197,7 @@ def _first(sparse: SparseUpdates, k: int | torch.Tensor) -> SparseUpdates:
     """``sparse`` with every value but its ``k`` of largest magnitude set to 0 (NaN ranks as ``inf``, ties to
     the lower index: the selection's rules, so these ``k`` are the tree's top ``k``). No host read."""
     v = sparse.values
-    key = torch.where(torch.isnan(v), torch.inf, v.abs())
+    key = magnitudes_(v.detach().abs())
     order = torch.sort(key, descending=True, stable=True).indices  # (stable: equal keys keep index order)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     kept = torch.where(rank < k, v, torch.zeros((), dtype=v.dtype, device=v.device))

@@ -57,6 +57,7 @@ from functopk.sparse.ops import ExactOp, TritonTopK
 from functopk.sparse.selection import HostThreshold, Indices, Mask, Selection, Threshold
 
 __all__ = [
+    "EXACT_METHODS",
     "METHODS",
     "SLOW_STATIC_NUMEL",
     "SlowPathWarning",
@@ -67,6 +68,8 @@ __all__ = [
 ]
 
 METHODS = ("exact", "torch", "approx", "gaussian")
+EXACT_METHODS = ("exact", "torch")
+"""The methods that keep exactly ``k`` coordinates (the others keep about ``k``, a data-dependent count)."""
 
 
 def check_method(method: Any) -> str:
@@ -160,7 +163,7 @@ def select(leaves: list[torch.Tensor], k: KLike, method: str, config: KernelConf
     k = k_on_device(k, n)
     if method == "exact" and leaves[0].device.type == "cpu" and n >= SLOW_STATIC_NUMEL:
         _warn_static_on_cpu(n)
-    if method in ("exact", "torch"):
+    if method in EXACT_METHODS:
         # kept for the outputs (see Mask), and differentiable, as where() per leaf is
         values = torch.cat([x.reshape(-1) if x.dtype == dtype else x.reshape(-1).to(dtype) for x in leaves])
         mags = magnitudes_(values.detach().abs())
