@@ -10,7 +10,9 @@ none, ``base[::2]`` and ``base[1::2]``, pass).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
+from itertools import compress
 
 import torch
 
@@ -109,6 +111,12 @@ def share_an_element(a: torch.Tensor, b: torch.Tensor) -> bool:
     return False
 
 
+_TENSOR = torch.Tensor
+_is_inference, _is_contiguous, _data_ptr, _nbytes = (
+    _TENSOR.is_inference, _TENSOR.is_contiguous, _TENSOR.data_ptr, _TENSOR.nbytes.__get__,  # type: ignore[attr-defined]
+)  # (read through map: one C-level pass per attribute, no Python frame per leaf)
+
+
 def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[int], str]) -> None:
     """``ValueError`` naming the first leaf that an in-place write would corrupt or that refuses one.
 
@@ -118,29 +126,51 @@ def check_writable(leaves: Sequence[torch.Tensor], name: str, where: Callable[[i
     tensor twice; interleaved views of one buffer that share none, such as
     ``base[::2]`` and ``base[1::2]``, pass). Reads strides only, never values.
     ``where(i)`` formats leaf ``i``'s path; it is called only for a message, so
-    the checks cost a few attribute reads a leaf.
+    the checks cost a few attribute reads a leaf: when no two leaves' byte ranges
+    meet (the usual case), one sort of their addresses shows it, whatever their
+    devices; ranges that meet are looked at element by element, device by device.
     """
-    inference_ok = torch.is_inference_mode_enabled()
-    by_device: dict[torch.device, list[tuple[int, int, int]]] = {}  # (start, end, leaf) of the bytes each spans
-    for i, leaf in enumerate(leaves):
-        if not inference_ok and leaf.is_inference():
+    n = len(leaves)
+    inference = n
+    if not torch.is_inference_mode_enabled() and any(map(_is_inference, leaves)):
+        inference = next(i for i, leaf in enumerate(leaves) if leaf.is_inference())
+    contiguous = list(map(_is_contiguous, leaves))
+    sizes = list(map(_nbytes, leaves))  # the bytes each spans, once its own strides are looked at below
+    for i in compress(range(n), map(operator.not_, contiguous)):
+        if i >= inference:
+            break
+        if overlaps_itself(leaves[i]):
             raise ValueError(
-                f"{name} leaf at {where(i)} is an inference tensor (made under torch.inference_mode) and cannot be "
-                "written in place; clone it outside inference mode first"
-            )
-        if leaf.is_contiguous():
-            size = leaf.nbytes
-        elif overlaps_itself(leaf):
-            raise ValueError(
-                f"{name} leaf at {where(i)} has elements that share memory (shape {tuple(leaf.shape)}, strides "
-                f"{leaf.stride()}, e.g. made by expand), so an in-place add would write some of them several "
+                f"{name} leaf at {where(i)} has elements that share memory (shape {tuple(leaves[i].shape)}, strides "
+                f"{leaves[i].stride()}, e.g. made by expand), so an in-place add would write some of them several "
                 "times; give it its own storage (.clone()) first"
             )
-        else:
-            size = span(leaf) * leaf.element_size()
+        sizes[i] = span(leaves[i]) * leaves[i].element_size()
+    if inference < n:
+        raise ValueError(
+            f"{name} leaf at {where(inference)} is an inference tensor (made under torch.inference_mode) and cannot "
+            "be written in place; clone it outside inference mode first"
+        )
+    starts = list(map(_data_ptr, leaves))
+    reach = -1  # the furthest end so far: a range starting there meets none before it
+    for i in sorted(compress(range(n), sizes), key=starts.__getitem__):  # (empty leaves hold no memory)
+        if starts[i] < reach:
+            _check_shared(leaves, starts, sizes, name, where)
+            return
+        end = starts[i] + sizes[i]
+        if end > reach:
+            reach = end
+
+
+def _check_shared(
+    leaves: Sequence[torch.Tensor], starts: list[int], sizes: list[int], name: str, where: Callable[[int], str]
+) -> None:
+    """``ValueError`` naming two leaves that share an element: the byte ranges that meet on one device, then
+    their elements (:func:`share_an_element`)."""
+    by_device: dict[torch.device, list[tuple[int, int, int]]] = {}  # (start, end, leaf) of the bytes each spans
+    for i, (start, size) in enumerate(zip(starts, sizes)):
         if size:
-            start = leaf.data_ptr()
-            by_device.setdefault(leaf.device, []).append((start, start + size, i))
+            by_device.setdefault(leaves[i].device, []).append((start, start + size, i))
     for ranges in by_device.values():
         ranges.sort()
         open_ranges: list[tuple[int, int, int]] = []  # those whose memory reaches past the current start

@@ -208,6 +208,20 @@ def test_check_writable_refuses_exactly_the_views_that_share_an_element():
         check_writable([base[::2], base[2::2]], "params", lambda i: f"[{i}]")
 
 
+def test_check_writable_names_the_first_leaf_that_refuses_a_write():
+    """An inference tensor and a self-overlapping one in either order: the error names the earlier leaf; empty
+    leaves at one address share nothing."""
+    with torch.inference_mode():
+        frozen = torch.zeros(3)
+    expanded, ok = torch.zeros(3).expand(2, 3), torch.zeros(3)
+    with pytest.raises(ValueError, match=r"leaf at 1 has elements that share memory"):
+        check_writable([ok, expanded, frozen], "params", str)
+    with pytest.raises(ValueError, match=r"leaf at 1 is an inference tensor"):
+        check_writable([ok, frozen, expanded], "params", str)
+    base = torch.zeros(4)
+    check_writable([base[2:2], base[2:2], base[:2], base[2:]], "params", str)
+
+
 def test_check_writable_finds_a_shared_element_among_many_ranges():
     """Several views at once (a range that reaches past others it does not touch, then one it does): refused
     exactly when some pair shares an element (brute force), whatever the order of the leaves."""

@@ -8,7 +8,10 @@ their step counts).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -112,11 +115,11 @@ class Part:
         return self._param_form(params, per_param.split(state, self.layout(params)))
 
     def entries(self, params: list[torch.Tensor], stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Each parameter's entries, with fresh values where it has none of a name (late joiners, new buffers)."""
+        """Each parameter's entries, with fresh values where it has none of a name (late joiners, new buffers);
+        where none is missing, the ``stored`` dicts themselves (read, never written, by :meth:`plan`)."""
         names = self.layout(params).names
-        missing = [i for i, s in enumerate(stored) if any(n not in s for n in names)]
-        if not missing:
-            return [{n: s[n] for n in names} for s in stored]
+        if all(map(frozenset(names).issubset, stored)):  # (the usual step: the stored dicts, read only)
+            return list(stored)
         # init over all of this part's parameters (not the newcomers alone: a top-k's k may exceed their size)
         fresh = self.fresh(params)
         return [{n: s[n] if n in s else fresh[i][n] for n in names} for i, s in enumerate(stored)]
@@ -135,14 +138,14 @@ class Part:
         """
         names = self._part_names(params)
         layout = self.layout(params)
-        plain = not any(p.is_complex() for p in params)
+        plain = not any(map(torch.Tensor.is_complex, params))
         real_gs = grads if plain else [views.real(g) for g in grads]
         real_ps = params if plain else [views.real(p) for p in params]
         state: OptState = per_param.join(views.real_entries(entries, names), layout)
         args = (self.tx, self.tree(params, real_gs), state, self.tree(params, real_ps))
         step = plan_step(*args, checked=True)
         written = [t for planned in step.plans for t in planned.written]
-        if len({id(t) for t in (*written, *real_gs, *real_ps)}) < len(written) + 2 * len(params):
+        if len(set(map(id, (*written, *real_gs, *real_ps)))) < len(written) + 2 * len(params):
             # a state tensor twice, or one that is a gradient or a parameter (put there by hand): the pure path
             step = plan_step(*args, in_place=False, checked=True)
 
@@ -160,9 +163,11 @@ class Part:
 
 def cohorts(entries: list[dict[str, Any]], layout: per_param.EntryLayout) -> list[list[int]]:
     """Positions grouped by the identity of their shared leaves (the parameters that can step together)."""
+    if not entries:
+        return []
     shared = [n for n, part in zip(layout.names, layout.is_part) if not part]
-    if not shared:  # (SGD's momentum: nothing shared, one cohort)
-        return [list(range(len(entries)))] if entries else []
+    if all(all(map(operator.is_, map(itemgetter(n), entries), repeat(entries[0][n]))) for n in shared):
+        return [list(range(len(entries)))]  # (the usual step: nothing shared, or one step count for all)
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, e in enumerate(entries):
         groups.setdefault(tuple([id(e[n]) for n in shared]), []).append(i)

@@ -110,11 +110,26 @@ def _is_pair_view(v: Any, p: torch.Tensor) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype in _COMPLEX_PARTS and v.shape == p.shape + (2,)
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_layout = torch.Tensor.layout.__get__  # type: ignore[attr-defined]
+
+
+def _real_and_dense(values: list[Any]) -> bool:
+    """Whether every value is a plain real strided tensor (a few C-level passes; ``False`` may be too cautious)."""
+    return (
+        set(map(type, values)) <= _PLAIN and not any(map(torch.Tensor.is_complex, values))
+        and set(map(_layout, values)) <= {torch.strided}
+    )  # fmt: skip
+
+
 def real_entries(entries: Sequence[dict[str, Any]], part_names: Sequence[str]) -> list[dict[str, Any]]:
     """The entries as the maths reads them: complex and sparse parts (``part_names``) as dense real tensors.
 
     (A sparse part comes from a ``torch.optim.SGD`` checkpoint: torch's momentum buffer of a sparse gradient.)
     """
+    part_names = [n for n in part_names if not _real_and_dense([e.get(n) for e in entries])]
+    if not part_names:  # (the usual step: nothing to view)
+        return list(entries)
     out = []
     for e in entries:
         fixed = {}
