@@ -110,8 +110,8 @@ class _Count(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func.__name__] += 1
-        if not func.__name__.startswith("_record_function"):  # (a profiler's range: no kernel, and no replay)
-            self.calls.append((func, args, kwargs or {}))
+        if not func.__name__.startswith("_record_function") and not func.is_view:
+            self.calls.append((func, args, kwargs or {}))  # (a profiler's range, a view: no kernel, no replay)
         out = func(*args, **(kwargs or {}))
         seen = {x.untyped_storage().data_ptr() for x in _tensors((args, kwargs))}
         self.fresh += sum(x.untyped_storage().data_ptr() not in seen and x.numel() > 1 for x in _tensors(out))
