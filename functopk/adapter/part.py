@@ -11,7 +11,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Mapping
 from itertools import repeat
-from operator import itemgetter
 from typing import Any
 
 import torch
@@ -166,7 +165,7 @@ def cohorts(entries: list[dict[str, Any]], layout: per_param.EntryLayout) -> lis
     if not entries:
         return []
     shared = [n for n, part in zip(layout.names, layout.is_part) if not part]
-    if all(all(map(operator.is_, map(itemgetter(n), entries), repeat(entries[0][n]))) for n in shared):
+    if all(all(map(operator.is_, map(operator.itemgetter(n), entries), repeat(entries[0][n]))) for n in shared):
         return [list(range(len(entries)))]  # (the usual step: nothing shared, or one step count for all)
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, e in enumerate(entries):
