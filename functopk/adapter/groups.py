@@ -327,6 +327,9 @@ class ParamGroupOptimizer(TorchClassGroups, torch.optim.Optimizer):
             if not add:
                 assert updates is not None
                 out.update(zip(cohort, updates))
+            if written.keys().isdisjoint(cohort):  # (the usual step: its entries are new dicts, taken as they are)
+                written.update(zip(cohort, new))
+                continue
             for p, e in zip(cohort, new):
                 written.setdefault(p, {}).update(e)
         return out
