@@ -8,6 +8,7 @@ once to warm up, then ``--steps`` times under ``torch.profiler``:
   ft.topk_indices / topk_sparsify (k = 1000 and 1% of n; the default backend, Triton on CUDA), and
   ft.topk_indices with KernelConfig(backend="aten")
   torch.optim SGD / Adam foreach, and functopk's pure step, apply_updates_ and ft.update_
+  one foreach multiply into a new tensor per leaf against the same in place: what a fresh tensor costs
 
 It prints, per case: wall milliseconds per call (device synchronised), device kernels
 launched per call, device busy milliseconds per call, and the host ops with the most self
@@ -66,6 +67,16 @@ def optimizer_cases(leaves: list[torch.Tensor]) -> dict:
     return cases
 
 
+def allocation_cases(leaves: list[torch.Tensor]) -> dict:
+    """What a fresh tensor costs: one foreach multiply by 1 over the tree into new tensors, and the same in place
+    (equal device work; the difference over the leaf count is the host's price of a tensor from the allocator)."""
+    xs = [x.clone() for x in leaves]
+    return {
+        f"allocation probe: _foreach_mul, {len(xs)} new tensors": lambda: torch._foreach_mul(xs, 1.0),
+        "allocation probe: _foreach_mul_, in place": lambda: torch._foreach_mul_(xs, 1.0),
+    }
+
+
 def profile_one(fn, steps: int, sync, device: str, top: int) -> tuple[float, int, float, list[str]]:
     """Wall ms per call, device kernels per call, device-busy ms per call, and the top host ops."""
     fn()
@@ -106,6 +117,7 @@ def main() -> None:
         cases[f"ft.topk_indices (aten), {label}"] = lambda k=k: ft.topk_indices(leaves, k, config=ATEN)
         cases[f"ft.topk_sparsify, {label}"] = lambda k=k: ft.topk_sparsify(leaves, k)
     cases.update(optimizer_cases(leaves))
+    cases.update(allocation_cases(leaves))
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     summary = [f"torch {torch.__version__}, {args.device} ({name}), resnet50 tree: {len(leaves)} leaves, "
                f"{n / 1e6:.1f}M coordinates; {args.steps} profiled calls per case", "",

@@ -32,7 +32,8 @@
 #    and killed after step 30 and resumed by torchrun from its checkpoint; the two parameter hashes must
 #    agree; the same for examples/fsdp_topk.py (FSDP2 with fsdp_topk, a DCP checkpoint);
 # 8. profile: benchmarks/device_profile.py: kernels launched and device-busy time per top-k call and
-#    optimizer step.
+#    optimizer step, and what a fresh tensor costs the host (a foreach multiply into new tensors against
+#    the same in place).
 # Time: the parts' own limits add up to more than BUDGET; what is left when the budget runs out is
 # skipped, naming it. With the machine's start (a few minutes) the default BUDGET of 540 s keeps a
 # 15-minute lease with room for one short rerun.
