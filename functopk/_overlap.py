@@ -174,13 +174,8 @@ def _check_shared(
     for ranges in by_device.values():
         ranges.sort()
         open_ranges: list[tuple[int, int, int]] = []  # those whose memory reaches past the current start
-        reach = 0  # the furthest end so far: a range starting there meets none before it (the common case)
         for b in ranges:
-            if b[0] >= reach:
-                open_ranges, reach = [b], b[1]
-                continue
             open_ranges = [a for a in open_ranges if b[0] < a[1]]
-            reach = max(reach, b[1])
             for a in open_ranges:
                 if share_an_element(leaves[a[2]], leaves[b[2]]):
                     raise ValueError(
