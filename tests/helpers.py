@@ -109,6 +109,13 @@ class OpsSeen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def force_accelerator_path(monkeypatch) -> None:
+    """functopk's eager accelerator kernels on CPU tensors (foreach kernels, the momentum written in place, no
+    sliced pass), for the tests that check those kernels' bits without a GPU."""
+    monkeypatch.setattr(ft.tree.foreach, "eager_accelerator", lambda x: True)
+    monkeypatch.setattr(ft.tree.chunked, "applies", lambda params: False)
+
+
 def clone_tree(tree):
     return optree.tree_map(lambda x: x.clone(), tree)
 

@@ -11,7 +11,7 @@ import torch
 import functopk as ft
 from functopk.inplace import split
 from functopk.tree import chunked
-from tests.helpers import OpsSeen, assert_tree_bitwise_equal, clone_tree, to_device
+from tests.helpers import OpsSeen, assert_tree_bitwise_equal, clone_tree, force_accelerator_path, to_device
 
 
 def tree(seed: int, dtype=torch.float32):
@@ -101,8 +101,7 @@ def test_update_matches_pure_bitwise_and_writes_in_place(device, name):
 def test_the_accelerator_path_matches_pure_bitwise_too(name, monkeypatch):
     """The kernels functopk picks eagerly off the CPU (a foreach kernel per operation, a momentum written in
     place), forced on CPU tensors: the in-place step still gives the pure step's bits."""
-    monkeypatch.setattr(ft.tree.foreach, "eager_accelerator", lambda x: True)
-    monkeypatch.setattr(chunked, "applies", lambda params: False)
+    force_accelerator_path(monkeypatch)
     grads = [tree(s) for s in (1, 2, 3)]
     grads[1]["conv"][0, 0, 0] = float("nan")
     assert_update_matches_pure(CASES[name][0](), grads)

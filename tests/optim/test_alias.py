@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import functopk as ft
-from tests.helpers import batch, small_cnn
+from tests.helpers import batch, force_accelerator_path, small_cnn
 
 STEPS = 20
 RTOL = float(__import__("os").environ.get("PARITY_RTOL", "1e-6"))
@@ -140,8 +140,7 @@ def test_sgd_momentum_buffer_has_torch_optims_bits_eagerly_on_an_accelerator(dev
     pure and in place, on an accelerator's eager path (forced on the CPU): both compute ``decay * buf`` and
     then add the gradient (two roundings; the CPU's path fuses them into one)."""
     if device == "cpu":
-        monkeypatch.setattr(ft.tree.foreach, "eager_accelerator", lambda x: True)
-        monkeypatch.setattr(ft.tree.chunked, "applies", lambda params: False)
+        force_accelerator_path(monkeypatch)
     ref = small_cnn().to(device)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, foreach=foreach, **kwargs)
     named = dict(ref.named_parameters())
